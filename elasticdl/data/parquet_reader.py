@@ -1,0 +1,95 @@
+"""Parquet reader: records are dicts ``{column: python value}``, read by row group via pyarrow.
+
+pyarrow is imported only when a file is first scanned or read, so importing this module (as the
+registry does) costs nothing where Parquet is not used. Record counts come from the file footer;
+a read decodes only the row groups overlapping the requested range.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from elasticdl.data.api import DataError, FileDataReader
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ParquetDataReader"]
+
+
+def _pyarrow(path: str) -> tuple[ModuleType, ModuleType]:
+    """Return ``(pyarrow, pyarrow.parquet)``, or raise DataError naming ``path`` if missing."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as err:
+        raise DataError(
+            f"{path}: reading Parquet requires pyarrow, which is not installed "
+            "(pip install pyarrow)"
+        ) from err
+    return pyarrow, pyarrow.parquet
+
+
+class ParquetDataReader(FileDataReader[np.ndarray]):
+    """Reads Parquet files; one shard per file.
+
+    Args:
+        files: the data files.
+        columns: columns to read (all when None); each must exist in every file.
+    """
+
+    def __init__(self, files: Sequence[str], *, columns: Sequence[str] | None = None) -> None:
+        super().__init__(files)
+        if columns is not None and (isinstance(columns, str) or not columns):
+            raise ValueError(f"columns must be a non-empty sequence of names, got {columns!r}")
+        self._columns = list(columns) if columns is not None else None
+
+    @property
+    def columns(self) -> list[str] | None:
+        """Columns read, or None for all."""
+        return None if self._columns is None else list(self._columns)
+
+    def _scan(self, path: str) -> np.ndarray:
+        """Row offsets of the file's row groups: group ``g`` holds rows
+        ``[offsets[g], offsets[g + 1])``."""
+        pa, pq = _pyarrow(path)
+        try:
+            metadata = pq.read_metadata(path)
+        except (OSError, pa.ArrowException) as err:
+            raise DataError(f"{path}: cannot read as Parquet: {err}") from err
+        if self._columns is not None:
+            names = set(metadata.schema.to_arrow_schema().names)
+            missing = [c for c in self._columns if c not in names]
+            if missing:
+                raise DataError(f"{path}: no column(s) {missing}; the file has {sorted(names)}")
+        sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        if offsets[-1] != metadata.num_rows:
+            raise DataError(
+                f"{path}: row groups hold {offsets[-1]} rows, footer says {metadata.num_rows}"
+            )
+        return offsets
+
+    def _count(self, meta: np.ndarray) -> int:
+        return int(meta[-1])
+
+    def _read_range(self, path: str, meta: np.ndarray, start: int, end: int) -> list[Any]:
+        pa, pq = _pyarrow(path)
+        first = int(np.searchsorted(meta, start, side="right")) - 1
+        last = int(np.searchsorted(meta, end, side="left"))
+        try:
+            with pq.ParquetFile(path) as parquet:
+                table = parquet.read_row_groups(
+                    list(range(first, last)), columns=self._columns, use_threads=False
+                )
+        except (OSError, pa.ArrowException) as err:
+            raise DataError(f"{path}: cannot read as Parquet: {err}") from err
+        offset = start - int(meta[first])
+        if table.num_rows < offset + (end - start):
+            raise DataError(f"{path}: file changed since it was indexed")
+        return table.slice(offset, end - start).to_pylist()
