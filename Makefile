@@ -1,0 +1,48 @@
+# Two commands matter on a fresh machine:
+#   make demo   set up .venv and run a real local training job on digits
+#   make test   set up .venv and run the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install proto test test-unit test-integration lint demo bench clean
+
+$(STAMP): setup.py pyproject.toml proto/elasticdl.proto
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first and pinned, so no resolver ever floats it to a CUDA build
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q "setuptools>=64" wheel "grpcio-tools>=1.60"
+	$(PY) -m pip install -q --no-build-isolation -e ".[dev]" "torch==$(TORCH_VERSION)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Ielasticdl/proto=proto --python_out=. --grpc_python_out=. \
+		--pyi_out=. elasticdl/proto/elasticdl.proto
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check elasticdl elasticdl_client model_zoo tests benchmarks setup.py
+	$(VENV)/bin/ruff format --check elasticdl elasticdl_client model_zoo tests benchmarks
+	$(VENV)/bin/mypy elasticdl elasticdl_client
+
+demo: $(STAMP)
+	$(PY) model_zoo/digits/prepare_data.py --output=data/digits
+	$(VENV)/bin/elasticdl train --model_zoo=model_zoo \
+		--model_def=digits.digits_cnn.custom_model \
+		--training_data=data/digits/train --validation_data=data/digits/val \
+		--distribution_strategy=Local --num_epochs=2 --output=out/digits-demo \
+		--job_name=digits-demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/local_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info out elasticdl/proto/elasticdl_pb2*

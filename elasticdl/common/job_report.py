@@ -1,0 +1,87 @@
+"""``job_report.json``: the stable summary of a job (DESIGN §3).
+
+The report is rewritten atomically as the job runs, so a reader never sees a
+half-written file, and a crashed job still leaves its last state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+REPORT_NAME = "job_report.json"
+
+
+@dataclass
+class JobReport:
+    job_name: str
+    strategy: str
+    cluster: str
+    num_workers: int
+    num_ps: int
+    job_type: str = "train"
+    status: str = "running"
+    training_records: int = 0
+    validation_records: int = 0
+    prediction_records: int = 0
+    epochs: list[dict[str, int]] = field(default_factory=list)
+    relaunches: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    final_metrics: dict[str, float] = field(default_factory=dict)
+    failure: Optional[dict[str, Any]] = None
+    started: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add_evaluation(self, model_version: int, metrics: dict[str, float]) -> None:
+        self.evaluations.append({"model_version": model_version, "metrics": dict(metrics)})
+        self.final_metrics = dict(metrics)
+
+    def add_relaunch(self, replica: str, new_replica: str, reason: str,
+                     exit_code: Optional[int]) -> None:
+        self.relaunches.append({"replica": replica, "new_replica": new_replica,
+                                "reason": reason, "exit_code": exit_code})
+
+    def fail(self, replica: str, error: str, traceback: str = "") -> None:
+        if self.failure is None:  # the first failure is the root cause
+            self.failure = {"replica": replica, "error": error, "traceback": traceback}
+        self.status = "failed"
+
+    def to_dict(self) -> dict[str, Any]:
+        wall = time.time() - self.started
+        completed = sum(e.get("records_completed", 0) for e in self.epochs)
+        timings = {"wall_s": round(wall, 3),
+                   "training_records_per_s": round(completed / wall, 3) if wall > 0 else 0.0}
+        out = {
+            "job_name": self.job_name, "job_type": self.job_type, "status": self.status,
+            "strategy": self.strategy, "cluster": self.cluster,
+            "num_workers": self.num_workers, "num_ps": self.num_ps,
+            "dataset": {"training_records": self.training_records,
+                        "validation_records": self.validation_records,
+                        "prediction_records": self.prediction_records},
+            "epochs": self.epochs, "relaunches": self.relaunches,
+            "evaluations": self.evaluations, "final_metrics": self.final_metrics,
+            "failure": self.failure, "timings": timings,
+        }
+        out.update(self.extra)
+        return out
+
+    def write(self, directory: str) -> str:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, REPORT_NAME)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+        return path
+
+
+def read_report(directory: str) -> dict[str, Any]:
+    with open(os.path.join(directory, REPORT_NAME), encoding="utf-8") as f:
+        return json.load(f)

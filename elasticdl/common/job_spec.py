@@ -1,0 +1,282 @@
+"""The job specification: every flag of a job, validated once, frozen.
+
+CLI flags (and the JSON a master receives) are converted into one
+:class:`JobSpec`. Each field's default, help text and constraints live here
+and nowhere else; ``elasticdl train --help`` is generated from these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from elasticdl.common import resources as res
+from elasticdl.data.registry import parse_reader_params
+
+STRATEGIES = ("Local", "ParameterServerStrategy", "AllreduceStrategy")
+JOB_TYPES = ("train", "evaluate", "predict")
+CLUSTERS = ("local", "k8s")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class JobSpecError(ValueError):
+    """A flag has a bad value. ``flag`` names it."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"--{flag}: {message}")
+        self.flag = flag
+
+
+def _f(default: Any, help: str, group: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, **meta})
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a job needs; built by :func:`job_spec_from_flags`."""
+
+    # --- what to run
+    job_type: str = _f("train", "train, evaluate or predict (set by the command)", "job",
+                       choices=JOB_TYPES, cli=False)
+    job_name: str = _f("", "Job name; default: <model module>-<time>", "job")
+    cluster: str = _f("", "local or k8s; default k8s when --image_name is given, else local",
+                      "job", choices=("",) + CLUSTERS)
+    distribution_strategy: str = _f("Local", "Local, ParameterServerStrategy or "
+                                    "AllreduceStrategy", "job", choices=STRATEGIES)
+    # --- model
+    model_zoo: str = _f("", "Directory holding the model modules (required)", "model")
+    model_def: str = _f("", "module.path.factory of the model, e.g. "
+                        "digits.digits_cnn.custom_model (required)", "model")
+    model_params: str = _f("", 'Keyword args for the model factory: "k1=v1;k2=v2"', "model")
+    loss: str = _f("loss", "Name of the loss function in the model module", "model")
+    optimizer: str = _f("optimizer", "Name of the optimizer factory in the model module",
+                        "model")
+    feed: str = _f("feed", "Name of the records->tensors function in the model module", "model")
+    eval_metrics_fn: str = _f("eval_metrics_fn", "Name of the metrics factory", "model")
+    custom_data_reader: str = _f("custom_data_reader", "Name of an optional reader factory",
+                                 "model")
+    prediction_outputs_processor: str = _f("PredictionOutputsProcessor",
+                                           "Name of an optional prediction writer class",
+                                           "model")
+    callbacks: str = _f("callbacks", "Name of an optional callbacks factory", "model")
+    # --- data
+    training_data: str = _f("", "File or directory of training records", "data")
+    validation_data: str = _f("", "File or directory of validation records", "data")
+    prediction_data: str = _f("", "File or directory of records to predict", "data")
+    data_reader_params: str = _f("", 'Reader options: "sep=|;header=true"', "data")
+    minibatch_size: int = _f(64, "Records per minibatch", "data", min=1)
+    num_minibatches_per_task: int = _f(8, "Minibatches per task (a task is the unit of "
+                                       "data sharding)", "data", min=1)
+    num_epochs: int = _f(1, "Passes over the training data", "data", min=1)
+    shuffle: bool = _f(False, "Shuffle the order of tasks in each epoch", "data")
+    seed: int = _f(0, "Seed for task shuffling and model initialisation", "data")
+    prediction_output_format: str = _f("npz", "Default prediction writer format: npz or csv",
+                                       "data", choices=("npz", "csv"))
+    # --- training
+    evaluation_steps: int = _f(0, "Evaluate every N model versions (0: only at epoch end)",
+                               "training", min=0)
+    checkpoint_dir: str = _f("", "Where checkpoints are written", "training")
+    checkpoint_steps: int = _f(0, "Checkpoint every N model versions (0: never)", "training",
+                               min=0)
+    keep_checkpoint_max: int = _f(0, "Checkpoints kept (0 keeps all)", "training", min=0)
+    checkpoint_dir_for_init: str = _f("", "Checkpoint (or checkpoint dir) to resume from",
+                                      "training")
+    output: str = _f("", "Output directory: final model, predictions, job_report.json",
+                     "training")
+    device: str = _f("auto", "auto, cpu or cuda (auto picks CUDA when present)", "training",
+                     choices=DEVICES)
+    log_level: str = _f("INFO", "DEBUG, INFO, WARNING or ERROR", "training",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    # --- distribution
+    num_workers: int = _f(1, "Number of workers", "distribution", min=1)
+    num_ps_pods: int = _f(1, "Number of parameter servers (ParameterServerStrategy)",
+                          "distribution", min=1)
+    grads_to_wait: int = _f(1, "Sync PS: pushes averaged per model version", "distribution",
+                            min=1)
+    use_async: bool = _f(False, "PS applies each gradient push at once", "distribution")
+    lr_staleness_modulation: bool = _f(False, "Async PS: scale lr by 1/staleness",
+                                       "distribution")
+    sync_version_tolerance: int = _f(0, "Sync PS: accept gradients this many versions old",
+                                     "distribution", min=0)
+    get_model_steps: int = _f(1, "Async PS: pull the model every N steps", "distribution",
+                              min=1)
+    comm_backend: str = _f("", "Allreduce backend: gloo or nccl (default: nccl on CUDA, "
+                           "else gloo)", "distribution", choices=("", "gloo", "nccl"))
+    fixed_global_batch_size: bool = _f(False, "Allreduce: keep the global batch constant "
+                                       "when the world size changes", "distribution")
+    collective_timeout_s: float = _f(30.0, "Allreduce: seconds before a stuck collective "
+                                     "counts as a failed member", "distribution", min=1)
+    relaunch_on_worker_failure: int = _f(3, "Relaunches of a worker that fails on its own "
+                                         "(signals/preemption always relaunch)",
+                                         "distribution", min=0)
+    max_task_retries: int = _f(3, "Attempts of one task before the job fails",
+                               "distribution", min=1)
+    task_timeout_s: float = _f(0.0, "Reassign a task held longer than this (0: 3x the "
+                               "median task time, at least 60 s)", "distribution", min=0)
+    # --- cluster
+    image_name: str = _f("", "Docker image of the job (submits to Kubernetes)", "cluster")
+    namespace: str = _f("default", "Kubernetes namespace", "cluster")
+    image_pull_policy: str = _f("Always", "Always, IfNotPresent or Never", "cluster",
+                                choices=("Always", "IfNotPresent", "Never"))
+    master_resource_request: str = _f("cpu=0.5,memory=1024Mi", "Master pod resources",
+                                      "cluster", kind="resources")
+    master_resource_limit: str = _f("", "Master pod limits", "cluster", kind="resources")
+    worker_resource_request: str = _f("cpu=1,memory=4096Mi", "Worker pod resources, "
+                                      'e.g. "cpu=2,memory=4096Mi,gpu=1"', "cluster",
+                                      kind="resources")
+    worker_resource_limit: str = _f("", "Worker pod limits", "cluster", kind="resources")
+    ps_resource_request: str = _f("cpu=1,memory=4096Mi", "PS pod resources", "cluster",
+                                  kind="resources")
+    ps_resource_limit: str = _f("", "PS pod limits", "cluster", kind="resources")
+    master_pod_priority: str = _f("", "Priority class of the master pod", "cluster")
+    worker_pod_priority: str = _f("", "high, low, a priority class, or a fraction (0.5: half "
+                                  "the workers high)", "cluster")
+    ps_pod_priority: str = _f("", "Priority class of PS pods", "cluster")
+    volume: str = _f("", 'Volumes: "host_path=/d,mount_path=/data;claim_name=c,'
+                     'mount_path=/m"', "cluster", kind="volume")
+    envs: str = _f("", 'Environment of every replica: "A=1,B=2"', "cluster", kind="envs")
+    cluster_spec: str = _f("", "JSON file (or JSON) patched into every pod spec", "cluster")
+    yaml: str = _f("", "Write the job's manifests to this file instead of submitting",
+                   "cluster")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                shown = ", ".join(c for c in choices if c) or "(empty)"
+                raise JobSpecError(f.name, f"must be one of {shown}, got {value!r}")
+            low = f.metadata.get("min")
+            if low is not None and value < low:
+                raise JobSpecError(f.name, f"must be >= {low}, got {value!r}")
+            kind = f.metadata.get("kind")
+            try:
+                if kind == "resources":
+                    res.parse_resources(value)
+                elif kind == "envs":
+                    res.parse_envs(value)
+                elif kind == "volume":
+                    res.parse_volumes(value)
+            except ValueError as e:
+                raise JobSpecError(f.name, str(e)) from None
+        for name, parse in (("model_params", res.parse_params),
+                            ("data_reader_params", parse_reader_params)):
+            try:
+                parse(getattr(self, name))
+            except ValueError as e:
+                raise JobSpecError(name, str(e)) from None
+        self._check_required()
+        if not self.cluster:
+            object.__setattr__(self, "cluster", "k8s" if self.image_name else "local")
+        if not self.job_name:
+            base = self.model_def.rsplit(".", 2)[0].split(".")[-1] if self.model_def else "job"
+            name = re.sub(r"[^a-z0-9-]", "-", base.lower()).strip("-") or "job"
+            object.__setattr__(self, "job_name", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if not re.match(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$", self.job_name):
+            raise JobSpecError("job_name", "must be lowercase letters, digits and '-', "
+                               f"starting and ending alphanumeric, at most 52 chars: "
+                               f"{self.job_name!r}")
+
+    def _check_required(self) -> None:
+        if not self.model_zoo:
+            raise JobSpecError("model_zoo", "is required")
+        if not self.model_def:
+            raise JobSpecError("model_def", "is required (module.path.factory)")
+        if self.model_def.count(".") < 1:
+            raise JobSpecError("model_def", f"must be module.factory, got {self.model_def!r}")
+        if self.job_type == "train" and not self.training_data:
+            raise JobSpecError("training_data", "is required to train")
+        if self.job_type == "evaluate" and not self.validation_data:
+            raise JobSpecError("validation_data", "is required to evaluate")
+        if self.job_type == "predict" and not self.prediction_data:
+            raise JobSpecError("prediction_data", "is required to predict")
+        if self.job_type in ("evaluate", "predict") and not self.checkpoint_dir_for_init:
+            raise JobSpecError("checkpoint_dir_for_init",
+                               f"is required to {self.job_type} (the model to use)")
+        if self.job_type == "predict" and not self.output:
+            raise JobSpecError("output", "is required to predict (where outputs go)")
+        if self.use_async and self.distribution_strategy != "ParameterServerStrategy":
+            raise JobSpecError("use_async", "only applies to ParameterServerStrategy")
+
+    # ------------------------------------------------------------- helpers
+    @property
+    def records_per_task(self) -> int:
+        return self.minibatch_size * self.num_minibatches_per_task
+
+    @property
+    def model_kwargs(self) -> dict[str, object]:
+        return res.parse_params(self.model_params)
+
+    @property
+    def reader_params(self) -> dict[str, str]:
+        return parse_reader_params(self.data_reader_params)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise JobSpecError(sorted(unknown)[0], "unknown field in job spec JSON")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> JobSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    """The JobSpec fields that are command-line flags."""
+    return [f for f in dataclasses.fields(JobSpec) if f.metadata.get("cli", True)]
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    """Turn what python-fire parsed into the field's type, or raise JobSpecError."""
+    typ = f.type if isinstance(f.type, str) else f.type.__name__
+    if typ == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise JobSpecError(f.name, f"expects true or false, got {value!r}")
+    if typ == "int":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise JobSpecError(f.name, f"expects an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise JobSpecError(f.name, f"expects an integer, got {value!r}") from None
+    if typ == "float":
+        if isinstance(value, bool):
+            raise JobSpecError(f.name, f"expects a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise JobSpecError(f.name, f"expects a number, got {value!r}") from None
+    # str: fire turns "1,2" into a tuple and "007" into 7; undo that
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, bool):
+        raise JobSpecError(f.name, "needs a value (--%s=VALUE)" % f.name)
+    return str(value)
+
+
+def job_spec_from_flags(job_type: str, flags: Mapping[str, Any]) -> JobSpec:
+    """Build a JobSpec from parsed CLI flags; raises JobSpecError naming the bad flag."""
+    by_name = {f.name: f for f in cli_fields()}
+    values: dict[str, Any] = {"job_type": job_type}
+    for name, value in flags.items():
+        key = name.replace("-", "_")
+        if key not in by_name:
+            raise JobSpecError(key, "unknown flag (see --help)")
+        values[key] = _coerce(by_name[key], value)
+    return JobSpec(**values)

@@ -1,0 +1,55 @@
+"""Aggregating evaluation metrics reported per task into one result per model version.
+
+Each worker reports, for each evaluation task, every metric's value over the
+task's records and the number of records. The result for a model version is
+the sample-weighted mean over all its tasks. No torch here: the master uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+
+class EvaluationAggregator:
+    def __init__(self, on_result: Optional[Callable[[int, dict[str, float]], None]] = None):
+        self._lock = threading.Lock()
+        self._sums: dict[int, dict[str, float]] = {}
+        self._weights: dict[int, dict[str, int]] = {}
+        self._reported: dict[int, set[int]] = {}
+        self.results: dict[int, dict[str, float]] = {}
+        self._on_result = on_result
+
+    def add(self, model_version: int, task_id: int,
+            metrics: Iterable[tuple[str, float, int]]) -> None:
+        """Add one task's ``(name, value, weight)`` metrics; a task counts once."""
+        with self._lock:
+            seen = self._reported.setdefault(model_version, set())
+            if task_id in seen:
+                return
+            seen.add(task_id)
+            sums = self._sums.setdefault(model_version, {})
+            weights = self._weights.setdefault(model_version, {})
+            for name, value, weight in metrics:
+                if weight <= 0:
+                    continue
+                sums[name] = sums.get(name, 0.0) + float(value) * weight
+                weights[name] = weights.get(name, 0) + int(weight)
+
+    def complete(self, model_version: int) -> dict[str, float]:
+        """Close a model version's evaluation (all its tasks are done)."""
+        with self._lock:
+            sums = self._sums.pop(model_version, {})
+            weights = self._weights.pop(model_version, {})
+            self._reported.pop(model_version, None)
+            result = {name: sums[name] / weights[name] for name in sorted(sums)}
+            self.results[model_version] = result
+        logger.info("evaluation of model version %d: %s", model_version,
+                    ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
+        if self._on_result is not None:
+            self._on_result(model_version, result)
+        return result

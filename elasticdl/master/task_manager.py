@@ -1,0 +1,419 @@
+"""Dynamic data sharding: shards cut into tasks, handed out, re-queued, counted.
+
+The :class:`TaskManager` is used in one process by the Local strategy and
+behind the master's gRPC service by every distributed strategy. It never
+imports torch. All public methods are thread-safe.
+
+Ledger rules (they make ``job_report.json`` trustworthy):
+
+* a training task's records count toward its epoch only when the task is
+  reported done, and each task counts once even if it was handed out twice
+  (straggler reassignment), so ``records_completed`` of a finished epoch is
+  exactly the dataset size;
+* records of a task handed out again after a failure, a dead worker or a
+  timeout are added to ``records_redone`` of the task's epoch;
+* a task that fails ``max_task_retries`` times (or once with ``fatal``) fails
+  the job with that task and its last error as the root cause.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+
+class TaskType(enum.IntEnum):
+    """Mirrors ``elasticdl.proto.TaskType``."""
+
+    NONE = 0
+    TRAINING = 1
+    EVALUATION = 2
+    PREDICTION = 3
+    WAIT = 4
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: int
+    type: TaskType
+    shard_name: str
+    start: int
+    end: int
+    epoch: int = 0
+    model_version: int = -1
+
+    @property
+    def num_records(self) -> int:
+        return self.end - self.start
+
+
+WAIT_TASK = Task(-1, TaskType.WAIT, "", 0, 0)
+NO_MORE_TASKS = Task(-1, TaskType.NONE, "", 0, 0)
+
+
+@dataclass(frozen=True)
+class TaskFailure:
+    """Why the job failed because of one task."""
+
+    task: Task
+    worker_id: int
+    attempts: int
+    error: str
+    traceback: str = ""
+
+    def describe(self) -> str:
+        t = self.task
+        return (f"{t.type.name.lower()} task {t.task_id} (records {t.start}-{t.end} of "
+                f"{t.shard_name}) failed {self.attempts} time(s); last error on worker "
+                f"{self.worker_id}: {self.error}")
+
+
+@dataclass
+class EpochLedger:
+    records_completed: int = 0
+    records_redone: int = 0
+    tasks_completed: int = 0
+
+
+@dataclass
+class _Doing:
+    task: Task
+    worker_id: int
+    started: float
+
+
+@dataclass
+class _EvalJob:
+    model_version: int
+    remaining: set[int] = field(default_factory=set)
+
+
+def make_tasks(shards: Iterable[Sequence[Any]], records_per_task: int) -> list[tuple[str, int, int]]:
+    """Cut ``(name, start, count)`` shards into ``(name, start, end)`` pieces."""
+    pieces = []
+    for name, start, count in shards:
+        end = start + count
+        for s in range(start, end, records_per_task):
+            pieces.append((name, s, min(s + records_per_task, end)))
+    return pieces
+
+
+class TaskManager:
+    """Hands out training, evaluation and prediction tasks and keeps the ledger.
+
+    Args:
+        training_shards / evaluation_shards / prediction_shards: ``(name, start,
+            count)`` triples, e.g. from ``DataReader.create_shards()``.
+        records_per_task: ``minibatch_size * num_minibatches_per_task``.
+        num_epochs: passes over the training shards.
+        shuffle: shuffle task order within each epoch (seeded by ``seed + epoch``).
+        max_task_retries: attempts of one task before the job fails.
+        task_timeout_s: reassign a task held longer than this; 0 means three
+            times the median task duration seen so far, at least
+            ``min_task_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        training_shards: Sequence[Sequence[Any]] = (),
+        evaluation_shards: Sequence[Sequence[Any]] = (),
+        prediction_shards: Sequence[Sequence[Any]] = (),
+        records_per_task: int = 512,
+        num_epochs: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        max_task_retries: int = 3,
+        task_timeout_s: float = 0.0,
+        min_task_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if records_per_task < 1:
+            raise ValueError(f"records_per_task must be >= 1, got {records_per_task}")
+        self._lock = threading.RLock()
+        self._clock = clock
+        self._records_per_task = records_per_task
+        self._train_pieces = make_tasks(training_shards, records_per_task)
+        self._eval_pieces = make_tasks(evaluation_shards, records_per_task)
+        self.training_records = sum(int(s[2]) for s in training_shards)
+        self.evaluation_records = sum(int(s[2]) for s in evaluation_shards)
+        self.prediction_records = sum(int(s[2]) for s in prediction_shards)
+        self.num_epochs = num_epochs
+        self._shuffle = shuffle
+        self._seed = seed
+        self.max_task_retries = max_task_retries
+        self._task_timeout_s = task_timeout_s
+        self._min_task_timeout_s = min_task_timeout_s
+        self._next_id = 0
+        self._todo: deque[Task] = deque()
+        self._eval_todo: deque[Task] = deque()
+        self._doing: dict[int, _Doing] = {}
+        self._completed: set[int] = set()
+        self._attempts: dict[int, int] = {}
+        self._durations: deque[float] = deque(maxlen=200)
+        self._epochs_created = 0
+        self._epoch_open_tasks: dict[int, int] = {}
+        self.ledger: dict[int, EpochLedger] = {}
+        self.prediction_ledger = EpochLedger()
+        self.evaluation_records_completed = 0
+        self._eval_jobs: dict[int, _EvalJob] = {}
+        self.failure: Optional[TaskFailure] = None
+        self.epoch_end_callbacks: list[Callable[[int], None]] = []
+        self.evaluation_done_callbacks: list[Callable[[int], None]] = []
+        for name, start, end in make_tasks(prediction_shards, records_per_task):
+            self._todo.append(self._new_task(TaskType.PREDICTION, name, start, end))
+
+    # ------------------------------------------------------------ creation
+    def _new_task(self, typ: TaskType, name: str, start: int, end: int, epoch: int = 0,
+                  model_version: int = -1) -> Task:
+        task = Task(self._next_id, typ, name, start, end, epoch, model_version)
+        self._next_id += 1
+        return task
+
+    def _create_epoch(self) -> None:
+        epoch = self._epochs_created
+        pieces = list(self._train_pieces)
+        if self._shuffle:
+            random.Random(self._seed + epoch).shuffle(pieces)
+        for name, start, end in pieces:
+            self._todo.append(self._new_task(TaskType.TRAINING, name, start, end, epoch))
+        self._epoch_open_tasks[epoch] = len(pieces)
+        self.ledger.setdefault(epoch, EpochLedger())
+        self._epochs_created += 1
+        logger.info("epoch %d: %d training tasks", epoch, len(pieces))
+
+    def create_evaluation_tasks(self, model_version: int) -> bool:
+        """Queue one evaluation pass over the validation shards for this version.
+
+        Returns False (and queues nothing) when there is no validation data or
+        that version is already being evaluated.
+        """
+        with self._lock:
+            if not self._eval_pieces or model_version in self._eval_jobs:
+                return False
+            job = _EvalJob(model_version)
+            for name, start, end in self._eval_pieces:
+                task = self._new_task(TaskType.EVALUATION, name, start, end, -1, model_version)
+                job.remaining.add(task.task_id)
+                self._eval_todo.append(task)
+            self._eval_jobs[model_version] = job
+            logger.info("evaluation of model version %d: %d tasks", model_version,
+                        len(job.remaining))
+            return True
+
+    # ------------------------------------------------------------ dispatch
+    def get(self, worker_id: int, task_type: Optional[TaskType] = None) -> Task:
+        """Next task for ``worker_id``: a real task, ``WAIT_TASK`` or ``NO_MORE_TASKS``.
+
+        Evaluation tasks go first. ``task_type`` restricts the kind served.
+        """
+        with self._lock:
+            if self.failure is not None:
+                return NO_MORE_TASKS
+            self._reassign_stragglers()
+            task = self._pop(task_type)
+            if task is None:
+                return WAIT_TASK if not self._finished_locked() else NO_MORE_TASKS
+            self._doing[task.task_id] = _Doing(task, worker_id, self._clock())
+            return task
+
+    def _pop(self, task_type: Optional[TaskType]) -> Optional[Task]:
+        while True:
+            task = None
+            if self._eval_todo and task_type in (None, TaskType.EVALUATION):
+                task = self._eval_todo.popleft()
+            elif task_type != TaskType.EVALUATION:
+                if not self._todo and self._epochs_created < self.num_epochs and \
+                        self._train_pieces:
+                    self._create_epoch()
+                if self._todo:
+                    task = self._todo.popleft()
+            # a reassigned straggler's task may have been finished by its first holder
+            if task is None or task.task_id not in self._completed:
+                return task
+
+    def report(self, task_id: int, worker_id: int, success: bool, error: str = "",
+               traceback: str = "", fatal: bool = False) -> None:
+        """Record the outcome of a task. Unknown or already-counted ids are ignored."""
+        epoch_done: Optional[int] = None
+        eval_done: Optional[int] = None
+        with self._lock:
+            doing = self._doing.get(task_id)
+            if task_id in self._completed:
+                logger.info("task %d reported again by worker %d; counted once", task_id,
+                            worker_id)
+                self._doing.pop(task_id, None)
+                return
+            if doing is None:
+                logger.warning("report for unknown task %d from worker %d ignored", task_id,
+                               worker_id)
+                return
+            task = doing.task
+            if not success:
+                if doing.worker_id != worker_id:
+                    return  # a straggler's copy failed; the reassigned copy runs on
+                del self._doing[task_id]
+                self._handle_failure(task, worker_id, error, traceback, fatal)
+                return
+            del self._doing[task_id]
+            self._completed.add(task_id)
+            self._durations.append(self._clock() - doing.started)
+            epoch_done, eval_done = self._count_done(task)
+        if epoch_done is not None:
+            for cb in self.epoch_end_callbacks:
+                cb(epoch_done)
+        if eval_done is not None:
+            for cb in self.evaluation_done_callbacks:
+                cb(eval_done)
+
+    def _count_done(self, task: Task) -> tuple[Optional[int], Optional[int]]:
+        if task.type == TaskType.TRAINING:
+            led = self.ledger[task.epoch]
+            led.records_completed += task.num_records
+            led.tasks_completed += 1
+            self._epoch_open_tasks[task.epoch] -= 1
+            if self._epoch_open_tasks[task.epoch] == 0:
+                logger.info("epoch %d done: %d records", task.epoch, led.records_completed)
+                return task.epoch, None
+        elif task.type == TaskType.EVALUATION:
+            self.evaluation_records_completed += task.num_records
+            job = self._eval_jobs.get(task.model_version)
+            if job is not None:
+                job.remaining.discard(task.task_id)
+                if not job.remaining:
+                    return None, task.model_version
+        elif task.type == TaskType.PREDICTION:
+            self.prediction_ledger.records_completed += task.num_records
+            self.prediction_ledger.tasks_completed += 1
+        return None, None
+
+    def _handle_failure(self, task: Task, worker_id: int, error: str, tb: str,
+                        fatal: bool) -> None:
+        attempts = self._attempts.get(task.task_id, 0) + 1
+        self._attempts[task.task_id] = attempts
+        if fatal or attempts >= self.max_task_retries:
+            self.failure = TaskFailure(task, worker_id, attempts, error, tb)
+            logger.error("job fails: %s", self.failure.describe())
+            return
+        logger.warning("task %d failed on worker %d (attempt %d/%d): %s; re-queued",
+                       task.task_id, worker_id, attempts, self.max_task_retries, error)
+        self._requeue(task)
+
+    def _requeue(self, task: Task) -> None:
+        self._ledger_for(task).records_redone += task.num_records
+        if task.type == TaskType.EVALUATION:
+            self._eval_todo.appendleft(task)
+        else:
+            self._todo.appendleft(task)
+
+    def _ledger_for(self, task: Task) -> EpochLedger:
+        if task.type == TaskType.TRAINING:
+            return self.ledger[task.epoch]
+        if task.type == TaskType.PREDICTION:
+            return self.prediction_ledger
+        return EpochLedger()  # evaluation redo is not part of the report
+
+    def recover_tasks(self, worker_id: int) -> list[Task]:
+        """Re-queue every task held by a worker that died; returns them."""
+        with self._lock:
+            lost = [d.task for d in self._doing.values() if d.worker_id == worker_id]
+            for task in lost:
+                del self._doing[task.task_id]
+                self._requeue(task)
+            if lost:
+                logger.info("worker %d lost %d task(s); re-queued: %s", worker_id, len(lost),
+                            [t.task_id for t in lost])
+            return lost
+
+    def _timeout(self) -> float:
+        if self._task_timeout_s > 0:
+            return self._task_timeout_s
+        if len(self._durations) < 3:
+            return float("inf")
+        return max(self._min_task_timeout_s, 3 * statistics.median(self._durations))
+
+    def _reassign_stragglers(self) -> None:
+        timeout = self._timeout()
+        now = self._clock()
+        for doing in list(self._doing.values()):
+            if now - doing.started > timeout and doing.worker_id >= 0:
+                logger.warning("task %d held by worker %d for %.0f s (> %.0f s); reassigned",
+                               doing.task.task_id, doing.worker_id, now - doing.started,
+                               timeout)
+                # keep the straggler's claim alive but let another worker take it
+                doing.worker_id = -1 - doing.worker_id
+                self._requeue(doing.task)
+
+    # --------------------------------------------------------------- state
+    def _finished_locked(self) -> bool:
+        training_left = self._epochs_created < self.num_epochs and bool(self._train_pieces)
+        return not (self._todo or self._eval_todo or self._doing or training_left)
+
+    def finished(self) -> bool:
+        """True once every task (all epochs, evaluations, predictions) is done."""
+        with self._lock:
+            return self.failure is None and self._finished_locked()
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"todo": len(self._todo), "eval_todo": len(self._eval_todo),
+                    "doing": len(self._doing), "completed": len(self._completed)}
+
+    def doing_workers(self) -> set[int]:
+        with self._lock:
+            return {d.worker_id for d in self._doing.values()}
+
+    def epochs_report(self) -> list[dict[str, int]]:
+        with self._lock:
+            return [{"epoch": e, "records_completed": led.records_completed,
+                     "records_redone": led.records_redone}
+                    for e, led in sorted(self.ledger.items())]
+
+    def state_dict(self, partial: Optional[dict[int, int]] = None) -> dict[str, Any]:
+        """The data position: every training task not yet done, for resuming.
+
+        ``partial`` maps a task id in progress to the records of it already
+        trained (a checkpoint taken mid-task); those records count as done and
+        only the rest of the task is pending after a restore.
+        """
+        partial = partial or {}
+        with self._lock:
+            ledger = {e: dict(vars(led)) for e, led in self.ledger.items()}
+            pending = []
+            held = [d.task for d in self._doing.values()]
+            for task in list(held) + list(self._todo):
+                if task.type != TaskType.TRAINING:
+                    continue
+                done = partial.get(task.task_id, 0)
+                if done:
+                    ledger[task.epoch]["records_completed"] += done
+                if task.start + done < task.end:
+                    pending.append([task.shard_name, task.start + done, task.end, task.epoch])
+            return {"epochs_created": self._epochs_created, "pending": pending,
+                    "ledger": ledger, "num_epochs": self.num_epochs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: only the pending tasks are left of
+        the epochs already created; later epochs are created as usual."""
+        with self._lock:
+            if self._doing or self._completed:
+                raise RuntimeError("load_state_dict on a task manager already in use")
+            self._todo = deque(t for t in self._todo if t.type != TaskType.TRAINING)
+            self._epochs_created = int(state["epochs_created"])
+            self.ledger = {int(e): EpochLedger(**v) for e, v in state["ledger"].items()}
+            self._epoch_open_tasks = {e: 0 for e in self.ledger}
+            for name, start, end, epoch in state["pending"]:
+                self._todo.append(self._new_task(TaskType.TRAINING, name, int(start), int(end),
+                                                 int(epoch)))
+                self._epoch_open_tasks[int(epoch)] = self._epoch_open_tasks.get(int(epoch), 0) + 1
+            logger.info("resumed data position: epoch %d, %d pending task(s)",
+                        max(self._epochs_created - 1, 0), len(state["pending"]))

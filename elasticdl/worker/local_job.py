@@ -1,0 +1,174 @@
+"""``--distribution_strategy=Local``: a whole job in one process.
+
+The master's task manager and evaluation aggregator run in-process behind a
+:class:`LocalTaskSource`; the worker's :class:`TaskLoop` is the same code the
+distributed workers run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from elasticdl.api.model_spec import ModelSpec, load_from_job_spec
+from elasticdl.common import checkpoint as ckpt
+from elasticdl.common.datasets import create_readers, shards_for
+from elasticdl.common.job_report import JobReport
+from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.progress import Progress
+from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.task_manager import Task, TaskManager, TaskType
+from elasticdl.worker.prediction import PredictionSink
+from elasticdl.worker.task_loop import TaskLoop
+from elasticdl.worker.task_source import LocalTaskSource
+from elasticdl.worker.trainer import LocalTrainer, select_device
+
+logger = logging.getLogger(__name__)
+
+
+def default_job_dir(job_name: str) -> str:
+    return os.path.join(os.path.expanduser("~"), ".elasticdl", "jobs", job_name)
+
+
+def output_dir(spec: JobSpec) -> str:
+    return spec.output or default_job_dir(spec.job_name)
+
+
+def export_model(model: torch.nn.Module, directory: str) -> list[str]:
+    """Write ``model.pt`` (a plain state dict) and, when the model scripts,
+    ``model_scripted.pt`` (TorchScript)."""
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, "model.pt")]
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    ckpt.save_file(state, paths[0])
+    try:
+        with warnings.catch_warnings():  # TorchScript is deprecated but still what users load
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted = torch.jit.script(model.cpu())
+    except (RuntimeError, torch.jit.frontend.NotSupportedError) as e:  # type: ignore[attr-defined]
+        logger.info("model does not compile to TorchScript (%s); wrote the state dict only",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+    else:
+        paths.append(os.path.join(directory, "model_scripted.pt"))
+        scripted.save(paths[1])
+    logger.info("final model written to %s", ", ".join(paths))
+    return paths
+
+
+class LocalJob:
+    """Builds the collaborators of a Local job and runs it."""
+
+    def __init__(self, spec: JobSpec, model_spec: Optional[ModelSpec] = None):
+        self.spec = spec
+        self.model_spec = model_spec or load_from_job_spec(spec)
+        self.readers = create_readers(spec, self.model_spec.custom_data_reader)
+        self.task_manager = TaskManager(
+            records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
+            shuffle=spec.shuffle, seed=spec.seed, max_task_retries=1,
+            **shards_for(self.readers, spec))
+        self.out_dir = output_dir(spec)
+        self.report = JobReport(spec.job_name, spec.distribution_strategy, "local", 1, 0,
+                                job_type=spec.job_type,
+                                training_records=self.task_manager.training_records,
+                                validation_records=self.task_manager.evaluation_records,
+                                prediction_records=self.task_manager.prediction_records)
+        self.aggregator = EvaluationAggregator(on_result=self.report.add_evaluation)
+        self.task_manager.evaluation_done_callbacks.append(self.aggregator.complete)
+        self.trainer = LocalTrainer(self.model_spec, select_device(spec.device), spec.seed)
+        self._records_done_in_task: dict[int, int] = {}
+        self.progress: Optional[Progress] = None
+
+    # -------------------------------------------------------------- hooks
+    def _after_train_step(self, task: Task, done: int, loss: torch.Tensor) -> None:
+        prev = self._records_done_in_task.get(task.task_id, 0)
+        self._records_done_in_task[task.task_id] = done
+        version = self.trainer.model_version
+        if self.progress is not None:
+            fields: dict[str, Any] = {"epoch": task.epoch, "version": version}
+            if version % 10 == 0 or done == task.num_records:
+                fields["loss"] = float(loss)
+            self.progress.update(done - prev, **fields)
+        spec = self.spec
+        if spec.evaluation_steps and version % spec.evaluation_steps == 0:
+            self.task_manager.create_evaluation_tasks(version)
+        if spec.checkpoint_dir and spec.checkpoint_steps and version % spec.checkpoint_steps == 0:
+            self.save_checkpoint(partial={task.task_id: done})
+
+    def _after_task(self, task: Task) -> None:
+        self._records_done_in_task.pop(task.task_id, None)
+
+    def _on_epoch_end(self, epoch: int) -> None:
+        self.task_manager.create_evaluation_tasks(self.trainer.model_version)
+
+    def save_checkpoint(self, partial: Optional[dict[int, int]] = None) -> str:
+        state = self.trainer.state_dict()
+        state["data_position"] = self.task_manager.state_dict(partial)
+        return ckpt.save_single(self.spec.checkpoint_dir, self.trainer.model_version, state,
+                                self.spec.keep_checkpoint_max)
+
+    def _restore(self) -> None:
+        state = ckpt.load_single(self.spec.checkpoint_dir_for_init,
+                                 map_location=str(self.trainer.device))
+        self.trainer.load_state_dict(state)
+        if self.spec.job_type == "train" and "data_position" in state:
+            self.task_manager.load_state_dict(state["data_position"])
+
+    # ---------------------------------------------------------------- run
+    def run(self) -> dict[str, Any]:
+        spec, tm = self.spec, self.task_manager
+        if spec.checkpoint_dir_for_init:
+            self._restore()
+        if spec.job_type == "evaluate":
+            tm.create_evaluation_tasks(self.trainer.model_version)
+        tm.epoch_end_callbacks.append(self._on_epoch_end)
+        sink = None
+        if spec.job_type == "predict":
+            sink = PredictionSink(self.out_dir, spec.prediction_output_format,
+                                  self.model_spec.prediction_outputs_processor)
+        loop = TaskLoop(LocalTaskSource(tm, self.aggregator), self.trainer, self.model_spec,
+                        self.readers, spec.minibatch_size, prediction_sink=sink,
+                        after_train_step=[self._after_train_step], after_task=[self._after_task])
+        todo = sum(p[2] - p[1] for p in tm.state_dict()["pending"]) + tm.training_records * (
+            spec.num_epochs - tm.state_dict()["epochs_created"])
+        if spec.job_type == "train":
+            self.progress = Progress(todo, "training")
+        logger.info("job %s: %s on %s, output in %s", spec.job_name, spec.job_type,
+                    self.trainer.device, self.out_dir)
+        start = time.monotonic()
+        try:
+            loop.run()
+        except BaseException as e:
+            self.report.epochs = tm.epochs_report()
+            self.report.fail("worker-0", f"{type(e).__name__}: {e}", traceback.format_exc())
+            self.report.write(self.out_dir)
+            raise
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+        wall = time.monotonic() - start
+        if spec.job_type == "train":
+            if spec.checkpoint_dir and spec.checkpoint_steps:
+                self.save_checkpoint()
+            export_model(self.trainer.model, self.out_dir)
+        self.report.epochs = tm.epochs_report()
+        self.report.status = "succeeded"
+        self.report.extra["model_version"] = self.trainer.model_version
+        self.report.extra["loop_wall_s"] = round(wall, 3)
+        self.report.extra["records_predicted"] = tm.prediction_ledger.records_completed
+        path = self.report.write(self.out_dir)
+        logger.info("job %s succeeded in %.1f s; report: %s", spec.job_name, wall, path)
+        return self.report.to_dict()
+
+
+def run_local_job(spec: JobSpec) -> dict[str, Any]:
+    """Run a Local-strategy train, evaluate or predict job; returns the job report."""
+    return LocalJob(spec).run()
+
+
+__all__ = ["LocalJob", "run_local_job", "export_model", "TaskType"]

@@ -1,0 +1,180 @@
+"""The worker's task loop, shared by every strategy.
+
+``get task -> read records -> feed minibatches -> train / evaluate / predict ->
+report``. A task counts only once it is reported done. Bad data fails the task
+as *fatal* (retrying cannot help) with the file and record named; any other
+error is reported with its traceback and re-raised, so the process exits
+non-zero and the master's relaunch policy decides what happens next.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from elasticdl.api.model_spec import ModelSpec
+from elasticdl.data.api import DataError, DataReader, MalformedRecordError
+from elasticdl.master.task_manager import Task, TaskType
+from elasticdl.worker.prediction import PredictionSink
+from elasticdl.worker.task_source import Metric, TaskSource
+from elasticdl.worker.trainer import Trainer, batch_size_of, to_device
+
+logger = logging.getLogger(__name__)
+
+MODES = {TaskType.TRAINING: "training", TaskType.EVALUATION: "evaluation",
+         TaskType.PREDICTION: "prediction"}
+
+StepCallback = Callable[[Task, int, torch.Tensor], None]
+
+
+class FeedError(DataError):
+    """``feed`` failed on a minibatch although each record alone was accepted."""
+
+
+def feed_records(feed: Callable[..., Any], records: Sequence[Any], mode: str, shard: str,
+                 start: int) -> tuple[Any, Any]:
+    """Run the user's ``feed``; on failure, find and name the first bad record."""
+    try:
+        return feed(records, mode)
+    except Exception as batch_error:  # user code: re-raised as a structured data error
+        for i, record in enumerate(records):
+            try:
+                feed([record], mode)
+            except Exception as e:  # noqa: BLE001 - named and re-raised below
+                raise MalformedRecordError(shard, start + i,
+                                           f"feed rejected it: {type(e).__name__}: {e}") from e
+        raise FeedError(f"feed failed on records {start}-{start + len(records)} of {shard}: "
+                        f"{type(batch_error).__name__}: {batch_error}") from batch_error
+
+
+@dataclass
+class LoopStats:
+    tasks: int = 0
+    train_records: int = 0
+    eval_records: int = 0
+    predict_records: int = 0
+    steps: int = 0
+
+
+class TaskLoop:
+    """Drives a :class:`Trainer` with tasks from a :class:`TaskSource`.
+
+    Args:
+        readers: the reader for each task type's dataset.
+        after_train_step: called as ``cb(task, records_done_in_task, loss)``
+            after every training minibatch (progress, checkpoints, evaluation
+            triggers).
+        wait_s / max_wait_s: polling interval while the master says WAIT, and
+            how long in total a worker may be told to wait before giving up.
+    """
+
+    def __init__(self, source: TaskSource, trainer: Trainer, spec: ModelSpec,
+                 readers: dict[TaskType, DataReader], minibatch_size: int,
+                 worker_id: int = 0, prediction_sink: Optional[PredictionSink] = None,
+                 after_train_step: Sequence[StepCallback] = (),
+                 after_task: Sequence[Callable[[Task], None]] = (),
+                 wait_s: float = 0.2, max_wait_s: float = 3600.0):
+        self.source = source
+        self.trainer = trainer
+        self.spec = spec
+        self.readers = readers
+        self.minibatch_size = minibatch_size
+        self.worker_id = worker_id
+        self.prediction_sink = prediction_sink
+        self.after_train_step = list(after_train_step)
+        self.after_task = list(after_task)
+        self.wait_s = wait_s
+        self.max_wait_s = max_wait_s
+        self.stats = LoopStats()
+        self._metrics = spec.metrics()
+
+    def run(self) -> LoopStats:
+        waited = 0.0
+        while True:
+            task = self.source.get_task()
+            if task.type == TaskType.NONE:
+                return self.stats
+            if task.type == TaskType.WAIT:
+                if waited >= self.max_wait_s:
+                    raise TimeoutError(f"told to wait for {waited:.0f} s; giving up")
+                time.sleep(self.wait_s)
+                waited += self.wait_s
+                continue
+            waited = 0.0
+            self.run_task(task)
+
+    def run_task(self, task: Task) -> None:
+        try:
+            records = self._read(task)
+            if task.type == TaskType.TRAINING:
+                self._train(task, records)
+            elif task.type == TaskType.EVALUATION:
+                self.source.report_evaluation(task, self._evaluate(task, records))
+            elif task.type == TaskType.PREDICTION:
+                self._predict(task, records)
+            else:
+                raise ValueError(f"unexpected task type {task.type!r}")
+        except DataError as e:
+            logger.error("task %d: bad data: %s", task.task_id, e)
+            self.source.report_task(task, str(e), traceback.format_exc(), fatal=True)
+            raise
+        except BaseException as e:
+            self.source.report_task(task, f"{type(e).__name__}: {e}", traceback.format_exc())
+            raise
+        self.source.report_task(task)
+        self.stats.tasks += 1
+        for cb in self.after_task:
+            cb(task)
+
+    def _read(self, task: Task) -> list[Any]:
+        reader = self.readers.get(task.type)
+        if reader is None:
+            raise DataError(f"no {MODES[task.type]} data configured for task {task.task_id}")
+        return reader.read(task.shard_name, task.start, task.end)
+
+    def _minibatches(self, task: Task, records: Sequence[Any]):
+        mode = MODES[task.type]
+        for i in range(0, len(records), self.minibatch_size):
+            chunk = records[i:i + self.minibatch_size]
+            features, labels = feed_records(self.spec.feed, chunk, mode, task.shard_name,
+                                            task.start + i)
+            yield i + len(chunk), features, labels
+
+    def _train(self, task: Task, records: Sequence[Any]) -> None:
+        for done, features, labels in self._minibatches(task, records):
+            loss = self.trainer.train_minibatch(features, labels)
+            self.stats.steps += 1
+            for cb in self.after_train_step:
+                cb(task, done, loss)
+        self.stats.train_records += len(records)
+
+    def _evaluate(self, task: Task, records: Sequence[Any]) -> list[Metric]:
+        sums: dict[str, float] = {}
+        count = 0
+        for _, features, labels in self._minibatches(task, records):
+            outputs = self.trainer.forward(features)
+            n = batch_size_of(labels, features)
+            labels = to_device(labels, self.trainer.device)
+            for name, fn in self._metrics.items():
+                value = fn(labels, outputs)
+                sums[name] = sums.get(name, 0.0) + float(value) * n
+            count += n
+        self.stats.eval_records += len(records)
+        return [(name, total / count, count) for name, total in sums.items()] if count else []
+
+    def _predict(self, task: Task, records: Sequence[Any]) -> None:
+        if self.prediction_sink is None:
+            raise RuntimeError("prediction task without a prediction sink")
+        outputs = []
+        for _, features, _labels in self._minibatches(task, records):
+            outputs.append(self.trainer.forward(features))
+        index = np.arange(task.start, task.end, dtype=np.int64)
+        self.prediction_sink.write(task, index, outputs, self.worker_id)
+        self.stats.predict_records += len(records)

@@ -1,0 +1,115 @@
+"""Running minibatches through a model: the part of a step that touches torch.
+
+:class:`Trainer` is what the task loop drives. :class:`LocalTrainer` keeps the
+model and optimizer in this process (Local strategy; allreduce builds on it);
+the parameter-server trainer pulls and pushes around the same calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from elasticdl.api.model_spec import ModelSpec, ModelSpecError
+
+logger = logging.getLogger(__name__)
+
+
+def select_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; ``cuda`` without CUDA is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device=cuda but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move a tensor, or tensors nested in dicts/lists/tuples, to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def batch_size_of(labels: Any, features: Any) -> int:
+    ref = labels if labels is not None else features
+    while isinstance(ref, (dict, list, tuple)):
+        ref = next(iter(ref.values())) if isinstance(ref, dict) else ref[0]
+    return int(ref.shape[0]) if hasattr(ref, "shape") else len(ref)
+
+
+def call_model(model: torch.nn.Module, features: Any) -> Any:
+    """``model(features)``; a dict of features is passed as one argument."""
+    return model(features)
+
+
+class Trainer(ABC):
+    """One model replica's view of training."""
+
+    model: torch.nn.Module
+    device: torch.device
+    model_version: int
+
+    @abstractmethod
+    def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
+        """One optimisation step; returns the loss (a detached tensor)."""
+
+    def forward(self, features: Any) -> Any:
+        """Outputs for evaluation or prediction, without gradients."""
+        self.model.eval()
+        with torch.no_grad():
+            outputs = call_model(self.model, to_device(features, self.device))
+        self.model.train()
+        return outputs
+
+
+class LocalTrainer(Trainer):
+    """Model and optimizer in this process."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, seed: int = 0,
+                 model: Optional[torch.nn.Module] = None):
+        torch.manual_seed(seed)
+        self.spec = spec
+        self.device = device
+        self.model = (model if model is not None else spec.build_model()).to(device)
+        self.model.train()
+        self.optimizer = spec.optimizer(self.model.parameters())
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ModelSpecError(f"optimizer in {spec.module_path} returned "
+                                 f"{type(self.optimizer).__name__}, not a torch.optim.Optimizer")
+        self.loss_fn: Callable[..., torch.Tensor] = spec.loss
+        self.model_version = 0
+
+    def compute_loss(self, features: Any, labels: Any) -> torch.Tensor:
+        outputs = call_model(self.model, to_device(features, self.device))
+        loss = self.loss_fn(to_device(labels, self.device), outputs)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
+                                 f"tensor, got {getattr(loss, 'shape', type(loss))}")
+        return loss
+
+    def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.compute_loss(features, labels)
+        loss.backward()
+        self.optimizer.step()
+        self.model_version += 1
+        return loss.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "model_version": self.model_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.model_version = int(state.get("model_version", 0))
