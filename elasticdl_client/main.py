@@ -64,27 +64,39 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
               f"{failure.get('error', 'see job_report.json')}", JOB_FAILED)
 
 
+def runs_in_process(spec: JobSpec) -> bool:
+    """Local strategy: training in this process; evaluate/predict with one worker too."""
+    if spec.cluster != "local" or spec.distribution_strategy != "Local":
+        return False
+    return spec.job_type == "train" or spec.num_workers == 1
+
+
 def _dispatch(spec: JobSpec) -> dict[str, Any] | None:
-    if spec.distribution_strategy == "Local":
-        if spec.cluster == "k8s":
-            raise UsageError("--distribution_strategy=Local runs in this process; drop "
-                             "--image_name/--cluster=k8s or pick a distributed strategy")
-        from elasticdl.worker.local_job import run_local_job
+    if spec.cluster == "k8s":
+        if spec.distribution_strategy == "Local" and spec.job_type == "train":
+            raise UsageError("--distribution_strategy=Local trains in this process; pick "
+                             "ParameterServerStrategy or AllreduceStrategy for Kubernetes")
+        from elasticdl_client import k8s
 
-        try:
-            return run_local_job(spec)
-        except Exception as e:  # the report already holds the traceback
-            from elasticdl.api.model_spec import ModelSpecError
-            from elasticdl.data.api import DataError
+        return k8s.submit(spec)
+    if not runs_in_process(spec):
+        from elasticdl_client.local_cluster import run_local_cluster_job
 
-            if isinstance(e, (ModelSpecError, DataError)):
-                raise
-            logger.exception("job %s failed", spec.job_name)
-            _fail(spec.job_type, f"job {spec.job_name} failed: {type(e).__name__}: {e}",
-                  JOB_FAILED)
-            return None
-    raise UsageError(f"--distribution_strategy={spec.distribution_strategy} is not "
-                     "available in this build yet")
+        return run_local_cluster_job(spec)
+    from elasticdl.worker.local_job import run_local_job
+
+    try:
+        return run_local_job(spec)
+    except Exception as e:  # the report already holds the traceback
+        from elasticdl.api.model_spec import ModelSpecError
+        from elasticdl.data.api import DataError
+
+        if isinstance(e, (ModelSpecError, DataError)):
+            raise
+        logger.exception("job %s failed", spec.job_name)
+        _fail(spec.job_type, f"job {spec.job_name} failed: {type(e).__name__}: {e}",
+              JOB_FAILED)
+        return None
 
 
 def _flag_docs() -> str:
@@ -119,6 +131,49 @@ COMMANDS: dict[str, Any] = {
     "predict": _job_command("predict", "Predict --prediction_data with a checkpoint; one "
                             "output per input record in --output."),
 }
+
+
+def _job_op(op: str):
+    def command(job_name: str, replica: str = "master", follow: bool = False,
+                namespace: str = "default", cluster: str = "") -> None:
+        from elasticdl_client import local_cluster
+
+        try:
+            local_dir = local_cluster.find_job(job_name) if cluster != "k8s" else None
+        except local_cluster.JobNotFound:
+            local_dir = None
+            if cluster == "local":
+                _fail(op, f"no local job named {job_name!r}", USAGE_ERROR)
+        if local_dir is None:
+            from elasticdl_client import k8s
+
+            getattr(k8s, op)(job_name=job_name, replica=replica, follow=follow,
+                             namespace=namespace)
+            return
+        try:
+            if op == "status":
+                print(local_cluster.status(job_name))
+            elif op == "logs":
+                local_cluster.logs(job_name, replica, follow)
+            else:
+                print(local_cluster.stop(job_name))
+        except local_cluster.JobNotFound as e:
+            _fail(op, str(e), USAGE_ERROR)
+
+    command.__name__ = op
+    command.__doc__ = {
+        "status": "Show a job's status: replicas, progress, metrics, relaunches.",
+        "logs": "Print a replica's log (--replica=worker-1, default master; --follow).",
+        "stop": "Stop a job and every process or pod it started.",
+    }[op] + "\n\nArgs:\n  job_name: the job's name\n  replica: master, worker-N or ps-N" \
+        "\n  follow: keep printing as the log grows\n  namespace: Kubernetes namespace" \
+        "\n  cluster: local or k8s (default: local if such a local job exists)"
+    return command
+
+
+COMMANDS["status"] = _job_op("status")
+COMMANDS["logs"] = _job_op("logs")
+COMMANDS["stop"] = _job_op("stop")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,37 +11,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from typing import Any, Optional
 
 import torch
 
+from elasticdl.common.ckpt_paths import (  # noqa: F401 - re-exported
+    DONE,
+    CheckpointError,
+    complete_versions,
+    resolve,
+    version_dir,
+    version_of,
+)
+
 logger = logging.getLogger(__name__)
-
-_VERSION_DIR = re.compile(r"^version-(\d+)$")
-DONE = "DONE"
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was asked for."""
-
-
-def version_dir(checkpoint_dir: str, version: int) -> str:
-    return os.path.join(checkpoint_dir, f"version-{version}")
-
-
-def complete_versions(checkpoint_dir: str) -> list[int]:
-    """Versions with a DONE marker, oldest first."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    out = []
-    for name in os.listdir(checkpoint_dir):
-        m = _VERSION_DIR.match(name)
-        if m and os.path.exists(os.path.join(checkpoint_dir, name, DONE)):
-            out.append(int(m.group(1)))
-    return sorted(out)
-
 
 def save_file(state: Any, path: str) -> None:
     """``torch.save`` to a temp file then rename: readers see old or new, never half."""
@@ -70,25 +54,6 @@ def save_single(checkpoint_dir: str, version: int, state: dict[str, Any],
     mark_done(checkpoint_dir, version, keep_max)
     logger.info("checkpoint of model version %d saved to %s", version, path)
     return path
-
-
-def resolve(path: str) -> str:
-    """A ``version-N`` directory for ``path``: itself, or the newest complete
-    version inside a checkpoint directory.
-
-    Raises:
-        CheckpointError: nothing complete is there.
-    """
-    if os.path.isfile(path):
-        return os.path.dirname(path)
-    if _VERSION_DIR.match(os.path.basename(os.path.normpath(path))):
-        if not os.path.exists(os.path.join(path, DONE)):
-            raise CheckpointError(f"checkpoint {path} is incomplete (no {DONE} marker)")
-        return path
-    versions = complete_versions(path)
-    if not versions:
-        raise CheckpointError(f"no complete checkpoint under {path!r}")
-    return version_dir(path, versions[-1])
 
 
 def load_single(path: str, map_location: Optional[str] = "cpu") -> dict[str, Any]:

@@ -200,6 +200,11 @@ class JobSpec:
                                f"is required to {self.job_type} (the model to use)")
         if self.job_type == "predict" and not self.output:
             raise JobSpecError("output", "is required to predict (where outputs go)")
+        if self.job_type == "train" and self.distribution_strategy == "Local" and \
+                self.num_workers > 1:
+            raise JobSpecError("num_workers", "Local strategy trains in one process; use "
+                               "ParameterServerStrategy or AllreduceStrategy for "
+                               f"{self.num_workers} workers")
         if self.use_async and self.distribution_strategy != "ParameterServerStrategy":
             raise JobSpecError("use_async", "only applies to ParameterServerStrategy")
 

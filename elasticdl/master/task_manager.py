@@ -378,6 +378,11 @@ class TaskManager:
                      "records_redone": led.records_redone}
                     for e, led in sorted(self.ledger.items())]
 
+    def prediction_report(self) -> dict[str, int]:
+        with self._lock:
+            return {"records_completed": self.prediction_ledger.records_completed,
+                    "records_redone": self.prediction_ledger.records_redone}
+
     def state_dict(self, partial: Optional[dict[int, int]] = None) -> dict[str, Any]:
         """The data position: every training task not yet done, for resuming.
 

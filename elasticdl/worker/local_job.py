@@ -19,8 +19,10 @@ import torch
 from elasticdl.api.model_spec import ModelSpec, load_from_job_spec
 from elasticdl.common import checkpoint as ckpt
 from elasticdl.common.datasets import create_readers, shards_for
+from elasticdl.common.job_dirs import job_dir_for
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.model_io import load_for_inference
 from elasticdl.common.progress import Progress
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import Task, TaskManager, TaskType
@@ -30,14 +32,6 @@ from elasticdl.worker.task_source import LocalTaskSource
 from elasticdl.worker.trainer import LocalTrainer, select_device
 
 logger = logging.getLogger(__name__)
-
-
-def default_job_dir(job_name: str) -> str:
-    return os.path.join(os.path.expanduser("~"), ".elasticdl", "jobs", job_name)
-
-
-def output_dir(spec: JobSpec) -> str:
-    return spec.output or default_job_dir(spec.job_name)
 
 
 def export_model(model: torch.nn.Module, directory: str) -> list[str]:
@@ -72,7 +66,7 @@ class LocalJob:
             records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
             shuffle=spec.shuffle, seed=spec.seed, max_task_retries=1,
             **shards_for(self.readers, spec))
-        self.out_dir = output_dir(spec)
+        self.out_dir = job_dir_for(spec)
         self.report = JobReport(spec.job_name, spec.distribution_strategy, "local", 1, 0,
                                 job_type=spec.job_type,
                                 training_records=self.task_manager.training_records,
@@ -113,10 +107,13 @@ class LocalJob:
                                 self.spec.keep_checkpoint_max)
 
     def _restore(self) -> None:
+        if self.spec.job_type != "train":
+            load_for_inference(self.trainer, self.spec.checkpoint_dir_for_init)
+            return
         state = ckpt.load_single(self.spec.checkpoint_dir_for_init,
                                  map_location=str(self.trainer.device))
         self.trainer.load_state_dict(state)
-        if self.spec.job_type == "train" and "data_position" in state:
+        if "data_position" in state:
             self.task_manager.load_state_dict(state["data_position"])
 
     # ---------------------------------------------------------------- run
@@ -161,6 +158,8 @@ class LocalJob:
         self.report.extra["model_version"] = self.trainer.model_version
         self.report.extra["loop_wall_s"] = round(wall, 3)
         self.report.extra["records_predicted"] = tm.prediction_ledger.records_completed
+        if spec.job_type == "predict":
+            self.report.extra["prediction"] = tm.prediction_report()
         path = self.report.write(self.out_dir)
         logger.info("job %s succeeded in %.1f s; report: %s", spec.job_name, wall, path)
         return self.report.to_dict()

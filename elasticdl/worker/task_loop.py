@@ -125,7 +125,7 @@ class TaskLoop:
             logger.error("task %d: bad data: %s", task.task_id, e)
             self.source.report_task(task, str(e), traceback.format_exc(), fatal=True)
             raise
-        except BaseException as e:
+        except Exception as e:  # reported with its traceback, then re-raised
             self.source.report_task(task, f"{type(e).__name__}: {e}", traceback.format_exc())
             raise
         self.source.report_task(task)

@@ -1,0 +1,207 @@
+"""``ProcessCluster``: every replica a local process, treated like a pod.
+
+Each replica gets the command and environment a pod would (``python`` in the
+command is this interpreter; ``MY_POD_IP``/``MY_POD_NAME`` are set as the
+downward API would), its own log file under ``<job_dir>/logs/``, and its own
+session so signals to the launcher do not reach it directly. A watcher thread
+turns exits into :class:`ReplicaEvent` s: a negative return code (killed by a
+signal) is reason ``"killed"``, a non-zero exit ``"error"``. The replica table
+is mirrored to ``<job_dir>/replicas.json`` for ``elasticdl status``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Optional
+
+from elasticdl.cluster.api import (
+    Cluster,
+    ClusterError,
+    Phase,
+    ReplicaEvent,
+    ReplicaSpec,
+    ReplicaType,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "replicas.json"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
+    """SIGTERM a process (its whole session), SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return proc.returncode
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.poll()
+
+
+@dataclass
+class _Replica:
+    spec: ReplicaSpec
+    proc: subprocess.Popen
+    log: IO[bytes]
+    started: float
+    deleting: bool = False
+    phase: Phase = Phase.RUNNING
+    exit_code: Optional[int] = None
+
+
+class ProcessCluster(Cluster):
+    """Replicas as local processes under ``job_dir``."""
+
+    def __init__(self, job_dir: str, host: str = "127.0.0.1", poll_s: float = 0.05):
+        self.job_dir = job_dir
+        self.host = host
+        self.log_dir = os.path.join(job_dir, "logs")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self._lock = threading.Lock()
+        self._replicas: dict[tuple[ReplicaType, int], _Replica] = {}
+        self._history: list[dict[str, object]] = []
+        self._ports: dict[tuple[ReplicaType, int], int] = {}
+        self._events: queue.Queue[ReplicaEvent] = queue.Queue()
+        self._stop = threading.Event()
+        self._poll_s = poll_s
+        self._watcher = threading.Thread(target=self._watch, name="process-watch", daemon=True)
+        self._watcher.start()
+
+    def endpoint(self, type: ReplicaType, index: int) -> tuple[int, str]:
+        with self._lock:
+            port = self._ports.setdefault((type, index), free_port(self.host))
+        return port, f"{self.host}:{port}"
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.log_dir, f"{name}.log")
+
+    def create_replica(self, spec: ReplicaSpec) -> None:
+        if self._stop.is_set():
+            raise ClusterError("cluster is closed")
+        command = list(spec.command)
+        if command and command[0] == "python":
+            command[0] = sys.executable
+        env = dict(os.environ)
+        env.update(spec.env)
+        env.update({"MY_POD_IP": self.host, "MY_POD_NAME": f"{spec.job_name}-{spec.name}",
+                     "PYTHONUNBUFFERED": "1"})
+        log = open(self.log_path(spec.name), "ab")
+        log.write(f"==== {time.strftime('%H:%M:%S')} start {spec.name}: "
+                  f"{' '.join(command)[:300]}\n".encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            log.close()
+            raise ClusterError(f"cannot start {spec.name}: {e}") from e
+        with self._lock:
+            self._replicas[(spec.type, spec.index)] = _Replica(spec, proc, log, time.time())
+        logger.info("started %s (pid %d), log %s", spec.name, proc.pid,
+                    self.log_path(spec.name))
+        self._events.put(ReplicaEvent(spec.type, spec.index, Phase.RUNNING))
+        self._write_state()
+
+    def pid_of(self, type: ReplicaType, index: int) -> Optional[int]:
+        with self._lock:
+            rep = self._replicas.get((type, index))
+            return rep.proc.pid if rep is not None else None
+
+    def delete_replica(self, type: ReplicaType, index: int) -> None:
+        with self._lock:
+            rep = self._replicas.get((type, index))
+            if rep is None:
+                return
+            rep.deleting = True
+        terminate(rep.proc)
+
+    def poll_events(self, timeout_s: float) -> list[ReplicaEvent]:
+        events = []
+        try:
+            events.append(self._events.get(timeout=timeout_s))
+            while True:
+                events.append(self._events.get_nowait())
+        except queue.Empty:
+            pass
+        return events
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            self._reap()
+
+    def _reap(self) -> None:
+        exited = []
+        with self._lock:
+            for key, rep in list(self._replicas.items()):
+                code = rep.proc.poll()
+                if code is None:
+                    continue
+                del self._replicas[key]
+                rep.log.close()
+                exited.append((key, rep, code))
+        for (typ, index), rep, code in exited:
+            if rep.deleting:
+                phase, reason = Phase.DELETED, "deleted"
+            elif code == 0:
+                phase, reason = Phase.SUCCEEDED, "completed"
+            elif code < 0:
+                phase, reason = Phase.FAILED, "killed"
+            else:
+                phase, reason = Phase.FAILED, "error"
+            logger.info("%s exited with %d (%s)", rep.spec.name, code, reason)
+            with self._lock:
+                self._history.append({"replica": rep.spec.name, "pid": rep.proc.pid,
+                                      "phase": phase.value, "exit_code": code,
+                                      "reason": reason})
+            self._events.put(ReplicaEvent(typ, index, phase, code, reason))
+        if exited:
+            self._write_state()
+
+    def _write_state(self) -> None:
+        with self._lock:
+            live = [{"replica": r.spec.name, "pid": r.proc.pid, "phase": "running",
+                     "started": r.started} for r in self._replicas.values()]
+            state = {"replicas": live, "exited": list(self._history[-200:])}
+        path = os.path.join(self.job_dir, STATE_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f, indent=1)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        """Terminate every live replica (SIGTERM, then SIGKILL) and stop watching."""
+        with self._lock:
+            reps = list(self._replicas.values())
+            for rep in reps:
+                rep.deleting = True
+        threads = [threading.Thread(target=terminate, args=(r.proc,)) for r in reps]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        self._reap()
+        self._stop.set()
+        self._watcher.join(timeout=5)

@@ -1,0 +1,60 @@
+"""Checkpoint directory layout, without torch (the master uses it too).
+
+``<dir>/version-<N>/`` holds one checkpoint; it is complete once its ``DONE``
+marker exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_VERSION_DIR = re.compile(r"^version-(\d+)$")
+DONE = "DONE"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for."""
+
+
+def version_dir(checkpoint_dir: str, version: int) -> str:
+    return os.path.join(checkpoint_dir, f"version-{version}")
+
+
+def complete_versions(checkpoint_dir: str) -> list[int]:
+    """Versions with a DONE marker, oldest first."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    out = []
+    for name in os.listdir(checkpoint_dir):
+        m = _VERSION_DIR.match(name)
+        if m and os.path.exists(os.path.join(checkpoint_dir, name, DONE)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def resolve(path: str) -> str:
+    """A ``version-N`` directory for ``path``: itself, or the newest complete
+    version inside a checkpoint directory.
+
+    Raises:
+        CheckpointError: nothing complete is there.
+    """
+    if os.path.isfile(path):
+        return os.path.dirname(path)
+    if _VERSION_DIR.match(os.path.basename(os.path.normpath(path))):
+        if not os.path.exists(os.path.join(path, DONE)):
+            raise CheckpointError(f"checkpoint {path} is incomplete (no {DONE} marker)")
+        return path
+    versions = complete_versions(path)
+    if not versions:
+        raise CheckpointError(f"no complete checkpoint under {path!r}")
+    return version_dir(path, versions[-1])
+
+
+def version_of(version_path: str) -> int:
+    """The model version of a ``version-N`` directory."""
+    m = _VERSION_DIR.match(os.path.basename(os.path.normpath(version_path)))
+    if not m:
+        raise CheckpointError(f"{version_path!r} is not a version-N checkpoint directory")
+    return int(m.group(1))

@@ -1,0 +1,283 @@
+"""The job controller: launches replicas and applies the relaunch policy.
+
+It is the only piece that changes the cluster. It reacts to replica events
+(re-queues a dead worker's tasks, removes it from the rendezvous, relaunches
+it with a new id or drops it), to worker reports (model versions trigger
+evaluations; a worker's first exception becomes the job's root cause), and
+decides when the job has succeeded or failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from elasticdl.cluster.api import Cluster, ClusterError, Phase, ReplicaEvent, ReplicaSpec, ReplicaType
+from elasticdl.common.job_report import JobReport
+from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.resources import parse_envs, parse_resources
+from elasticdl.master.policy import Action, RelaunchPolicy
+from elasticdl.master.task_manager import TaskManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _WorkerFailure:
+    message: str
+    traceback: str
+
+
+class JobController:
+    """Runs one job on a :class:`Cluster` until it succeeds or fails.
+
+    Args:
+        master_addr: the address replicas dial to reach the master.
+        rendezvous: the allreduce rendezvous, or None.
+        report_dir: where ``job_report.json`` is (re)written.
+    """
+
+    def __init__(self, spec: JobSpec, cluster: Cluster, task_manager: TaskManager,
+                 report: JobReport, master_addr: str, report_dir: str,
+                 rendezvous: Optional[Any] = None, policy: Optional[RelaunchPolicy] = None,
+                 finish_timeout_s: float = 120.0, report_interval_s: float = 5.0):
+        self.spec = spec
+        self.cluster = cluster
+        self.tm = task_manager
+        self.report = report
+        self.master_addr = master_addr
+        self.report_dir = report_dir
+        self.rendezvous = rendezvous
+        self.policy = policy or RelaunchPolicy(spec.relaunch_on_worker_failure)
+        self.finish_timeout_s = finish_timeout_s
+        self.report_interval_s = report_interval_s
+        self._lock = threading.Lock()
+        self._next_worker_id = 0
+        self._live_workers: set[int] = set()
+        self._lineage: dict[int, int] = {}          # worker id -> first id of its lineage
+        self._own_failures: dict[tuple[str, int], int] = {}
+        self._failures: dict[int, _WorkerFailure] = {}
+        self._first_failure: Optional[tuple[str, str, str]] = None
+        self._exporter: Optional[int] = None
+        self._exporter_done = False
+        self._max_version = 0
+        self._last_eval_version = 0
+        self._finishing = False
+        self.ps_addrs: list[str] = []
+        self._ps_ports: list[int] = []
+        self.tm.epoch_end_callbacks.append(self._on_epoch_end)
+
+    # ------------------------------------------------------------ replicas
+    def _common_flags(self) -> list[str]:
+        return [f"--master_addr={self.master_addr}", f"--job_spec={self.spec.to_json()}"]
+
+    def _replica(self, typ: ReplicaType, index: int, command: list[str], port: int = 0
+                 ) -> ReplicaSpec:
+        s = self.spec
+        req = {ReplicaType.WORKER: s.worker_resource_request,
+               ReplicaType.PS: s.ps_resource_request}[typ]
+        lim = {ReplicaType.WORKER: s.worker_resource_limit,
+               ReplicaType.PS: s.ps_resource_limit}[typ]
+        prio = {ReplicaType.WORKER: s.worker_pod_priority, ReplicaType.PS: s.ps_pod_priority}[typ]
+        return ReplicaSpec(job_name=s.job_name, type=typ, index=index, command=tuple(command),
+                           env=parse_envs(s.envs), resource_requests=parse_resources(req),
+                           resource_limits=parse_resources(lim), priority=prio, port=port)
+
+    def _launch_ps(self, index: int) -> None:
+        port = self._ps_ports[index]
+        cmd = ["python", "-m", "elasticdl.ps.main", f"--ps_id={index}",
+               f"--num_ps={self.spec.num_ps_pods}", f"--port={port}"] + self._common_flags()
+        self.cluster.create_replica(self._replica(ReplicaType.PS, index, cmd, port))
+
+    def _launch_worker(self, lineage: Optional[int] = None) -> int:
+        with self._lock:
+            worker_id = self._next_worker_id
+            self._next_worker_id += 1
+            self._live_workers.add(worker_id)
+            self._lineage[worker_id] = worker_id if lineage is None else lineage
+        cmd = ["python", "-m", "elasticdl.worker.main", f"--worker_id={worker_id}"]
+        if self.ps_addrs:
+            cmd.append(f"--ps_addrs={','.join(self.ps_addrs)}")
+        self.cluster.create_replica(self._replica(ReplicaType.WORKER, worker_id,
+                                                  cmd + self._common_flags()))
+        return worker_id
+
+    def start(self) -> None:
+        """Launch the PS (ParameterServerStrategy) and the workers."""
+        if self.spec.distribution_strategy == "ParameterServerStrategy" and \
+                self.spec.job_type == "train":
+            for i in range(self.spec.num_ps_pods):
+                port, addr = self.cluster.endpoint(ReplicaType.PS, i)
+                self._ps_ports.append(port)
+                self.ps_addrs.append(addr)
+            for i in range(self.spec.num_ps_pods):
+                self._launch_ps(i)
+        for _ in range(self.spec.num_workers):
+            self._launch_worker()
+
+    # --------------------------------------------------------------- hooks
+    def on_version(self, worker_id: int, version: int) -> None:
+        steps = self.spec.evaluation_steps
+        with self._lock:
+            self._max_version = max(self._max_version, version)
+            due = steps and version >= self._last_eval_version + steps
+            if due:
+                self._last_eval_version = version - version % steps
+        if due:
+            self.tm.create_evaluation_tasks(self._last_eval_version)
+
+    def _on_epoch_end(self, epoch: int) -> None:
+        self.tm.create_evaluation_tasks(self._max_version)
+
+    def on_worker_failure(self, worker_id: int, message: str, traceback: str) -> None:
+        logger.error("worker %d reported: %s", worker_id, message)
+        with self._lock:
+            self._failures.setdefault(worker_id, _WorkerFailure(message, traceback))
+            if self._first_failure is None:
+                self._first_failure = (f"worker-{worker_id}", message, traceback)
+
+    def claim_export(self, worker_id: int) -> bool:
+        if self.spec.job_type != "train":
+            return False
+        with self._lock:
+            if self._exporter is None:
+                self._exporter = worker_id
+                return True
+            return False
+
+    def on_seen(self, worker_id: int) -> None:
+        pass
+
+    # -------------------------------------------------------------- events
+    def handle(self, event: ReplicaEvent) -> None:
+        if event.phase in (Phase.PENDING, Phase.RUNNING):
+            return
+        name = event.name
+        if event.type == ReplicaType.WORKER:
+            self._worker_gone(event)
+        key = (event.type.value, self._lineage.get(event.index, event.index)
+               if event.type == ReplicaType.WORKER else event.index)
+        counts_as_failure = event.phase == Phase.FAILED and event.reason not in (
+            "killed", "deleted", "preempted")
+        if counts_as_failure:
+            self._own_failures[key] = self._own_failures.get(key, 0) + 1
+        decision = self.policy.decide(event, self._own_failures.get(key, 0), self._finishing)
+        logger.info("%s %s (exit %s, %s): %s - %s", name, event.phase.value, event.exit_code,
+                    event.reason, decision.action.value, decision.reason)
+        if event.phase == Phase.FAILED and event.type == ReplicaType.WORKER:
+            self._note_root_cause(event)
+        if decision.action == Action.RELAUNCH:
+            self._relaunch(event, decision.reason)
+        elif decision.action == Action.FAIL_JOB:
+            self._fail(name, decision.reason, "")
+
+    def _worker_gone(self, event: ReplicaEvent) -> None:
+        with self._lock:
+            self._live_workers.discard(event.index)
+            if event.index == self._exporter:
+                if event.phase == Phase.SUCCEEDED:
+                    self._exporter_done = True
+                else:
+                    self._exporter = None  # another worker will export
+        if event.phase != Phase.SUCCEEDED:
+            self.tm.recover_tasks(event.index)
+        if self.rendezvous is not None:
+            self.rendezvous.remove_worker(event.index)
+
+    def _note_root_cause(self, event: ReplicaEvent) -> None:
+        with self._lock:
+            if self._first_failure is None:
+                failure = self._failures.get(event.index)
+                message = failure.message if failure else \
+                    f"exited with {event.exit_code} ({event.reason}) {event.message}".strip()
+                self._first_failure = (event.name, message,
+                                       failure.traceback if failure else "")
+
+    def _relaunch(self, event: ReplicaEvent, reason: str) -> None:
+        try:
+            if event.type == ReplicaType.WORKER:
+                new_id = self._launch_worker(lineage=self._lineage.get(event.index, event.index))
+                new_name = f"worker-{new_id}"
+            else:
+                self._launch_ps(event.index)
+                new_name = event.name
+        except ClusterError as e:
+            logger.error("relaunch of %s failed: %s", event.name, e)
+            self._fail(event.name, f"relaunch failed: {e}", "")
+            return
+        self.report.add_relaunch(event.name, new_name, reason, event.exit_code)
+        logger.info("relaunched %s as %s (%s)", event.name, new_name, reason)
+
+    def _fail(self, replica: str, error: str, traceback: str) -> None:
+        self.report.fail(replica, error, traceback)
+
+    # ----------------------------------------------------------------- run
+    def run(self, stop: threading.Event) -> str:
+        """Drive the job; returns the final status (succeeded, failed, stopped)."""
+        last_report = 0.0
+        finished_at: Optional[float] = None
+        while True:
+            for event in self.cluster.poll_events(0.2):
+                self.handle(event)
+            now = time.monotonic()
+            if now - last_report >= self.report_interval_s:
+                last_report = now
+                self._write_report()
+                self._log_progress()
+            if stop.is_set():
+                self.report.status = "stopped"
+                break
+            if self.report.failure is not None:
+                break
+            if self.tm.failure is not None:
+                f = self.tm.failure
+                self._fail(f"worker-{f.worker_id}", f.describe(), f.traceback)
+                break
+            if self.tm.finished():
+                self._finishing = True
+                finished_at = finished_at or now
+                with self._lock:
+                    exported = self.spec.job_type != "train" or self._exporter_done
+                    live = len(self._live_workers)
+                if exported and (live == 0 or now - finished_at > 10):
+                    self.report.status = "succeeded"
+                    break
+                if now - finished_at > self.finish_timeout_s:
+                    self._fail("master", "workers did not finish (final model export) within "
+                               f"{self.finish_timeout_s:.0f} s", "")
+                    break
+                continue
+            with self._lock:
+                none_alive = not self._live_workers
+                first = self._first_failure
+            if none_alive:
+                replica, msg, tb = first or ("master", "every worker is gone", "")
+                self._fail(replica, f"every worker has failed; first failure: {msg}", tb)
+                break
+        self._finishing = True
+        self._write_report()
+        logger.info("job %s %s", self.spec.job_name, self.report.status)
+        return self.report.status
+
+    def _write_report(self) -> None:
+        self.report.epochs = self.tm.epochs_report()
+        self.report.extra["records_predicted"] = self.tm.prediction_ledger.records_completed
+        if self.spec.job_type == "predict":
+            self.report.extra["prediction"] = self.tm.prediction_report()
+        self.report.extra["model_version"] = self._max_version
+        self.report.write(self.report_dir)
+
+    def _log_progress(self) -> None:
+        done = sum(e["records_completed"] for e in self.report.epochs)
+        done += self.tm.prediction_ledger.records_completed
+        total = self.tm.training_records * self.spec.num_epochs + self.tm.prediction_records
+        elapsed = time.time() - self.report.started
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (total - done) / rate if rate > 0 else float("inf")
+        logger.info("progress: %d/%d records (%.1f%%), %.1f records/s, ETA %s, workers %d, "
+                    "model version %d", done, total, 100.0 * done / max(total, 1), rate,
+                    "?" if eta == float("inf") else f"{eta:.0f}s", len(self._live_workers),
+                    self._max_version)

@@ -1,0 +1,154 @@
+"""The master process: ``python -m elasticdl.master.main --job_spec=JSON ...``.
+
+Builds the task manager from the job's data, serves the Master gRPC service,
+launches PS and workers through the cluster backend and runs the job
+controller until the job ends. Exit code 0 when the job succeeded, 1 when it
+failed, 2 on bad arguments. Never imports torch (a custom data reader from the
+model module is the one exception: it is imported only when the built-in
+readers cannot read the data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from elasticdl.cluster.registry import create_cluster
+from elasticdl.common import ckpt_paths
+from elasticdl.common.datasets import create_readers, shards_for
+from elasticdl.common.job_report import JobReport
+from elasticdl.common.job_spec import JobSpec, JobSpecError
+from elasticdl.common.log_utils import configure_logging
+from elasticdl.data.api import DataError
+from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.job_controller import JobController
+from elasticdl.master.servicer import MasterServicer, start_master_server
+from elasticdl.master.task_manager import TaskManager
+
+logger = logging.getLogger("elasticdl.master")
+
+
+@dataclass(frozen=True)
+class MasterArgs:
+    job_spec: JobSpec
+    port: int
+    job_dir: str
+    host: str
+
+
+def parse_args(argv: Optional[list[str]] = None) -> MasterArgs:
+    p = argparse.ArgumentParser(prog="elasticdl.master.main")
+    p.add_argument("--job_spec", required=True, help="the JobSpec as JSON")
+    p.add_argument("--port", type=int, default=50001)
+    p.add_argument("--job_dir", default="", help="job directory (default: --output or "
+                   "~/.elasticdl/jobs/<job>)")
+    p.add_argument("--host", default="", help="address replicas dial (default: $MY_POD_IP "
+                   "or 127.0.0.1)")
+    a = p.parse_args(argv)
+    try:
+        spec = JobSpec.from_json(a.job_spec)
+    except (JobSpecError, ValueError) as e:
+        p.error(f"--job_spec: {e}")
+    if not 0 < a.port < 65536:
+        p.error(f"--port: must be in 1..65535, got {a.port}")
+    from elasticdl.common.job_dirs import job_dir_for
+
+    job_dir = a.job_dir or job_dir_for(spec)
+    host = a.host or os.environ.get("MY_POD_IP", "127.0.0.1")
+    return MasterArgs(spec, a.port, job_dir, host)
+
+
+def _readers(spec: JobSpec) -> dict:
+    try:
+        return create_readers(spec)
+    except DataError:
+        from elasticdl.api.model_spec import load_from_job_spec
+
+        model_spec = load_from_job_spec(spec)
+        if model_spec.custom_data_reader is None:
+            raise
+        return create_readers(spec, model_spec.custom_data_reader)
+
+
+def build_task_manager(spec: JobSpec) -> TaskManager:
+    readers = _readers(spec)
+    return TaskManager(records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
+                       shuffle=spec.shuffle, seed=spec.seed,
+                       max_task_retries=spec.max_task_retries,
+                       task_timeout_s=spec.task_timeout_s, **shards_for(readers, spec))
+
+
+def _rendezvous(spec: JobSpec, host: str) -> Optional[object]:
+    if spec.distribution_strategy != "AllreduceStrategy" or spec.job_type != "train":
+        return None
+    from elasticdl.cluster.process import free_port
+    from elasticdl.master.rendezvous import Rendezvous
+
+    return Rendezvous(host, free_port)
+
+
+def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
+    spec = args.job_spec
+    os.makedirs(args.job_dir, exist_ok=True)
+    report_dir = spec.output or args.job_dir
+    tm = build_task_manager(spec)
+    report = JobReport(spec.job_name, spec.distribution_strategy, spec.cluster,
+                       spec.num_workers,
+                       spec.num_ps_pods if spec.distribution_strategy ==
+                       "ParameterServerStrategy" else 0,
+                       job_type=spec.job_type, training_records=tm.training_records,
+                       validation_records=tm.evaluation_records,
+                       prediction_records=tm.prediction_records)
+    aggregator = EvaluationAggregator(on_result=report.add_evaluation)
+    tm.evaluation_done_callbacks.append(aggregator.complete)
+    if spec.job_type == "evaluate":
+        version = ckpt_paths.version_of(ckpt_paths.resolve(spec.checkpoint_dir_for_init))
+        tm.create_evaluation_tasks(version)
+    cluster = create_cluster(spec.cluster, spec, args.job_dir)
+    rendezvous = _rendezvous(spec, args.host)
+    master_addr = cluster.master_address() or f"{args.host}:{args.port}"
+    controller = JobController(spec, cluster, tm, report, master_addr, report_dir,
+                               rendezvous=rendezvous)
+    server = start_master_server(MasterServicer(tm, aggregator, controller, rendezvous),
+                                 args.port)
+    stop = stop or threading.Event()
+    try:
+        controller.start()
+        status = controller.run(stop)
+    finally:
+        cluster.close()
+        server.stop(grace=2).wait(5)
+    return 0 if status == "succeeded" else 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.job_spec.log_level, role="master")
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: object) -> None:
+        logger.warning("signal %d: stopping job %s", signum, args.job_spec.job_name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        return run_master(args, stop)
+    except (DataError, ckpt_paths.CheckpointError) as e:
+        logger.error("cannot start job: %s", e)
+        JobReport(args.job_spec.job_name, args.job_spec.distribution_strategy,
+                  args.job_spec.cluster, args.job_spec.num_workers, 0,
+                  job_type=args.job_spec.job_type, status="failed",
+                  failure={"replica": "master", "error": str(e), "traceback": ""}
+                  ).write(args.job_spec.output or args.job_dir)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The worker's gRPC client of the master; a :class:`TaskSource`.
+
+Every call has a deadline. ``UNAVAILABLE`` and ``DEADLINE_EXCEEDED`` (the
+master restarting or busy) are retried with backoff for up to
+``unavailable_timeout_s``; after that :class:`ConnectionError` is raised and
+the worker exits, so no worker outlives its master for long.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, TypeVar
+
+import grpc
+
+from elasticdl.master.servicer import GRPC_OPTIONS, task_from_proto
+from elasticdl.master.task_manager import Task, TaskType
+from elasticdl.proto import elasticdl_pb2 as pb
+from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
+from elasticdl.worker.task_source import Metric, TaskSource
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class MasterClient(TaskSource):
+    def __init__(self, master_addr: str, worker_id: int, call_timeout_s: float = 30.0,
+                 unavailable_timeout_s: float = 60.0):
+        self.master_addr = master_addr
+        self.worker_id = worker_id
+        self.call_timeout_s = call_timeout_s
+        self.unavailable_timeout_s = unavailable_timeout_s
+        self._channel = grpc.insecure_channel(master_addr, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.MasterStub(self._channel)
+        self.export_model = False
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, fn: Callable[..., T], request: Any) -> T:
+        deadline = time.monotonic() + self.unavailable_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                return fn(request, timeout=self.call_timeout_s)
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                if code not in RETRYABLE:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(
+                        f"master {self.master_addr} unreachable for "
+                        f"{self.unavailable_timeout_s:.0f} s: {code}") from e
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def get_task(self, task_type: Optional[TaskType] = None) -> Task:
+        req = pb.GetTaskRequest(worker_id=self.worker_id,
+                                task_type=int(task_type) if task_type is not None else pb.NONE)
+        msg = self._call(self._stub.get_task, req)
+        if msg.extended_config.get("export_model") == "true":
+            self.export_model = True
+        return task_from_proto(msg)
+
+    def report_task(self, task: Task, error: str = "", traceback: str = "",
+                    fatal: bool = False) -> None:
+        self._call(self._stub.report_task_result, pb.ReportTaskResultRequest(
+            task_id=task.task_id, worker_id=self.worker_id, err_message=error,
+            err_traceback=traceback[-20000:], fatal=fatal))
+
+    def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
+        self._call(self._stub.report_evaluation_metrics, pb.ReportEvaluationMetricsRequest(
+            worker_id=self.worker_id, task_id=task.task_id, model_version=task.model_version,
+            metrics=[pb.MetricValue(name=n, value=v, weight=w) for n, v, w in metrics]))
+
+    def report_version(self, version: int) -> None:
+        self._call(self._stub.report_version, pb.ReportVersionRequest(
+            worker_id=self.worker_id, model_version=version))
+
+    def report_failure(self, replica: str, message: str, traceback: str) -> None:
+        self._call(self._stub.report_failure, pb.ReportFailureRequest(
+            worker_id=self.worker_id, replica=replica, err_message=message,
+            err_traceback=traceback[-20000:]))
+
+    # rendezvous (AllreduceStrategy)
+    def join(self, host: str, port: int) -> pb.CommPlan:
+        return self._call(self._stub.join, pb.JoinRequest(worker_id=self.worker_id, host=host,
+                                                          port=port))
+
+    def get_comm_plan(self, known_version: int) -> pb.CommPlan:
+        return self._call(self._stub.get_comm_plan, pb.CommPlanRequest(
+            worker_id=self.worker_id, known_plan_version=known_version))
+
+    def report_collective_failure(self, plan_version: int, reason: str) -> pb.CommPlan:
+        return self._call(self._stub.report_collective_failure, pb.CollectiveFailureRequest(
+            worker_id=self.worker_id, plan_version=plan_version, reason=reason))
+
+    def echo(self) -> None:
+        self._call(self._stub.echo, pb.Empty())

@@ -1,0 +1,197 @@
+"""``--cluster=local``: the job's master (and through it every PS and worker) as
+local processes under the job directory, plus ``status``, ``logs`` and ``stop``
+for such jobs.
+
+Layout of a job directory::
+
+    job_spec.json  master.json (pid, port)  replicas.json  job_report.json
+    logs/master.log  logs/worker-0.log  logs/ps-0.log ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+from elasticdl.cluster.process import STATE_FILE, free_port, terminate
+from elasticdl.common.job_dirs import named_job_dir, register_job_dir
+from elasticdl.common.job_report import REPORT_NAME
+from elasticdl.common.job_spec import JobSpec
+
+MASTER_FILE = "master.json"
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+def _follow(path: str, pos: int, out: Any) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(pos)
+            chunk = f.read()
+    except FileNotFoundError:
+        return pos
+    if chunk:
+        out.write(chunk.decode(errors="replace"))
+        out.flush()
+    return pos + len(chunk)
+
+
+def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[float] = None
+                          ) -> dict[str, Any]:
+    """Start the master process, stream its log, wait; returns the job report.
+
+    Ctrl-C (or ``timeout_s``) stops the master, which stops every replica.
+    """
+    out = out or sys.stderr
+    job_dir = register_job_dir(spec)
+    os.makedirs(os.path.join(job_dir, "logs"), exist_ok=True)
+    for stale in (REPORT_NAME, STATE_FILE):
+        if os.path.exists(os.path.join(job_dir, stale)):
+            os.unlink(os.path.join(job_dir, stale))
+    with open(os.path.join(job_dir, "job_spec.json"), "w") as f:
+        f.write(spec.to_json())
+    port = free_port()
+    log_path = os.path.join(job_dir, "logs", "master.log")
+    pos = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    cmd = [sys.executable, "-m", "elasticdl.master.main", f"--job_spec={spec.to_json()}",
+           f"--port={port}", f"--job_dir={job_dir}"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    with open(os.path.join(job_dir, MASTER_FILE), "w") as f:
+        json.dump({"pid": proc.pid, "port": port, "job_name": spec.job_name}, f)
+    out.write(f"job {spec.job_name}: master pid {proc.pid}, directory {job_dir}\n")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None:
+            pos = _follow(log_path, pos, out)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {spec.job_name} ran past {timeout_s:.0f} s")
+            time.sleep(0.2)
+    except (KeyboardInterrupt, TimeoutError):
+        out.write(f"\nstopping job {spec.job_name} ...\n")
+        terminate(proc, grace_s=30)
+        _follow(log_path, pos, out)
+        raise
+    _follow(log_path, pos, out)
+    return read_job_report(job_dir)
+
+
+def read_job_report(job_dir: str) -> dict[str, Any]:
+    path = os.path.join(job_dir, REPORT_NAME)
+    if not os.path.exists(path):
+        return {"status": "failed", "failure": {"replica": "master", "error":
+                "the master wrote no job report; see logs/master.log"}}
+    with open(path) as f:
+        return json.load(f)
+
+
+def find_job(job_name: str) -> str:
+    path = named_job_dir(job_name)
+    if not os.path.isdir(path):
+        raise JobNotFound(f"no local job named {job_name!r} (looked in {path})")
+    return os.path.realpath(path)
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` runs and is one of ours (guards against pid reuse)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+    return b"elasticdl" in cmdline
+
+
+def _load(job_dir: str, name: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(job_dir, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def status(job_name: str) -> str:
+    """A human-readable status of a local job."""
+    job_dir = find_job(job_name)
+    master = _load(job_dir, MASTER_FILE)
+    report = _load(job_dir, REPORT_NAME)
+    replicas = _load(job_dir, STATE_FILE)
+    running = bool(master) and _alive(int(master.get("pid", -1)))
+    lines = [f"job {job_name}: {report.get('status', 'starting')} "
+             f"(master {'running' if running else 'not running'}) in {job_dir}"]
+    if report:
+        ds = report.get("dataset", {})
+        lines.append(f"  strategy {report.get('strategy')}, training records "
+                     f"{ds.get('training_records')}, validation {ds.get('validation_records')}")
+        for e in report.get("epochs", []):
+            lines.append(f"  epoch {e['epoch']}: {e['records_completed']} records done, "
+                         f"{e['records_redone']} redone")
+        if report.get("final_metrics"):
+            lines.append(f"  metrics: {report['final_metrics']}")
+        for r in report.get("relaunches", []):
+            lines.append(f"  relaunch: {r['replica']} -> {r['new_replica']} ({r['reason']}, "
+                         f"exit {r['exit_code']})")
+        if report.get("failure"):
+            lines.append(f"  failure: {report['failure'].get('replica')}: "
+                         f"{report['failure'].get('error')}")
+    for r in replicas.get("replicas", []):
+        lines.append(f"  {r['replica']:<12} running   pid {r['pid']}")
+    for r in replicas.get("exited", [])[-20:]:
+        lines.append(f"  {r['replica']:<12} {r['phase']:<9} exit {r['exit_code']} "
+                     f"({r['reason']})")
+    return "\n".join(lines)
+
+
+def logs(job_name: str, replica: str = "master", follow: bool = False,
+         out: Any = None) -> None:
+    out = out or sys.stdout
+    job_dir = find_job(job_name)
+    path = os.path.join(job_dir, "logs", f"{replica}.log")
+    if not os.path.exists(path):
+        names = sorted(n[:-4] for n in os.listdir(os.path.join(job_dir, "logs"))
+                       if n.endswith(".log"))
+        raise JobNotFound(f"job {job_name} has no replica {replica!r}; replicas: "
+                          f"{', '.join(names)}")
+    pos = _follow(path, 0, out)
+    master = _load(job_dir, MASTER_FILE)
+    while follow and master and _alive(int(master["pid"])):
+        time.sleep(0.5)
+        pos = _follow(path, pos, out)
+    _follow(path, pos, out)
+
+
+def stop(job_name: str, grace_s: float = 30.0) -> str:
+    """Stop a local job: the master tears its replicas down; stragglers are killed."""
+    job_dir = find_job(job_name)
+    master = _load(job_dir, MASTER_FILE)
+    killed = []
+    pid = int(master.get("pid", -1))
+    if pid > 0 and _alive(pid):
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+        killed.append("master")
+    for r in _load(job_dir, STATE_FILE).get("replicas", []):
+        if _alive(int(r["pid"])):
+            try:
+                os.killpg(int(r["pid"]), signal.SIGKILL)
+                killed.append(r["replica"])
+            except ProcessLookupError:
+                pass
+    return f"job {job_name}: stopped {', '.join(killed) or 'nothing (not running)'}"

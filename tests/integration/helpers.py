@@ -1,0 +1,65 @@
+"""Running the `elasticdl` CLI as a real process in tests, and cleaning up after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+from tests.conftest import ROOT
+
+
+def cli_env(home: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"ELASTICDL_HOME": home, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT})
+    env.update(extra)
+    return env
+
+
+def start_cli(args: list[str], home: str, log_path: str, **env: str) -> subprocess.Popen:
+    log = open(log_path, "wb")
+    return subprocess.Popen([sys.executable, "-m", "elasticdl_client.main", *args],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=cli_env(home, **env), start_new_session=True)
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def live_replicas(job_dir: str) -> list[dict]:
+    state = read_json(os.path.join(job_dir, "replicas.json")) or {}
+    return state.get("replicas", [])
+
+
+def kill_job_tree(proc: subprocess.Popen, job_dir: str) -> None:
+    """Stop the CLI, its master and every replica, whatever state they are in."""
+    for pid in [proc.pid] + [r["pid"] for r in live_replicas(job_dir)] + [
+            (read_json(os.path.join(job_dir, "master.json")) or {}).get("pid", -1)]:
+        if pid and pid > 0:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
