@@ -1,0 +1,241 @@
+"""Membership of elastic allreduce training: who is in the group, with which rank.
+
+The master runs one :class:`Rendezvous`; its gRPC handlers ``join``,
+``get_comm_plan`` and ``report_collective_failure`` call the methods of the
+same names, and the job controller calls :meth:`Rendezvous.remove_worker` when
+a worker process died. Pure Python: the master never imports torch.
+
+Plans and rounds
+----------------
+A *plan* (:class:`CommPlan`) is one generation of the group: a version, the
+members in rank order (ranks follow worker ids, so they are deterministic), and
+the address of the TCPStore that ``torch.distributed`` initialises from.
+
+Any membership change opens a *round*: a join of a worker that is not in the
+current plan, a removal, or a failure report against the current plan. While a
+round is open every caller gets ``ready=False`` and members stop using the old
+group. A worker *checks in* to the round by calling any of the three methods.
+The round closes and a new plan is published (lazily, on the next call) when
+
+* ``settle_s`` passed since the last join/removal/failure (more joins may come), and
+* every known worker checked in, or ``checkin_timeout_s`` passed since the round
+  opened (a silent worker may be dead; the job controller usually says so first
+  through :meth:`remove_worker`), and
+* for the first plan only, ``initial_workers`` joined or ``checkin_timeout_s``
+  passed (avoids a one-member plan while the others are still starting).
+
+The new plan holds the workers that checked in. A worker left out gets
+``rank=-1`` with ``ready=True`` and must :meth:`join` again.
+
+Store address
+-------------
+``master_addr`` of a plan is the host its rank-0 worker gave at join (``store_host``
+when that host is empty) and ``master_port`` a fresh port from ``port_allocator``.
+The rank-0 worker hosts the TCPStore (``is_master=True``) on that port and the others
+connect to it, so no torch process runs on the master and workers on different
+hosts (Kubernetes pods) work: every pod has its own port space, and on one host
+(local processes) the allocator hands out free ports. A fresh port per plan keeps a
+stale member of an old plan from ever talking to the new store. If the port turns
+out to be taken, store creation fails on the worker, which reports a collective
+failure, and the next plan gets another port.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """One worker's view of the current plan (mirrors ``elasticdl.proto.CommPlan``).
+
+    ``rank`` is -1 when the worker is not a member; ``ready`` is False while a
+    new plan is forming (ask again soon). ``peer_addresses`` are ``host:port``
+    of every rank, in rank order.
+    """
+
+    plan_version: int
+    rank: int
+    world_size: int
+    peer_addresses: tuple[str, ...]
+    master_addr: str
+    master_port: int
+    ready: bool
+
+
+@dataclass(frozen=True)
+class _Published:
+    version: int
+    members: tuple[int, ...]
+    addresses: tuple[str, ...]
+    master_addr: str
+    master_port: int
+
+
+@dataclass
+class _Round:
+    opened_at: float
+    last_event: float
+    reason: str
+    checked_in: set[int] = field(default_factory=set)
+
+
+class Rendezvous:
+    """Forms versioned communication plans from joins, failures and removals.
+
+    Args:
+        store_host: used as ``master_addr`` when the rank-0 worker joined with
+            an empty host.
+        port_allocator: returns a port for each new plan's TCPStore.
+        settle_s: quiet time after the last membership change before a plan is
+            published.
+        clock: monotonic clock (tests pass a fake).
+        checkin_timeout_s: how long an open round waits for known workers that
+            have not checked in; use at least the collective timeout.
+        initial_workers: members the first plan waits for (up to
+            ``checkin_timeout_s``).
+
+    All public methods are thread-safe.
+    """
+
+    def __init__(self, store_host: str, port_allocator: Callable[[], int],
+                 settle_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 checkin_timeout_s: float = 30.0, initial_workers: int = 1):
+        if settle_s < 0 or checkin_timeout_s < 0:
+            raise ValueError("settle_s and checkin_timeout_s must be >= 0")
+        self._store_host = store_host
+        self._port_allocator = port_allocator
+        self._settle_s = settle_s
+        self._clock = clock
+        self._checkin_timeout_s = checkin_timeout_s
+        self._initial_workers = max(1, initial_workers)
+        self._lock = threading.Lock()
+        self._workers: dict[int, tuple[str, int]] = {}  # known live workers -> (host, port)
+        self._plan: Optional[_Published] = None
+        self._round: Optional[_Round] = None
+        self._version = 0
+
+    # ------------------------------------------------------------ handlers
+    def join(self, worker_id: int, host: str, port: int) -> CommPlan:
+        """A worker (new, relaunched, or left out of the last plan) asks to be a member."""
+        with self._lock:
+            now = self._clock()
+            known = self._workers.get(worker_id)
+            self._workers[worker_id] = (host, int(port))
+            in_round = self._round is not None and worker_id in self._round.checked_in
+            if not (in_round and known == (host, int(port))):
+                logger.info("rendezvous: worker %d joins from %s:%d", worker_id, host, port)
+                self._event(now, f"worker {worker_id} joined")
+            self._check_in(worker_id)
+            self._maybe_publish(now)
+            return self._view(worker_id)
+
+    def get_comm_plan(self, worker_id: int, known_version: int) -> CommPlan:
+        """The current plan as ``worker_id`` sees it; also a check-in to an open round."""
+        with self._lock:
+            self._check_in(worker_id)
+            self._maybe_publish(self._clock())
+            return self._view(worker_id)
+
+    def report_failure(self, worker_id: int, plan_version: int, reason: str) -> CommPlan:
+        """A member saw a collective of plan ``plan_version`` fail or time out.
+
+        A report against the current plan opens a round; a stale one (an older
+        plan, or one already being replaced) only counts as a check-in.
+        """
+        with self._lock:
+            now = self._clock()
+            current = self._plan is not None and plan_version == self._plan.version
+            if current and self._round is None and worker_id in self._workers:
+                logger.warning("rendezvous: worker %d reports plan %d failed: %s", worker_id,
+                               plan_version, reason)
+                self._event(now, f"worker {worker_id}: {reason}")
+            self._check_in(worker_id)
+            self._maybe_publish(now)
+            return self._view(worker_id)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget a worker whose process is gone (the job controller calls this)."""
+        with self._lock:
+            if self._workers.pop(worker_id, None) is None:
+                return
+            now = self._clock()
+            if self._round is not None:
+                self._round.checked_in.discard(worker_id)
+            if self._round is not None or (self._plan and worker_id in self._plan.members):
+                logger.info("rendezvous: worker %d removed", worker_id)
+                self._event(now, f"worker {worker_id} removed")
+            self._maybe_publish(now)
+
+    def members(self) -> list[int]:
+        """Worker ids of the current published plan, in rank order."""
+        with self._lock:
+            self._maybe_publish(self._clock())
+            return list(self._plan.members) if self._plan else []
+
+    @property
+    def plan_version(self) -> int:
+        """Version of the last published plan (0 before the first)."""
+        with self._lock:
+            return self._version
+
+    def forming(self) -> bool:
+        """True while a round is open (no ready plan)."""
+        with self._lock:
+            self._maybe_publish(self._clock())
+            return self._round is not None
+
+    # ----------------------------------------------------------- internals
+    def _event(self, now: float, reason: str) -> None:
+        if self._round is None:
+            self._round = _Round(opened_at=now, last_event=now, reason=reason)
+        else:
+            self._round.last_event = now
+
+    def _check_in(self, worker_id: int) -> None:
+        if self._round is not None and worker_id in self._workers:
+            self._round.checked_in.add(worker_id)
+
+    def _maybe_publish(self, now: float) -> None:
+        rnd = self._round
+        if rnd is None:
+            return
+        checked = rnd.checked_in & set(self._workers)
+        if not checked or now - rnd.last_event < self._settle_s:
+            return
+        timed_out = now - rnd.opened_at >= self._checkin_timeout_s
+        if checked != set(self._workers) and not timed_out:
+            return
+        if self._plan is None and len(checked) < self._initial_workers and not timed_out:
+            return
+        members = tuple(sorted(checked))
+        for dropped in sorted(set(self._workers) - checked):
+            logger.warning("rendezvous: worker %d did not check in within %.1f s; left out "
+                           "(it must join again)", dropped, now - rnd.opened_at)
+            del self._workers[dropped]
+        self._version += 1
+        host0 = self._workers[members[0]][0] or self._store_host
+        self._plan = _Published(
+            version=self._version, members=members,
+            addresses=tuple(f"{self._workers[w][0]}:{self._workers[w][1]}" for w in members),
+            master_addr=host0, master_port=int(self._port_allocator()))
+        self._round = None
+        logger.info("rendezvous: plan %d published: workers %s, store %s:%d (%s; formed in "
+                    "%.2f s)", self._version, list(members), host0, self._plan.master_port,
+                    rnd.reason, now - rnd.opened_at)
+
+    def _view(self, worker_id: int) -> CommPlan:
+        plan = self._plan
+        ready = self._round is None and plan is not None
+        if plan is None:
+            return CommPlan(self._version, -1, 0, (), "", 0, False)
+        rank = plan.members.index(worker_id) if worker_id in plan.members else -1
+        return CommPlan(plan.version, rank, len(plan.members), plan.addresses,
+                        plan.master_addr, plan.master_port, ready)
