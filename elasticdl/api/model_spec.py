@@ -38,7 +38,6 @@ class ModelSpec:
     eval_metrics_fn: Optional[Callable[[], dict[str, Callable[..., Any]]]]
     custom_data_reader: Optional[Callable[..., Any]]
     prediction_outputs_processor: Optional[Any]
-    callbacks: Optional[Callable[[], Any]]
     train_loop: Optional[Callable[..., Any]]
 
     def build_model(self) -> Any:
@@ -93,7 +92,6 @@ def load_model_spec(
     eval_metrics_fn: str = "eval_metrics_fn",
     custom_data_reader: str = "custom_data_reader",
     prediction_outputs_processor: str = "PredictionOutputsProcessor",
-    callbacks: str = "callbacks",
     train_loop: str = "train_loop",
 ) -> ModelSpec:
     """Import the module named by ``model_def`` and check every function.
@@ -137,7 +135,6 @@ def load_model_spec(
         custom_data_reader=optional(custom_data_reader, "custom_data_reader"),
         prediction_outputs_processor=optional(prediction_outputs_processor,
                                               "PredictionOutputsProcessor"),
-        callbacks=optional(callbacks, "callbacks"),
         train_loop=optional(train_loop, "train_loop"),
     )
     _check_arity(spec.loss, 2, "loss", path)
@@ -172,5 +169,4 @@ def load_from_job_spec(spec: Any) -> ModelSpec:
         eval_metrics_fn=spec.eval_metrics_fn,
         custom_data_reader=spec.custom_data_reader,
         prediction_outputs_processor=spec.prediction_outputs_processor,
-        callbacks=spec.callbacks,
     )

@@ -63,7 +63,6 @@ class JobSpec:
     prediction_outputs_processor: str = _f("PredictionOutputsProcessor",
                                            "Name of an optional prediction writer class",
                                            "model")
-    callbacks: str = _f("callbacks", "Name of an optional callbacks factory", "model")
     # --- data
     training_data: str = _f("", "File or directory of training records", "data")
     validation_data: str = _f("", "File or directory of validation records", "data")

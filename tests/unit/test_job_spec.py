@@ -42,6 +42,7 @@ def test_defaults_and_derived_values():
     ({"bogus_flag": 1}, "bogus_flag"),
     ({"model_def": ""}, "model_def"),
     ({"device": "tpu"}, "device"),
+    ({"num_workers": 2}, "num_workers"),  # Local strategy trains in one process
 ])
 def test_bad_values_name_the_flag(flags, flag):
     with pytest.raises(JobSpecError) as e:
@@ -65,7 +66,8 @@ def test_required_per_job_type():
 
 
 def test_json_round_trip_and_frozen():
-    s = spec(num_workers=3, model_params="a=1;b=x")
+    s = spec(num_workers=3, model_params="a=1;b=x",
+             distribution_strategy="ParameterServerStrategy")
     assert JobSpec.from_json(s.to_json()) == s
     assert s.model_kwargs == {"a": 1, "b": "x"}
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -114,3 +116,10 @@ def test_cli_help_documents_every_flag():
     text = r.stdout + r.stderr
     missing = [f.name for f in cli_fields() if f"--{f.name}" not in text]
     assert not missing, missing
+
+
+def test_cli_reference_is_current():
+    from scripts.gen_cli_docs import render
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "cli.md")) as f:
+        assert f.read() == render(), "run: python scripts/gen_cli_docs.py > docs/cli.md"
