@@ -1,0 +1,109 @@
+"""Connecting to the Kubernetes API, and errors a person can act on.
+
+Shared by :class:`~elasticdl.cluster.kubernetes.KubernetesCluster` (in the
+master pod) and the client (``elasticdl status|logs|stop``). Imports the
+official ``kubernetes`` client, so import this module only when Kubernetes is
+used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Optional
+
+import urllib3
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from elasticdl.cluster.api import ClusterError
+
+logger = logging.getLogger(__name__)
+
+#: (connect, read) seconds for ordinary API calls.
+REQUEST_TIMEOUT = (5.0, 30.0)
+#: What the client and the cluster catch from an API call: HTTP errors from the
+#: server and transport errors (refused, reset, timed out).
+API_ERRORS = (ApiException, urllib3.exceptions.HTTPError)
+
+
+class KubeConfigError(ClusterError):
+    """No usable Kubernetes configuration (no kubeconfig, not in a pod)."""
+
+
+class PermissionDenied(ClusterError):
+    """The API answered 403: the account lacks a verb (see ``elasticdl rbac``)."""
+
+
+def load_api_client(kubeconfig: Optional[str] = None,
+                    context: Optional[str] = None) -> client.ApiClient:
+    """An ApiClient for the in-cluster account or a kubeconfig.
+
+    In a pod (``KUBERNETES_SERVICE_HOST`` set, no explicit ``kubeconfig``) the
+    service account is used; otherwise ``kubeconfig``, ``$KUBECONFIG`` or
+    ``~/.kube/config``. Raises KubeConfigError saying where it looked.
+    """
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except ConfigException as e:
+            raise KubeConfigError(f"in-cluster Kubernetes configuration is unusable: {e}") \
+                from None
+        return client.ApiClient(configuration)
+    paths = [kubeconfig] if kubeconfig else _kubeconfig_paths()
+    found = [p for p in paths if os.path.isfile(p)]
+    if not found:
+        raise KubeConfigError(
+            "no Kubernetes configuration: looked for "
+            f"{', '.join(paths) or '$KUBECONFIG'}; set KUBECONFIG or create ~/.kube/config "
+            "(kubectl must work), or run inside a pod")
+    try:
+        return config.new_client_from_config(config_file=found[0], context=context,
+                                             persist_config=False)
+    except ConfigException as e:
+        raise KubeConfigError(f"kubeconfig {found[0]} is unusable: {e}") from None
+
+
+def _kubeconfig_paths() -> list[str]:
+    env = os.environ.get("KUBECONFIG", "")
+    if env:
+        return [p for p in env.split(os.pathsep) if p]
+    return [os.path.expanduser("~/.kube/config")]
+
+
+def api_error(error: BaseException, action: str) -> ClusterError:
+    """A ClusterError (PermissionDenied for 403) that says what failed and why."""
+    if isinstance(error, ApiException):
+        detail = _status_message(error)
+        if error.status == 403:
+            return PermissionDenied(
+                f"permission denied to {action}: {detail}. The account needs the verbs of "
+                "`elasticdl rbac` (apply it to the namespace, or ask an administrator)")
+        if error.status == 401:
+            return PermissionDenied(f"not authenticated to {action}: {detail}; check the "
+                                    "credentials in your kubeconfig")
+        return ClusterError(f"cannot {action}: HTTP {error.status} {detail}")
+    return ClusterError(f"cannot {action}: Kubernetes API unreachable ({error})")
+
+
+def _status_message(error: ApiException) -> str:
+    """The ``message`` of a Kubernetes Status body, else the HTTP reason."""
+    body = error.body
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
+    if body:
+        try:
+            status = json.loads(body)
+        except ValueError:
+            return str(body)[:300]
+        if isinstance(status, dict) and status.get("message"):
+            return str(status["message"])
+    return str(error.reason or "")
+
+
+def is_status(error: BaseException, code: int) -> bool:
+    """True if ``error`` is an API answer with HTTP status ``code``."""
+    return isinstance(error, ApiException) and error.status == code

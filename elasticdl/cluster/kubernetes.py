@@ -1,0 +1,440 @@
+"""``KubernetesCluster``: replicas as pods, watched through the API server.
+
+The master pod builds one with :meth:`KubernetesCluster.from_job_spec`. It
+creates PS and worker pods (and one ClusterIP Service per PS, whose DNS name
+is the PS address) owned by the master pod, so deleting the master deletes the
+job. A watch thread lists the job's pods, then watches them from the list's
+``resourceVersion``; after a dropped connection it resumes from the last
+version seen, and after ``410 Gone`` it lists again and reconciles. Pod
+statuses become :class:`ReplicaEvent` s per :mod:`elasticdl.cluster.pod_status`.
+
+Environment read by :meth:`from_job_spec` (set by Kubernetes or the stand-in
+test kubelet): ``MY_POD_NAME`` and ``MY_POD_IP`` (downward API) name the
+master pod and give the master address; ``$ELASTICDL_K8S_PORT_BASE`` moves the
+ports (see :mod:`~elasticdl.cluster.manifests`); ``$ELASTICDL_K8S_SERVICE_HOST``,
+when set, replaces Service DNS names in addresses (the stand-in has no DNS).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kubernetes import client, watch
+
+from elasticdl.cluster import manifests as mf
+from elasticdl.cluster.api import (
+    Cluster,
+    ClusterError,
+    ReplicaEvent,
+    ReplicaSpec,
+    ReplicaType,
+)
+from elasticdl.cluster.k8s_api import (
+    API_ERRORS,
+    REQUEST_TIMEOUT,
+    api_error,
+    is_status,
+    load_api_client,
+)
+from elasticdl.cluster.pod_status import Pod, PodState, pod_state, replica_of
+from elasticdl.common.job_spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+SERVICE_HOST_ENV = "ELASTICDL_K8S_SERVICE_HOST"
+
+
+@dataclass
+class _Tracked:
+    """One pod incarnation (by uid) and what was last reported about it."""
+
+    name: str
+    type: ReplicaType
+    index: int
+    pod: Pod
+    state: Optional[PodState] = None
+    high_priority: bool = False
+
+
+class KubernetesCluster(Cluster):
+    """Replicas of one job as pods in ``job_spec.namespace``.
+
+    ``owner`` is ``(name, uid)`` of the master pod; every pod and Service made
+    here references it. Raises ClusterError (PermissionDenied for 403) if the
+    job's pods cannot be listed.
+    """
+
+    def __init__(self, job_spec: JobSpec, api_client: client.ApiClient, *,
+                 owner: Optional[tuple[str, str]] = None, port_base: int = mf.DEFAULT_PORT_BASE,
+                 service_host: str = "", pod_ip: str = "", watch_timeout_s: int = 60,
+                 log_tail_lines: int = 30, delete_wait_s: float = 60.0):
+        self.job_spec = job_spec
+        self.namespace = job_spec.namespace
+        self._api_client = api_client
+        self._core = client.CoreV1Api(api_client)
+        self._owner = mf.owner_reference(*owner) if owner else None
+        self._port_base = port_base
+        self._service_host = service_host
+        self._pod_ip = pod_ip
+        self._watch_timeout_s = max(1, int(watch_timeout_s))
+        self._log_tail_lines = log_tail_lines
+        self._delete_wait_s = delete_wait_s
+        self._selector = mf.job_selector(job_spec.job_name)
+        self._lock = threading.RLock()
+        self._pods: dict[str, _Tracked] = {}  # by uid
+        self._created: dict[str, str] = {}  # pod name -> uid of the incarnation we made
+        self._services: set[str] = set()
+        self._events: queue.Queue[ReplicaEvent] = queue.Queue()
+        self._stop = threading.Event()
+        self._watch: Optional[watch.Watch] = None
+        self._rv = ""
+        rv = self._relist()
+        self._thread = threading.Thread(target=self._watch_loop, args=(rv,),
+                                        name="k8s-pod-watch", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_job_spec(cls, job_spec: JobSpec, job_dir: Optional[str] = None,
+                      **kwargs: Any) -> KubernetesCluster:
+        """The cluster of the master pod this process runs in.
+
+        ``job_dir`` is unused (pods keep their own logs). Raises KubeConfigError
+        without a configuration, ClusterError if the master pod is unreadable.
+        """
+        del job_dir
+        api_client = load_api_client()
+        owner = None
+        master = os.environ.get("MY_POD_NAME", "")
+        if master:
+            try:
+                pod = client.CoreV1Api(api_client).read_namespaced_pod(
+                    master, job_spec.namespace, _request_timeout=REQUEST_TIMEOUT)
+            except API_ERRORS as e:
+                raise api_error(e, f"read the master pod {master}") from None
+            owner = (master, _uid(pod))
+        else:
+            logger.warning("MY_POD_NAME is not set: replicas get no owner reference and "
+                           "survive the master unless it closes the cluster")
+        return cls(job_spec, api_client, owner=owner, port_base=mf.port_base(),
+                   service_host=os.environ.get(SERVICE_HOST_ENV, ""),
+                   pod_ip=os.environ.get("MY_POD_IP", ""), **kwargs)
+
+    # ------------------------------------------------------------ Cluster API
+    def endpoint(self, type: ReplicaType, index: int) -> tuple[int, str]:
+        """PS: its Service's ``<svc>.<ns>.svc:<port>``; master: pod IP; workers
+        have no address before they run (they advertise ``$MY_POD_IP``)."""
+        port = mf.replica_port(self._port_base, type, index)
+        if type == ReplicaType.PS:
+            host = self._service_host or (
+                f"{mf.ps_service_name(self.job_spec.job_name, index)}.{self.namespace}.svc")
+            return port, f"{host}:{port}"
+        if type == ReplicaType.MASTER:
+            return port, self.master_address() or ""
+        return port, ""
+
+    def master_address(self) -> Optional[str]:
+        """``$MY_POD_IP:<master port>`` (the master is never relaunched)."""
+        if not self._pod_ip:
+            return None
+        return f"{self._pod_ip}:{mf.replica_port(self._port_base, ReplicaType.MASTER, 0)}"
+
+    def create_replica(self, spec: ReplicaSpec) -> None:
+        if self._stop.is_set():
+            raise ClusterError("cluster is closed")
+        if spec.type == ReplicaType.MASTER:
+            raise ClusterError("the master pod is created by the client, not the cluster")
+        high = self._choose_high(spec)
+        try:
+            priority = mf.resolve_priority(
+                spec.priority or getattr(self.job_spec, f"{spec.type.value}_pod_priority"),
+                spec.type, high)
+            manifest = mf.replica_pod(self.job_spec, spec, priority, self._owner)
+        except ValueError as e:
+            raise ClusterError(f"cannot build the pod of {spec.name}: {e}") from None
+        if spec.type == ReplicaType.PS and spec.port:
+            self._ensure_service(spec.index, spec.port)
+        name = manifest["metadata"]["name"]
+        pod = self._create_pod(spec.name, manifest)
+        uid = _uid(pod)
+        with self._lock:
+            self._created[name] = uid
+            tracked = self._pods.setdefault(uid, _Tracked(name, spec.type, spec.index, {}))
+            tracked.high_priority = priority == "high"
+        logger.info("created pod %s (%s)%s", name, spec.name,
+                    f", priority class {priority}" if priority else "")
+
+    def delete_replica(self, type: ReplicaType, index: int) -> None:
+        name = mf.pod_name(self.job_spec.job_name, type, index)
+        self._delete_pod(name)
+
+    def poll_events(self, timeout_s: float) -> list[ReplicaEvent]:
+        events = []
+        try:
+            events.append(self._events.get(timeout=max(0.0, timeout_s)))
+            while True:
+                events.append(self._events.get_nowait())
+        except queue.Empty:
+            pass
+        return events
+
+    def close(self) -> None:
+        """Stop watching; delete live replicas and the PS Services.
+
+        Finished pods stay for ``elasticdl logs`` when the master pod owns them
+        (deleting the master removes them); without an owner all are deleted.
+        Deletion failures are logged, not raised: owner references still clean
+        up when the master pod goes.
+        """
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        deadline = time.monotonic() + self._watch_timeout_s + 15
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            current = self._watch  # stop() only cuts a stream that has begun: repeat
+            if current is not None:
+                current.stop()
+            self._thread.join(timeout=0.05)
+        with self._lock:
+            live = {name for name, uid in self._created.items()
+                    if self._owner is None or not self._is_terminal(uid)}
+            services = sorted(self._services)
+        failed = []
+        for name in sorted(live):
+            if not self._delete_pod(name, quiet=True):
+                failed.append(name)
+        for svc in services:
+            try:
+                self._core.delete_namespaced_service(svc, self.namespace,
+                                                     _request_timeout=REQUEST_TIMEOUT)
+            except API_ERRORS as e:
+                if not is_status(e, 404):
+                    failed.append(svc)
+                    logger.error("%s", api_error(e, f"delete service {svc}"))
+        if failed:
+            logger.error("could not delete %s; they go when the master pod is deleted",
+                         ", ".join(failed))
+        self._api_client.close()
+
+    # ------------------------------------------------------------ API calls
+    def _ensure_service(self, index: int, port: int) -> None:
+        body = mf.ps_service(self.job_spec, index, port, self._owner)
+        name = body["metadata"]["name"]
+        try:
+            self._core.create_namespaced_service(
+                self.namespace, _model(client.V1Service, body),
+                _request_timeout=REQUEST_TIMEOUT)
+            logger.info("created service %s -> ps-%d:%d", name, index, port)
+        except API_ERRORS as e:
+            if not is_status(e, 409):  # it exists since an earlier incarnation
+                raise api_error(e, f"create service {name}") from None
+        with self._lock:
+            self._services.add(name)
+
+    def _create_pod(self, replica: str, manifest: mf.Manifest) -> client.V1Pod:
+        name = manifest["metadata"]["name"]
+        body = _model(client.V1Pod, manifest)
+        for attempt in (1, 2):
+            try:
+                return self._core.create_namespaced_pod(self.namespace, body,
+                                                        _request_timeout=REQUEST_TIMEOUT)
+            except API_ERRORS as e:
+                if not is_status(e, 409) or attempt == 2:
+                    raise api_error(e, f"create pod {name} for {replica}") from None
+            self._replace_finished(name, replica)
+        raise AssertionError("unreachable")
+
+    def _replace_finished(self, name: str, replica: str) -> None:
+        """A pod of the same name exists (a PS relaunch): remove it if finished."""
+        try:
+            old = self._core.read_namespaced_pod(name, self.namespace,
+                                                 _request_timeout=REQUEST_TIMEOUT)
+        except API_ERRORS as e:
+            if is_status(e, 404):
+                return
+            raise api_error(e, f"read pod {name}") from None
+        raw = self._api_client.sanitize_for_serialization(old)
+        if not pod_state(raw).terminal and not raw["metadata"].get("deletionTimestamp"):
+            raise ClusterError(f"{replica} is still running as pod {name}; delete it first")
+        self._delete_pod(name)
+        deadline = time.monotonic() + self._delete_wait_s
+        while time.monotonic() < deadline:
+            try:
+                self._core.read_namespaced_pod(name, self.namespace,
+                                               _request_timeout=REQUEST_TIMEOUT)
+            except API_ERRORS as e:
+                if is_status(e, 404):
+                    return
+                raise api_error(e, f"read pod {name}") from None
+            time.sleep(0.2)
+        raise ClusterError(f"old pod {name} was not removed within {self._delete_wait_s:.0f} s")
+
+    def _delete_pod(self, name: str, quiet: bool = False) -> bool:
+        try:
+            self._core.delete_namespaced_pod(
+                name, self.namespace, body=client.V1DeleteOptions(
+                    propagation_policy="Background"), _request_timeout=REQUEST_TIMEOUT)
+            logger.info("deleted pod %s", name)
+        except API_ERRORS as e:
+            if is_status(e, 404):
+                return True
+            if quiet:
+                logger.error("%s", api_error(e, f"delete pod {name}"))
+                return False
+            raise api_error(e, f"delete pod {name}") from None
+        return True
+
+    def _log_tail(self, name: str) -> str:
+        if self._log_tail_lines <= 0:
+            return ""
+        try:
+            text = self._core.read_namespaced_pod_log(
+                name, self.namespace, tail_lines=self._log_tail_lines,
+                _request_timeout=REQUEST_TIMEOUT)
+        except API_ERRORS as e:
+            logger.info("no log of %s: %s", name, api_error(e, "read the log"))
+            return ""
+        return str(text or "")
+
+    # ------------------------------------------------------------ priorities
+    def _choose_high(self, spec: ReplicaSpec) -> bool:
+        """For ``--worker_pod_priority=<fraction>``: keep that share of live workers high."""
+        if spec.type != ReplicaType.WORKER:
+            return False
+        try:
+            fraction = mf.parse_fraction(spec.priority or self.job_spec.worker_pod_priority)
+        except ValueError as e:
+            raise ClusterError(str(e)) from None
+        if fraction is None:
+            return False
+        target = int(fraction * self.job_spec.num_workers + 0.5)
+        with self._lock:
+            high = sum(1 for t in self._pods.values() if t.type == ReplicaType.WORKER
+                       and t.high_priority and not (t.state and t.state.terminal))
+        return high < target
+
+    # ------------------------------------------------------------ watching
+    def _is_terminal(self, uid: str) -> bool:
+        tracked = self._pods.get(uid)
+        return bool(tracked and tracked.state and tracked.state.terminal)
+
+    def _relist(self) -> str:
+        """List the job's pods, reconcile, return the list's resourceVersion."""
+        try:
+            pods = self._core.list_namespaced_pod(self.namespace, label_selector=self._selector,
+                                                  _request_timeout=REQUEST_TIMEOUT)
+        except API_ERRORS as e:
+            raise api_error(e, f"list pods in namespace {self.namespace}") from None
+        raw = self._api_client.sanitize_for_serialization(pods)
+        seen = set()
+        for pod in raw.get("items") or []:
+            seen.add(pod["metadata"]["uid"])
+            self._on_pod(pod, deleted=False)
+        with self._lock:
+            gone = [t for uid, t in self._pods.items() if uid not in seen and t.pod]
+        for tracked in gone:  # deleted while we were not watching
+            self._on_pod(tracked.pod, deleted=True)
+        return str((raw.get("metadata") or {}).get("resourceVersion") or "")
+
+    def _watch_loop(self, rv: str) -> None:
+        """List once, then watch from the last resourceVersion seen, until closed."""
+        self._rv = rv
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                if not self._rv:
+                    self._rv = self._relist()
+                self._watch_once()
+                backoff = 0.1
+            except API_ERRORS as e:
+                if self._stop.is_set():
+                    break
+                if is_status(e, 410):
+                    logger.info("watch expired at resourceVersion %s; listing again", self._rv)
+                    self._rv = ""
+                    continue
+                logger.warning("pod watch interrupted (%s); resuming from resourceVersion %s "
+                               "in %.1f s", _short(e), self._rv or "(list)", backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+            except ClusterError as e:
+                logger.error("%s; retrying in %.1f s", e, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _watch_once(self) -> None:
+        """One watch request; ``self._rv`` follows every event (resume point)."""
+        w = watch.Watch()
+        self._watch = w
+        if self._stop.is_set():
+            return
+        for event in w.stream(self._core.list_namespaced_pod, self.namespace,
+                              label_selector=self._selector, resource_version=self._rv,
+                              allow_watch_bookmarks=True,
+                              timeout_seconds=self._watch_timeout_s,
+                              _request_timeout=(REQUEST_TIMEOUT[0], self._watch_timeout_s + 10)):
+            pod = event["raw_object"]
+            self._rv = str(((pod or {}).get("metadata") or {}).get("resourceVersion")
+                           or self._rv)
+            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                self._on_pod(pod, deleted=event["type"] == "DELETED")
+            if self._stop.is_set():
+                w.stop()
+
+    def _on_pod(self, pod: Pod, deleted: bool) -> None:
+        replica = replica_of(pod)
+        if replica is None or replica[0] == ReplicaType.MASTER:
+            return
+        meta = pod.get("metadata") or {}
+        uid, name = str(meta.get("uid")), str(meta.get("name"))
+        state = pod_state(pod, deleted)
+        with self._lock:
+            tracked = self._pods.setdefault(uid, _Tracked(name, *replica, pod))
+            tracked.pod = pod
+            prev = tracked.state
+            if prev is not None and (prev.terminal or
+                                     (prev.phase, prev.reason) == (state.phase, state.reason)):
+                return  # nothing new; a finished pod's later deletion is not news
+            tracked.state = state
+        message = state.message
+        if state.reason in ("error", "oom"):
+            tail = self._log_tail(name)
+            message = f"{message}\n{tail}".strip() if tail else message
+        event = ReplicaEvent(replica[0], replica[1], state.phase, state.exit_code,
+                             state.reason, message)
+        logger.info("%s (pod %s): %s%s%s", event.name, name, state.phase.value,
+                    f" ({state.reason})" if state.reason else "",
+                    f" exit {state.exit_code}" if state.exit_code is not None else "")
+        self._events.put(event)
+
+
+def _uid(obj: Any) -> str:
+    meta = getattr(obj, "metadata", None)
+    if meta is None or not meta.uid:
+        raise ClusterError("the API returned an object without metadata.uid")
+    return str(meta.uid)
+
+
+def _model(cls: Any, manifest: mf.Manifest) -> Any:
+    """The client model (V1Pod, V1Service) of a manifest dict."""
+    model = cls.from_dict(manifest)
+    if model is None:
+        raise ClusterError(f"empty {cls.__name__} manifest")
+    return model
+
+
+def _short(error: BaseException) -> str:
+    """One line for a log: ``HTTP 503 Service Unavailable`` or the transport error."""
+    status = getattr(error, "status", None)
+    return f"HTTP {status} {getattr(error, 'reason', '')}" if status else str(error)
+
+
+def create(job_spec: JobSpec, kubeconfig: Optional[str] = None,
+           **kwargs: Any) -> KubernetesCluster:
+    """A cluster from an explicit kubeconfig, without an owner (tests, tools)."""
+    return KubernetesCluster(job_spec, load_api_client(kubeconfig), **kwargs)

@@ -1,0 +1,297 @@
+"""A test kubelet: runs each pod's container command as a local process.
+
+It watches all pods through the API (the official client, like a real
+kubelet), starts a process for each new pod (``python`` -> this interpreter;
+env from the container spec, downward-API fields resolved: ``MY_POD_IP`` is
+127.0.0.1, ``MY_POD_NAME`` the pod name; plus ``extra_env``, as a kubelet adds
+its own variables), writes its stdout+stderr to ``<log_dir>/<ns>/<pod>.log``
+(served by the stand-in's log endpoint) and reports phases back through the
+``status`` subresource: Running, then Succeeded/Failed with a terminated
+container state (exit code, reason ``Completed``/``Error``/``OOMKilled``;
+death by signal N is exit 128+N as with containerd). A deleted pod's process
+gets SIGTERM, then SIGKILL after ``grace_s``; the API server's garbage
+collector deletes owned pods, so deleting a master pod stops the whole job.
+:meth:`FakeKubelet.oom_kill` and :meth:`FakeKubelet.evict` fake the kernel's
+OOM killer and node-pressure eviction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Any, Optional
+
+import urllib3
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+logger = logging.getLogger(__name__)
+
+NODE = "fake-node"
+POD_IP = "127.0.0.1"
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@dataclass
+class _Proc:
+    ns: str
+    name: str
+    uid: str
+    container: str
+    image: str
+    proc: subprocess.Popen
+    log: IO[bytes]
+    started: str
+    oom: bool = False
+    evicted: bool = False
+    deleted: bool = False
+    kill_at: Optional[float] = None
+    reported: bool = False
+
+
+class FakeKubelet:
+    """One node running every pod of the stand-in API server."""
+
+    def __init__(self, api_client: client.ApiClient, log_dir: str, work_dir: str,
+                 extra_env: Optional[dict[str, str]] = None, grace_s: float = 2.0,
+                 poll_s: float = 0.05):
+        self._core = client.CoreV1Api(api_client)
+        self.log_dir = log_dir
+        self.work_dir = work_dir
+        self.extra_env = dict(extra_env or {})
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._procs: dict[str, _Proc] = {}  # by pod uid
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._watch: Optional[watch.Watch] = None
+        self._threads = [threading.Thread(target=self._watch_loop, name="kubelet-watch",
+                                          daemon=True),
+                         threading.Thread(target=self._reap_loop, name="kubelet-reap",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------ test hooks
+    def pid(self, ns: str, name: str, timeout_s: float = 10.0) -> int:
+        """The pid of a pod's process, waiting for it to start."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                for p in self._procs.values():
+                    if (p.ns, p.name) == (ns, name):
+                        return p.proc.pid
+            time.sleep(0.02)
+        raise TimeoutError(f"pod {ns}/{name} did not start within {timeout_s} s")
+
+    def kill(self, ns: str, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the pod's process group (``kill -9`` from outside)."""
+        self._signal(self._find(ns, name), sig)
+
+    def oom_kill(self, ns: str, name: str) -> None:
+        """SIGKILL reported as ``OOMKilled``, as when the memory limit is hit."""
+        p = self._find(ns, name)
+        p.oom = True
+        self._signal(p, signal.SIGKILL)
+
+    def evict(self, ns: str, name: str) -> None:
+        """Node-pressure eviction: kill, then phase Failed with reason Evicted."""
+        p = self._find(ns, name)
+        p.evicted = True
+        self._signal(p, signal.SIGKILL)
+
+    def running(self) -> list[str]:
+        with self._lock:
+            return sorted(p.name for p in self._procs.values() if p.proc.poll() is None)
+
+    def close(self) -> None:
+        """Stop watching; SIGTERM then SIGKILL every process; join the threads."""
+        self._stop.set()
+        deadline = time.monotonic() + 10
+        while self._threads[0].is_alive() and time.monotonic() < deadline:
+            if self._watch is not None:  # stop() only cuts a stream that has begun
+                self._watch.stop()
+            self._threads[0].join(timeout=0.05)
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            self._signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for p in procs:
+            try:
+                p.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal(p, signal.SIGKILL)
+                p.proc.wait(timeout=10)
+            p.log.close()
+        for t in self._threads:
+            t.join(timeout=15)
+
+    # ------------------------------------------------------------ internals
+    def _find(self, ns: str, name: str) -> _Proc:
+        with self._lock:
+            for p in self._procs.values():
+                if (p.ns, p.name) == (ns, name):
+                    return p
+        raise KeyError(f"no process for pod {ns}/{name}")
+
+    @staticmethod
+    def _signal(p: _Proc, sig: int) -> None:
+        try:
+            os.killpg(p.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _watch_loop(self) -> None:
+        rv = ""
+        while not self._stop.is_set():
+            try:
+                if not rv:
+                    pods = self._core.list_pod_for_all_namespaces(_request_timeout=(5, 30))
+                    raw = self._core.api_client.sanitize_for_serialization(pods)
+                    for pod in raw["items"]:
+                        self._on_pod("ADDED", pod)
+                    rv = raw["metadata"]["resourceVersion"]
+                self._watch = w = watch.Watch()
+                for event in w.stream(self._core.list_pod_for_all_namespaces,
+                                      resource_version=rv, timeout_seconds=5,
+                                      _request_timeout=(5, 15)):
+                    pod = event["raw_object"]
+                    rv = pod["metadata"]["resourceVersion"]
+                    self._on_pod(event["type"], pod)
+                    if self._stop.is_set():
+                        break
+            except (ApiException, urllib3.exceptions.HTTPError) as e:
+                if isinstance(e, ApiException) and e.status == 410:
+                    rv = ""
+                elif not self._stop.is_set():
+                    logger.debug("kubelet watch interrupted: %s", e)
+                    self._stop.wait(0.1)
+
+    def _on_pod(self, type: str, pod: dict[str, Any]) -> None:
+        uid = pod["metadata"]["uid"]
+        if type == "DELETED":
+            with self._lock:
+                p = self._procs.get(uid)
+            if p is not None and p.proc.poll() is None:
+                p.deleted = True
+                p.kill_at = time.monotonic() + self.grace_s
+                self._signal(p, signal.SIGTERM)
+            return
+        with self._lock:
+            if uid in self._seen or pod["status"].get("phase") not in (None, "Pending"):
+                return
+            self._seen.add(uid)
+        self._start(pod)
+
+    def _env(self, pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+        meta = pod["metadata"]
+        fields = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
+                  "metadata.uid": meta["uid"], "status.podIP": POD_IP,
+                  "status.hostIP": POD_IP, "spec.nodeName": NODE}
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env["PYTHONUNBUFFERED"] = "1"
+        for item in container.get("env") or []:
+            ref = ((item.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+            env[item["name"]] = fields.get(ref, "") if ref else str(item.get("value", ""))
+        return env
+
+    def _start(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        container = pod["spec"]["containers"][0]
+        argv = list(container.get("command") or []) + list(container.get("args") or [])
+        if argv and argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        os.makedirs(os.path.join(self.log_dir, ns), exist_ok=True)
+        log = open(os.path.join(self.log_dir, ns, f"{name}.log"), "ab")
+        started = now()
+        try:
+            if not argv:
+                raise OSError("the container has no command (images are not run here)")
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=self._env(pod, container),
+                                    cwd=container.get("workingDir") or self.work_dir,
+                                    start_new_session=True)
+        except OSError as e:
+            log.write(f"kubelet: cannot start: {e}\n".encode())
+            log.close()
+            self._report(ns, name, {"phase": "Failed", "message": str(e), "containerStatuses": [
+                self._container_status(container, {"terminated": {
+                    "exitCode": 128, "reason": "StartError", "message": str(e),
+                    "startedAt": started, "finishedAt": now()}})]})
+            return
+        logger.debug("started pod %s/%s as pid %d", ns, name, proc.pid)
+        record = _Proc(ns, name, meta["uid"], container["name"], container.get("image", ""),
+                       proc, log, started)
+        with self._lock:  # findable by the test hooks once the API says Running
+            self._procs[meta["uid"]] = record
+        self._report(ns, name, {
+            "phase": "Running", "podIP": POD_IP, "podIPs": [{"ip": POD_IP}],
+            "hostIP": POD_IP, "startTime": started,
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": started}],
+            "containerStatuses": [self._container_status(
+                container, {"running": {"startedAt": started}}, ready=True)]})
+        record.reported = True  # only now may the reaper report the end
+
+    @staticmethod
+    def _container_status(container: dict[str, Any], state: dict[str, Any],
+                          ready: bool = False) -> dict[str, Any]:
+        return {"name": container["name"], "image": container.get("image", ""),
+                "imageID": "", "ready": ready, "restartCount": 0, "started": ready,
+                "state": state}
+
+    def _report(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            self._core.patch_namespaced_pod_status(name, ns, {"status": status},
+                                                   _request_timeout=(5, 10))
+        except ApiException as e:
+            if e.status != 404:  # a deleted pod has no status to report
+                raise
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                procs = list(self._procs.values())
+            for p in procs:
+                code = p.proc.poll() if p.reported else None
+                if code is None:
+                    if p.kill_at is not None and time.monotonic() > p.kill_at:
+                        self._signal(p, signal.SIGKILL)
+                    continue
+                with self._lock:
+                    self._procs.pop(p.uid, None)
+                p.log.close()
+                if not p.deleted:
+                    self._finished(p, code)
+
+    def _finished(self, p: _Proc, code: int) -> None:
+        exit_code = code if code >= 0 else 128 - code
+        reason = "OOMKilled" if p.oom else ("Completed" if code == 0 else "Error")
+        terminated = {"exitCode": exit_code, "reason": reason, "startedAt": p.started,
+                      "finishedAt": now()}
+        if code < 0:
+            terminated["signal"] = -code
+        status: dict[str, Any] = {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now()}],
+            "containerStatuses": [self._container_status(
+                {"name": p.container, "image": p.image}, {"terminated": terminated})]}
+        if p.evicted:
+            status.update(reason="Evicted", message="The node was low on resource: memory.")
+        logger.debug("pod %s/%s exited with %d (%s)", p.ns, p.name, exit_code, reason)
+        try:
+            self._report(p.ns, p.name, status)
+        except (ApiException, urllib3.exceptions.HTTPError) as e:
+            logger.warning("kubelet could not report %s/%s: %s", p.ns, p.name, e)
