@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import urllib3
 from kubernetes import client, config
@@ -107,3 +107,20 @@ def _status_message(error: ApiException) -> str:
 def is_status(error: BaseException, code: int) -> bool:
     """True if ``error`` is an API answer with HTTP status ``code``."""
     return isinstance(error, ApiException) and error.status == code
+
+
+def list_pods(core: client.CoreV1Api, namespace: str,
+              label_selector: str) -> tuple[list[dict[str, Any]], str]:
+    """The pods as plain dicts (as the API sent them) and the list's resourceVersion.
+
+    Raw JSON rather than client models: a pod status the model finds
+    incomplete must not break a status report or the master's pod watch.
+    """
+    resp = core.list_namespaced_pod(namespace, label_selector=label_selector,
+                                    _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+    try:
+        data = json.loads(resp.data)
+    finally:
+        resp.release_conn()
+    return list(data.get("items") or []), str((data.get("metadata") or {})
+                                              .get("resourceVersion") or "")

@@ -40,6 +40,7 @@ from elasticdl.cluster.k8s_api import (
     REQUEST_TIMEOUT,
     api_error,
     is_status,
+    list_pods,
     load_api_client,
 )
 from elasticdl.cluster.pod_status import Pod, PodState, pod_state, replica_of
@@ -326,20 +327,18 @@ class KubernetesCluster(Cluster):
     def _relist(self) -> str:
         """List the job's pods, reconcile, return the list's resourceVersion."""
         try:
-            pods = self._core.list_namespaced_pod(self.namespace, label_selector=self._selector,
-                                                  _request_timeout=REQUEST_TIMEOUT)
+            pods, rv = list_pods(self._core, self.namespace, self._selector)
         except API_ERRORS as e:
             raise api_error(e, f"list pods in namespace {self.namespace}") from None
-        raw = self._api_client.sanitize_for_serialization(pods)
         seen = set()
-        for pod in raw.get("items") or []:
+        for pod in pods:
             seen.add(pod["metadata"]["uid"])
             self._on_pod(pod, deleted=False)
         with self._lock:
             gone = [t for uid, t in self._pods.items() if uid not in seen and t.pod]
         for tracked in gone:  # deleted while we were not watching
             self._on_pod(tracked.pod, deleted=True)
-        return str((raw.get("metadata") or {}).get("resourceVersion") or "")
+        return rv
 
     def _watch_loop(self, rv: str) -> None:
         """List once, then watch from the last resourceVersion seen, until closed."""
@@ -369,7 +368,7 @@ class KubernetesCluster(Cluster):
 
     def _watch_once(self) -> None:
         """One watch request; ``self._rv`` follows every event (resume point)."""
-        w = watch.Watch()
+        w = watch.Watch(return_type="object")  # events as the API sent them (dicts)
         self._watch = w
         if self._stop.is_set():
             return

@@ -17,6 +17,7 @@ OOM killer and node-pressure eviction.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -157,12 +158,14 @@ class FakeKubelet:
         while not self._stop.is_set():
             try:
                 if not rv:
-                    pods = self._core.list_pod_for_all_namespaces(_request_timeout=(5, 30))
-                    raw = self._core.api_client.sanitize_for_serialization(pods)
+                    resp = self._core.list_pod_for_all_namespaces(_preload_content=False,
+                                                                  _request_timeout=(5, 30))
+                    raw = json.loads(resp.data)
+                    resp.release_conn()
                     for pod in raw["items"]:
                         self._on_pod("ADDED", pod)
                     rv = raw["metadata"]["resourceVersion"]
-                self._watch = w = watch.Watch()
+                self._watch = w = watch.Watch(return_type="object")
                 for event in w.stream(self._core.list_pod_for_all_namespaces,
                                       resource_version=rv, timeout_seconds=5,
                                       _request_timeout=(5, 15)):

@@ -1,0 +1,247 @@
+"""Client side of Kubernetes jobs: submit, status, logs, stop, rbac.
+
+Every function prints to ``out`` (stdout) / stderr and returns the process
+exit code; the CLI calls ``sys.exit(fn(...))``:
+
+* 0 — done (submitted, manifests written, status/logs shown, stopped);
+* 1 — the API refused or failed (job already exists, no such job/replica,
+  API unreachable);
+* 2 — usage or environment: no kubeconfig, no permission (401/403), a bad
+  ``--cluster_spec``.
+
+``status`` shows each replica's pod phase and exit reason, then the job's
+progress as the last lines of the master pod's log (the master logs progress
+and the job report figures as it runs; nothing else has to be kept in sync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from typing import IO, Any, Optional
+
+from elasticdl.cluster import manifests as mf
+from elasticdl.cluster.api import ClusterError, ReplicaType
+from elasticdl.common.job_spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+OK, API_FAILED, USAGE = 0, 1, 2
+
+
+def _error(command: str, message: str, code: int) -> int:
+    print(f"elasticdl {command}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _cluster_error_code(error: ClusterError) -> int:
+    from elasticdl.cluster.k8s_api import KubeConfigError, PermissionDenied
+
+    return USAGE if isinstance(error, (KubeConfigError, PermissionDenied)) else API_FAILED
+
+
+@contextlib.contextmanager
+def _core(kubeconfig: Optional[str]) -> Iterator[Any]:
+    """A CoreV1Api for the kubeconfig; raises KubeConfigError without one."""
+    from kubernetes import client
+
+    from elasticdl.cluster.k8s_api import load_api_client
+
+    api = load_api_client(kubeconfig)
+    try:
+        yield client.CoreV1Api(api)
+    finally:
+        api.close()
+
+
+def write_yaml(job_spec: JobSpec, out: IO[str] = sys.stdout) -> int:
+    """Write the master pod manifest to ``job_spec.yaml`` instead of submitting."""
+    try:
+        text = mf.to_yaml([mf.master_pod(job_spec, mf.port_base())])
+    except ValueError as e:
+        return _error(job_spec.job_type, str(e), USAGE)
+    try:
+        with open(job_spec.yaml, "w", encoding="utf-8") as f:
+            f.write(f"# elasticdl {job_spec.job_type} job {job_spec.job_name}: apply with "
+                    f"kubectl apply -n {job_spec.namespace} -f {job_spec.yaml}\n"
+                    "# (needs the RBAC of `elasticdl rbac` in the namespace first)\n")
+            f.write(text)
+    except OSError as e:
+        return _error(job_spec.job_type, f"cannot write --yaml={job_spec.yaml}: {e}", USAGE)
+    print(f"wrote the manifest of job {job_spec.job_name} to {job_spec.yaml}", file=out)
+    return OK
+
+
+def submit(job_spec: JobSpec, kubeconfig: Optional[str] = None,
+           out: IO[str] = sys.stdout) -> int:
+    """Create the master pod (its command carries the job spec), or write --yaml."""
+    if job_spec.yaml:
+        return write_yaml(job_spec, out)
+    command = job_spec.job_type
+    try:
+        manifest = mf.master_pod(job_spec, mf.port_base())
+    except ValueError as e:
+        return _error(command, str(e), USAGE)
+    from kubernetes import client
+
+    from elasticdl.cluster.k8s_api import API_ERRORS, REQUEST_TIMEOUT, api_error, is_status
+
+    try:
+        with _core(kubeconfig) as core:
+            core.create_namespaced_pod(job_spec.namespace, client.V1Pod.from_dict(manifest),
+                                       _request_timeout=REQUEST_TIMEOUT)
+    except ClusterError as e:
+        return _error(command, str(e), _cluster_error_code(e))
+    except API_ERRORS as e:
+        if is_status(e, 409):
+            return _error(command, f"job {job_spec.job_name} already exists in namespace "
+                          f"{job_spec.namespace}; pick another --job_name or run "
+                          f"`elasticdl stop {job_spec.job_name}`", API_FAILED)
+        err = api_error(e, f"create the master pod in namespace {job_spec.namespace}")
+        return _error(command, str(err), _cluster_error_code(err))
+    print(f"submitted job {job_spec.job_name}: master pod {manifest['metadata']['name']} in "
+          f"namespace {job_spec.namespace}\n"
+          f"  elasticdl status {job_spec.job_name} --namespace={job_spec.namespace}\n"
+          f"  elasticdl logs {job_spec.job_name} --replica=master --follow", file=out)
+    return OK
+
+
+def _describe(pod: dict[str, Any]) -> tuple[str, str, str, str]:
+    from elasticdl.cluster.pod_status import pod_state, replica_of
+
+    replica = replica_of(pod)
+    name = f"{replica[0].value}-{replica[1]}" if replica else pod["metadata"]["name"]
+    if replica and replica[0] == ReplicaType.MASTER:
+        name = "master"
+    state = pod_state(pod)
+    code = "" if state.exit_code is None else str(state.exit_code)
+    return name, state.phase.value, state.reason, code
+
+
+def status(job_name: str, namespace: str = "default", tail: int = 5,
+           kubeconfig: Optional[str] = None, out: IO[str] = sys.stdout) -> int:
+    """Print each replica's phase, then the tail of the master's log."""
+    from elasticdl.cluster.k8s_api import API_ERRORS, api_error, list_pods
+
+    try:
+        with _core(kubeconfig) as core:
+            raw, _ = list_pods(core, namespace, mf.job_selector(job_name))
+            log = _master_log(core, job_name, namespace, tail) if raw and tail > 0 else ""
+    except ClusterError as e:
+        return _error("status", str(e), _cluster_error_code(e))
+    except API_ERRORS as e:
+        err = api_error(e, f"list the pods of job {job_name}")
+        return _error("status", str(err), _cluster_error_code(err))
+    if not raw:
+        return _error("status", f"no job {job_name} in namespace {namespace}", API_FAILED)
+    rows = sorted((_describe(p) for p in raw), key=_replica_order)
+    print(f"job {job_name} (namespace {namespace})", file=out)
+    print(f"  {'REPLICA':<14}{'PHASE':<11}{'REASON':<15}EXIT", file=out)
+    for name, phase, reason, code in rows:
+        print(f"  {name:<14}{phase:<11}{reason:<15}{code}", file=out)
+    if tail > 0:
+        print("progress (master log):", file=out)
+        for line in log.splitlines():
+            print(f"  {line}", file=out)
+    return OK
+
+
+def _master_log(core: Any, job_name: str, namespace: str, tail: int) -> str:
+    from elasticdl.cluster.k8s_api import API_ERRORS, REQUEST_TIMEOUT, api_error
+
+    master = mf.pod_name(job_name, ReplicaType.MASTER)
+    try:
+        text = core.read_namespaced_pod_log(master, namespace, tail_lines=tail,
+                                            _request_timeout=REQUEST_TIMEOUT)
+    except API_ERRORS as e:
+        return f"(no master log: {api_error(e, 'read the master log')})"
+    return str(text or "")
+
+
+def _replica_order(row: tuple[str, str, str, str]) -> tuple[int, int, str]:
+    kind, _, index = row[0].partition("-")
+    rank = {"master": 0, "ps": 1, "worker": 2}.get(kind, 3)
+    return rank, int(index) if index.isdigit() else 0, row[0]
+
+
+def replica_pod_name(job_name: str, replica: str) -> str:
+    """``master``, ``ps-0`` or ``worker-3`` -> its pod name; ValueError otherwise."""
+    if replica == "master":
+        return mf.pod_name(job_name, ReplicaType.MASTER)
+    kind, _, index = replica.partition("-")
+    if kind not in ("ps", "worker") or not index.isdigit():
+        raise ValueError(f"--replica={replica!r}: use master, ps-<i> or worker-<i>")
+    return mf.pod_name(job_name, ReplicaType(kind), int(index))
+
+
+def logs(job_name: str, replica: str = "master", namespace: str = "default",
+         follow: bool = False, tail: int = -1, kubeconfig: Optional[str] = None,
+         out: IO[str] = sys.stdout) -> int:
+    """Print (``follow``: stream until it ends) one replica's log."""
+    from elasticdl.cluster.k8s_api import API_ERRORS, REQUEST_TIMEOUT, api_error, is_status
+
+    try:
+        name = replica_pod_name(job_name, replica)
+    except ValueError as e:
+        return _error("logs", str(e), USAGE)
+    kwargs: dict[str, Any] = {"tail_lines": tail} if tail >= 0 else {}
+    try:
+        with _core(kubeconfig) as core:
+            if not follow:
+                text = core.read_namespaced_pod_log(name, namespace, **kwargs,
+                                                    _request_timeout=REQUEST_TIMEOUT)
+                out.write(str(text or ""))
+                return OK
+            resp = core.read_namespaced_pod_log(name, namespace, follow=True,
+                                                _preload_content=False,
+                                                _request_timeout=(REQUEST_TIMEOUT[0], 3600.0),
+                                                **kwargs)
+            try:
+                for chunk in resp.stream(amt=None, decode_content=False):
+                    out.write(chunk.decode("utf-8", "replace"))
+                    out.flush()
+            finally:
+                resp.release_conn()
+    except ClusterError as e:
+        return _error("logs", str(e), _cluster_error_code(e))
+    except API_ERRORS as e:
+        if is_status(e, 404):
+            return _error("logs", f"no pod {name} for {replica} of job {job_name} in "
+                          f"namespace {namespace} (see `elasticdl status {job_name}`)",
+                          API_FAILED)
+        err = api_error(e, f"read the log of {name}")
+        return _error("logs", str(err), _cluster_error_code(err))
+    return OK
+
+
+def stop(job_name: str, namespace: str = "default", kubeconfig: Optional[str] = None,
+         out: IO[str] = sys.stdout) -> int:
+    """Delete the master pod; owner references remove the PS, workers and Services."""
+    from kubernetes import client
+
+    from elasticdl.cluster.k8s_api import API_ERRORS, REQUEST_TIMEOUT, api_error, is_status
+
+    name = mf.pod_name(job_name, ReplicaType.MASTER)
+    try:
+        with _core(kubeconfig) as core:
+            core.delete_namespaced_pod(name, namespace, body=client.V1DeleteOptions(
+                propagation_policy="Background"), _request_timeout=REQUEST_TIMEOUT)
+    except ClusterError as e:
+        return _error("stop", str(e), _cluster_error_code(e))
+    except API_ERRORS as e:
+        if is_status(e, 404):
+            return _error("stop", f"no job {job_name} in namespace {namespace}", API_FAILED)
+        err = api_error(e, f"delete the master pod {name}")
+        return _error("stop", str(err), _cluster_error_code(err))
+    print(f"stopped job {job_name}: deleted {name}; its replicas and services follow",
+          file=out)
+    return OK
+
+
+def rbac(namespace: str = "default", out: IO[str] = sys.stdout) -> int:
+    """Print the ServiceAccount, Role and RoleBinding the master pod needs."""
+    out.write(mf.rbac_yaml(namespace))
+    return OK
+
