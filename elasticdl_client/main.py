@@ -78,7 +78,10 @@ def _dispatch(spec: JobSpec) -> dict[str, Any] | None:
                              "ParameterServerStrategy or AllreduceStrategy for Kubernetes")
         from elasticdl_client import k8s
 
-        return k8s.submit(spec)
+        code = k8s.submit(spec)
+        if code:
+            sys.exit(code)
+        return None
     if not runs_in_process(spec):
         from elasticdl_client.local_cluster import run_local_cluster_job
 

@@ -35,7 +35,7 @@ def create_readers(spec: Any, custom_reader: Optional[Callable[..., DataReader]]
     return readers
 
 
-def shards_for(readers: dict[TaskType, DataReader], spec: Any) -> dict[str, list]:
+def shards_for(readers: dict[TaskType, DataReader], spec: Any) -> dict[str, Any]:
     """The shards each TaskManager argument needs for this job type."""
     def shards(typ: TaskType) -> list:
         return list(readers[typ].create_shards()) if typ in readers else []

@@ -78,7 +78,7 @@ def parse_volumes(text: str) -> list[dict[str, str]]:
     Each volume needs ``mount_path`` and exactly one of ``host_path`` or
     ``claim_name``; ``type`` and ``sub_path`` are optional.
     """
-    volumes = []
+    volumes: list[dict[str, str]] = []
     if not text:
         return volumes
     for spec in text.split(";"):

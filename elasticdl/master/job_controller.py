@@ -15,7 +15,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from elasticdl.cluster.api import Cluster, ClusterError, Phase, ReplicaEvent, ReplicaSpec, ReplicaType
+from elasticdl.cluster.api import (
+    Cluster,
+    ClusterError,
+    Phase,
+    ReplicaEvent,
+    ReplicaSpec,
+    ReplicaType,
+)
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources

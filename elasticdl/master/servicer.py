@@ -47,7 +47,7 @@ class _Invalid(Exception):
 
 
 def task_to_proto(task: Task) -> pb.Task:
-    return pb.Task(task_id=task.task_id, type=int(task.type),
+    return pb.Task(task_id=task.task_id, type=int(task.type),  # type: ignore[arg-type]
                    shard=pb.Shard(name=task.shard_name, start=task.start, end=task.end),
                    model_version=task.model_version, epoch=task.epoch)
 

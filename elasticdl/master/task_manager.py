@@ -98,7 +98,8 @@ class _EvalJob:
     remaining: set[int] = field(default_factory=set)
 
 
-def make_tasks(shards: Iterable[Sequence[Any]], records_per_task: int) -> list[tuple[str, int, int]]:
+def make_tasks(shards: Iterable[Sequence[Any]],
+               records_per_task: int) -> list[tuple[str, int, int]]:
     """Cut ``(name, start, count)`` shards into ``(name, start, end)`` pieces."""
     pieces = []
     for name, start, count in shards:
@@ -168,7 +169,7 @@ class TaskManager:
         self._eval_jobs: dict[int, _EvalJob] = {}
         self.failure: Optional[TaskFailure] = None
         self.epoch_end_callbacks: list[Callable[[int], None]] = []
-        self.evaluation_done_callbacks: list[Callable[[int], None]] = []
+        self.evaluation_done_callbacks: list[Callable[[int], Any]] = []
         for name, start, end in make_tasks(prediction_shards, records_per_task):
             self._todo.append(self._new_task(TaskType.PREDICTION, name, start, end))
 

@@ -59,8 +59,8 @@ class MasterClient(TaskSource):
                 delay = min(delay * 2, 2.0)
 
     def get_task(self, task_type: Optional[TaskType] = None) -> Task:
-        req = pb.GetTaskRequest(worker_id=self.worker_id,
-                                task_type=int(task_type) if task_type is not None else pb.NONE)
+        wanted: Any = int(task_type) if task_type is not None else pb.NONE
+        req = pb.GetTaskRequest(worker_id=self.worker_id, task_type=wanted)
         msg = self._call(self._stub.get_task, req)
         if msg.extended_config.get("export_model") == "true":
             self.export_model = True

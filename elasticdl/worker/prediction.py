@@ -53,7 +53,8 @@ class PredictionSink:
             raise ValueError(f"prediction format must be npz or csv, got {fmt!r}")
         self.output_dir = output_dir
         self.fmt = fmt
-        self.processor = processor_cls() if inspect.isclass(processor_cls) else processor_cls
+        self.processor: Any = (processor_cls() if inspect.isclass(processor_cls)
+                               else processor_cls)
         os.makedirs(os.path.join(output_dir, "predictions"), exist_ok=True)
 
     def write(self, task: Task, index: np.ndarray, outputs: Sequence[Any],

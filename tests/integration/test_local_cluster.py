@@ -72,7 +72,6 @@ def test_predict_survives_sigkill_of_a_worker(toy_checkpoint):
     assert len(seen) == 6000 and len(set(seen)) == 6000
     # outputs join back to inputs: compare with the model applied to the input rows
     import torch
-
     from toy import linear
 
     model = linear.custom_model()
