@@ -150,8 +150,12 @@ def _job_op(op: str):
         if local_dir is None:
             from elasticdl_client import k8s
 
-            getattr(k8s, op)(job_name=job_name, replica=replica, follow=follow,
-                             namespace=namespace)
+            if op == "logs":
+                code = k8s.logs(job_name, replica=replica, namespace=namespace, follow=follow)
+            else:
+                code = getattr(k8s, op)(job_name, namespace=namespace)
+            if code:
+                sys.exit(code)
             return
         try:
             if op == "status":

@@ -1,0 +1,94 @@
+"""`elasticdl status|logs|stop` and Ctrl-C on real local jobs: nothing is left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import FIXTURE_ZOO, ROOT
+from tests.integration.helpers import (
+    cli_env,
+    kill_job_tree,
+    live_replicas,
+    read_json,
+    start_cli,
+    wait_for,
+)
+from tests.integration.test_local_cluster import predict_args, toy_checkpoint  # noqa: F401
+
+pytestmark = pytest.mark.integration
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except OSError:
+        return False
+
+
+def all_pids(job_dir: str) -> list[int]:
+    master = (read_json(os.path.join(job_dir, "master.json")) or {}).get("pid")
+    return [master] + [r["pid"] for r in live_replicas(job_dir)]
+
+
+def cli(home, *args):
+    return subprocess.run([sys.executable, "-m", "elasticdl_client.main", *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=cli_env(home))
+
+
+def slow_job(tmp, job):
+    return predict_args(tmp, job, tmp / "predict", minibatch_size=10,
+                        num_minibatches_per_task=2, envs="TOY_FEED_DELAY_S=0.5")
+
+
+def wait_running(job_dir):
+    return wait_for(lambda: len(live_replicas(job_dir)) == 3 and all_pids(job_dir), 120,
+                    "3 running workers")
+
+
+def test_status_logs_and_stop(toy_checkpoint):  # noqa: F811
+    tmp = toy_checkpoint
+    home, job_dir = str(tmp / "home"), str(tmp / "stopme")
+    proc = start_cli(slow_job(tmp, "stopme"), home, str(tmp / "cli.log"))
+    try:
+        pids = wait_running(job_dir)
+        wait_for(lambda: "worker 1" in open(os.path.join(job_dir, "logs",
+                                                          "worker-1.log")).read()
+                 or "elasticdl.worker" in open(os.path.join(job_dir, "logs",
+                                                              "worker-1.log")).read(),
+                 60, "worker-1 logging")
+        st = cli(home, "status", "stopme")
+        assert st.returncode == 0 and "master running" in st.stdout
+        assert "worker-1" in st.stdout
+        logs = cli(home, "logs", "stopme", "--replica=worker-1")
+        assert logs.returncode == 0 and "start worker-1" in logs.stdout
+        missing = cli(home, "logs", "stopme", "--replica=worker-9")
+        assert missing.returncode == 2 and "worker-9" in missing.stderr
+        stopped = cli(home, "stop", "stopme")
+        assert stopped.returncode == 0 and "master" in stopped.stdout
+        assert proc.wait(timeout=60) != 0
+        wait_for(lambda: not any(running(p) for p in pids), 30, "every process gone")
+        assert cli(home, "status", "nosuchjob").returncode == 2
+    finally:
+        kill_job_tree(proc, job_dir)
+
+
+def test_ctrl_c_tears_everything_down(toy_checkpoint):  # noqa: F811
+    tmp = toy_checkpoint
+    home, job_dir = str(tmp / "home"), str(tmp / "ctrlc")
+    proc = start_cli(slow_job(tmp, "ctrlc"), home, str(tmp / "cli.log"))
+    try:
+        pids = wait_running(job_dir)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        assert proc.wait(timeout=60) == 130
+        wait_for(lambda: not any(running(p) for p in pids), 30, "every process gone")
+        report = read_json(os.path.join(job_dir, "job_report.json"))
+        assert report["status"] == "stopped"
+    finally:
+        kill_job_tree(proc, job_dir)
