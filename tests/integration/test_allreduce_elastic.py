@@ -1,0 +1,205 @@
+"""AllreduceTrainer on real gloo groups in 2-4 processes, master stood in by a real
+Rendezvous and TaskManager served from the test process (127.0.0.1 only)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from elasticdl.api.model_spec import load_model_spec
+from elasticdl.common.job_spec import JobSpec
+from elasticdl.master.rendezvous import Rendezvous
+from elasticdl.master.task_manager import TaskManager, TaskType
+from elasticdl.worker.trainer import LocalTrainer
+from tests.conftest import FIXTURE_ZOO
+from tests.integration.dist_procs import Procs, free_port
+from tests.integration.elastic_harness import (
+    FakeComm,
+    FakeSource,
+    MasterStandIn,
+    MemoryReader,
+    connect,
+)
+
+pytestmark = pytest.mark.integration
+
+MODEL_DEF = "toy.linear.custom_model"
+
+
+def _job_spec(**kw) -> JobSpec:
+    kw.setdefault("collective_timeout_s", 5.0)
+    return JobSpec(model_zoo=FIXTURE_ZOO, model_def=MODEL_DEF, training_data="mem",
+                   distribution_strategy="AllreduceStrategy", job_name="elastic-test", **kw)
+
+
+def _trainer(address, worker_id: int, spec: JobSpec):
+    from elasticdl.worker.allreduce_trainer import AllreduceTrainer
+
+    rdzv = connect(address).rdzv()
+    model_spec = load_model_spec(FIXTURE_ZOO, MODEL_DEF)
+    return AllreduceTrainer(model_spec, spec, worker_id, torch.device("cpu"),
+                            FakeComm(rdzv, worker_id), "127.0.0.1")
+
+
+def _batches(n_steps: int, world: int, size: int) -> list[list[tuple]]:
+    """batches[k][r]: (x, y) of rank r at step k; the union over r is records k*world*size.."""
+    data = MemoryReader(n_steps * world * size)
+    out = []
+    for k in range(n_steps):
+        row = []
+        for r in range(world):
+            start = (k * world + r) * size
+            x = torch.from_numpy(data.x[start:start + size])
+            y = torch.from_numpy(data.y[start:start + size])
+            row.append((x, y))
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------- equivalence
+def _equivalence_worker(address, worker_id: int, spec_json: str, world: int) -> dict:
+    spec = JobSpec.from_json(spec_json)
+    trainer = _trainer(address, worker_id, spec)
+    try:
+        losses = []
+        for row in _batches(6, world, 8):
+            if spec.fixed_global_batch_size:  # one member, all of a step's minibatches
+                for x, y in row:
+                    loss = trainer.train_minibatch(x, y)
+            else:
+                x, y = row[worker_id]
+                loss = trainer.train_minibatch(x, y)
+            assert loss is not None
+            losses.append(float(loss))
+        return {"params": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+                "version": trainer.model_version, "world": trainer.group.world_size}
+    finally:
+        trainer.close()
+
+
+def _union_reference(world: int) -> dict:
+    model_spec = load_model_spec(FIXTURE_ZOO, MODEL_DEF)
+    ref = LocalTrainer(model_spec, torch.device("cpu"), seed=0)
+    for row in _batches(6, world, 8):
+        x = torch.cat([b[0] for b in row])
+        y = torch.cat([b[1] for b in row])
+        ref.train_minibatch(x, y)
+    return ref.model.state_dict()
+
+
+def _run_equivalence(spec: JobSpec, workers: int, world: int) -> list[dict]:
+    rdzv = Rendezvous("127.0.0.1", free_port, settle_s=0.3, checkin_timeout_s=20,
+                      initial_workers=workers)
+    master = MasterStandIn(rdzv)
+    procs = Procs()
+    try:
+        for w in range(workers):
+            procs.start(w, _equivalence_worker, master.address, w, spec.to_json(), world)
+        res = procs.collect(list(range(workers)), timeout_s=50)
+        return [res[w] for w in range(workers)]
+    finally:
+        procs.close()
+        master.close()
+
+
+def test_two_workers_equal_single_process_training_on_the_union_batches():
+    results = _run_equivalence(_job_spec(), workers=2, world=2)
+    ref = _union_reference(2)
+    for res in results:
+        assert res["world"] == 2 and res["version"] == 6
+        for name, value in ref.items():
+            torch.testing.assert_close(res["params"][name], value, rtol=0, atol=1e-5)
+
+
+def test_fixed_global_batch_accumulates_when_fewer_workers_are_present():
+    # the job is sized for 2 workers; 1 is present: 2 accumulated minibatches per step
+    results = _run_equivalence(_job_spec(num_workers=2, fixed_global_batch_size=True),
+                               workers=1, world=2)
+    ref = _union_reference(2)
+    assert results[0]["world"] == 1 and results[0]["version"] == 6
+    for name, value in ref.items():
+        torch.testing.assert_close(results[0]["params"][name], value, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------- chaos
+def _chaos_worker(address, worker_id: int, spec_json: str, n_records: int,
+                  go: Optional[Any] = None) -> dict:
+    if go is not None and not go.wait(60):  # a late worker: torch imported, waiting to join
+        raise TimeoutError("never told to join")
+    spec = JobSpec.from_json(spec_json)
+    trainer = _trainer(address, worker_id, spec)
+    failures: list[float] = []
+    fail = trainer.group.fail
+
+    def recording_fail(reason: str) -> None:
+        failures.append(time.time())
+        fail(reason)
+
+    trainer.group.fail = recording_fail  # type: ignore[method-assign]
+    trainer.runner.start()
+    joined_at_version = trainer.model_version
+    source = FakeSource(connect(address).tm(), worker_id)
+    stats = trainer.run(source, {TaskType.TRAINING: MemoryReader(n_records)})
+    return {"pid": os.getpid(), "joined_at_version": joined_at_version,
+            "version": trainer.model_version, "failures": failures,
+            "formations": trainer.group.formations, "steps": stats.steps,
+            "params": {k: v.clone() for k, v in trainer.model.state_dict().items()}}
+
+
+def test_kill_one_of_three_members_survivors_continue_and_a_new_worker_joins(monkeypatch):
+    n_records = 2048
+    monkeypatch.setenv("TOY_FEED_DELAY_S", "0.04")  # 256 minibatches of >= 40 ms
+    spec = _job_spec(minibatch_size=16, num_minibatches_per_task=4, num_epochs=2,
+                     num_workers=3, collective_timeout_s=5.0)
+    rdzv = Rendezvous("127.0.0.1", free_port, settle_s=0.5, checkin_timeout_s=15,
+                      initial_workers=3)
+    tm = TaskManager(training_shards=[("mem", 0, n_records)],
+                     records_per_task=spec.records_per_task, num_epochs=2,
+                     max_task_retries=3)
+    master = MasterStandIn(rdzv, tm)
+    procs = Procs()
+    try:
+        for w in range(3):
+            procs.start(w, _chaos_worker, master.address, w, spec.to_json(), n_records)
+        go = procs.ctx.Event()
+        procs.start(3, _chaos_worker, master.address, 3, spec.to_json(), n_records, go)
+        deadline = time.monotonic() + 40
+        while tm.counts()["completed"] < 4:
+            assert time.monotonic() < deadline, "training did not start"
+            assert tm.failure is None
+            time.sleep(0.05)
+        procs.kill(2)                       # kill -9 mid-epoch
+        killed_at = time.time()
+        tm.recover_tasks(2)                 # what the master's job controller does
+        rdzv.remove_worker(2)
+        while rdzv.members() != [0, 1] or rdzv.forming():
+            assert time.monotonic() < deadline, "survivors did not re-form"
+            time.sleep(0.05)
+        reformed_after = time.time() - killed_at
+        go.set()                            # a new worker joins the running job
+        res = procs.collect([0, 1, 3], timeout_s=50)
+    finally:
+        procs.close()
+        master.close()
+
+    assert tm.finished() and tm.failure is None
+    assert reformed_after < 5.0
+    for epoch in tm.epochs_report():
+        assert epoch["records_completed"] == n_records, tm.epochs_report()
+    for w in (0, 1):  # the survivors noticed within seconds, in the same process
+        assert res[w]["pid"] == procs.procs[w].pid
+        assert res[w]["failures"], f"worker {w} saw no failure"
+        assert res[w]["failures"][0] - killed_at < 5.0
+        assert res[w]["formations"] >= 3  # 3 members, 2 survivors, + the new worker
+    assert res[3]["joined_at_version"] > 0  # took the survivors' state by broadcast
+    versions = {res[w]["version"] for w in (0, 1, 3)}
+    assert len(versions) == 1
+    for name, value in res[0]["params"].items():
+        for w in (1, 3):
+            torch.testing.assert_close(res[w]["params"][name], value, rtol=0, atol=0)
+    weight = res[0]["params"]["fc.weight"].flatten()
+    torch.testing.assert_close(weight, torch.tensor([1.0, -2.0, 0.5, 3.0]), rtol=0, atol=0.05)
