@@ -17,7 +17,9 @@ round is open every caller gets ``ready=False`` and members stop using the old
 group. A worker *checks in* to the round by calling any of the three methods.
 The round closes and a new plan is published (lazily, on the next call) when
 
-* ``settle_s`` passed since the last join/removal/failure (more joins may come), and
+* ``settle_s`` passed since the last join of the round, if there was one (more
+  joins may come; a round opened by a failure or removal alone does not wait, so
+  survivors recover as soon as they all checked in), and
 * every known worker checked in, or ``checkin_timeout_s`` passed since the round
   opened (a silent worker may be dead; the job controller usually says so first
   through :meth:`remove_worker`), and
@@ -82,8 +84,8 @@ class _Published:
 @dataclass
 class _Round:
     opened_at: float
-    last_event: float
     reason: str
+    last_join: Optional[float] = None
     checked_in: set[int] = field(default_factory=set)
 
 
@@ -94,8 +96,7 @@ class Rendezvous:
         store_host: used as ``master_addr`` when the rank-0 worker joined with
             an empty host.
         port_allocator: returns a port for each new plan's TCPStore.
-        settle_s: quiet time after the last membership change before a plan is
-            published.
+        settle_s: quiet time after the last join before a plan is published.
         clock: monotonic clock (tests pass a fake).
         checkin_timeout_s: how long an open round waits for known workers that
             have not checked in; use at least the collective timeout.
@@ -132,7 +133,7 @@ class Rendezvous:
             in_round = self._round is not None and worker_id in self._round.checked_in
             if not (in_round and known == (host, int(port))):
                 logger.info("rendezvous: worker %d joins from %s:%d", worker_id, host, port)
-                self._event(now, f"worker {worker_id} joined")
+                self._event(now, f"worker {worker_id} joined", join=True)
             self._check_in(worker_id)
             self._maybe_publish(now)
             return self._view(worker_id)
@@ -193,11 +194,11 @@ class Rendezvous:
             return self._round is not None
 
     # ----------------------------------------------------------- internals
-    def _event(self, now: float, reason: str) -> None:
+    def _event(self, now: float, reason: str, join: bool = False) -> None:
         if self._round is None:
-            self._round = _Round(opened_at=now, last_event=now, reason=reason)
-        else:
-            self._round.last_event = now
+            self._round = _Round(opened_at=now, reason=reason)
+        if join:
+            self._round.last_join = now
 
     def _check_in(self, worker_id: int) -> None:
         if self._round is not None and worker_id in self._workers:
@@ -208,7 +209,9 @@ class Rendezvous:
         if rnd is None:
             return
         checked = rnd.checked_in & set(self._workers)
-        if not checked or now - rnd.last_event < self._settle_s:
+        if not checked:
+            return
+        if rnd.last_join is not None and now - rnd.last_join < self._settle_s:
             return
         timed_out = now - rnd.opened_at >= self._checkin_timeout_s
         if checked != set(self._workers) and not timed_out:

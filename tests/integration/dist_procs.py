@@ -22,6 +22,9 @@ def free_port() -> int:
 
 def _entry(fn: Callable[..., Any], args: Sequence[Any], key: Any, results: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+
+    torch.set_num_threads(1)  # several processes share 2 cores
     if os.environ.get("ELASTICDL_TEST_LOG"):  # debugging: the workers' logs on stderr
         logging.basicConfig(level=os.environ["ELASTICDL_TEST_LOG"],
                             format=f"%(relativeCreated)7.0f [{key}] %(name)s: %(message)s")

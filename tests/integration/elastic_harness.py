@@ -26,14 +26,16 @@ class _Manager(BaseManager):
 
 _Manager.register("rdzv", callable=lambda: _SHARED["rdzv"])
 _Manager.register("tm", callable=lambda: _SHARED["tm"])
+_Manager.register("agg", callable=lambda: _SHARED["agg"])
 
 
 class MasterStandIn:
-    """Serves ``rdzv`` and ``tm`` to other processes until :meth:`close`."""
+    """Serves ``rdzv``, ``tm`` and ``agg`` to other processes until :meth:`close`."""
 
-    def __init__(self, rdzv: Any, tm: Optional[TaskManager] = None):
+    def __init__(self, rdzv: Any, tm: Optional[TaskManager] = None, agg: Any = None):
         _SHARED["rdzv"] = rdzv
         _SHARED["tm"] = tm
+        _SHARED["agg"] = agg
         self._server = _Manager(address=("127.0.0.1", 0), authkey=AUTHKEY).get_server()
         self.address = self._server.address
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -76,9 +78,10 @@ class FakeComm:
 
 
 class FakeSource(TaskSource):
-    def __init__(self, tm: Any, worker_id: int):
+    def __init__(self, tm: Any, worker_id: int, agg: Any = None):
         self.tm = tm
         self.worker_id = worker_id
+        self.agg = agg
 
     def get_task(self, task_type: Optional[TaskType] = None) -> Task:
         return self.tm.get(self.worker_id, task_type)
@@ -88,7 +91,8 @@ class FakeSource(TaskSource):
         self.tm.report(task.task_id, self.worker_id, not error, error, traceback, fatal)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
-        pass
+        if self.agg is not None:
+            self.agg.add(task.model_version, task.task_id, list(metrics))
 
 
 class MemoryReader:

@@ -124,35 +124,43 @@ def test_removal_lets_the_round_close_early(clock):
     rdzv = _formed(clock, 3)
     rdzv.report_failure(0, 1, "connection reset")
     rdzv.report_failure(2, 1, "connection reset")
+    assert not rdzv.get_comm_plan(0, 1).ready  # worker 1 might still check in
     rdzv.remove_worker(1)  # the job controller saw the process die
-    clock.advance(1.0)
     p = rdzv.get_comm_plan(2, 1)
     assert p.ready and p.world_size == 2 and p.rank == 1
     assert rdzv.members() == [0, 2]
 
 
-def test_removal_alone_opens_a_round(clock):
-    rdzv = _formed(clock, 2)
-    rdzv.remove_worker(1)
-    assert not rdzv.get_comm_plan(0, 1).ready
-    clock.advance(1.0)
-    p = rdzv.get_comm_plan(0, 1)
-    assert p.ready and p.world_size == 1 and p.plan_version == 2
+def test_removal_alone_opens_a_round_that_closes_on_check_in(clock):
+    rdzv = _formed(clock, 3)
+    rdzv.remove_worker(2)
+    assert not rdzv.get_comm_plan(0, 1).ready  # worker 1 has not checked in yet
+    p = rdzv.get_comm_plan(1, 1)  # no settle wait: nobody joined
+    assert p.ready and p.world_size == 2 and p.plan_version == 2
     rdzv.remove_worker(42)  # unknown: nothing happens
     assert rdzv.get_comm_plan(0, 2).ready
 
 
 def test_stale_and_repeated_failure_reports_open_one_round(clock):
     rdzv = _formed(clock, 2)
-    rdzv.report_failure(0, 1, "timeout")
+    assert not rdzv.report_failure(0, 1, "timeout").ready
     clock.advance(0.5)
     rdzv.report_failure(1, 1, "timeout")  # same plan, round already open: a check-in only
-    clock.advance(0.5)
     p = rdzv.get_comm_plan(0, 1)
     assert p.ready and p.plan_version == 2 and p.world_size == 2
     # a report against the superseded plan changes nothing
     p = rdzv.report_failure(1, 1, "late report")
     assert p.ready and p.plan_version == 2
+
+
+def test_a_join_during_a_failure_round_makes_it_settle(clock):
+    rdzv = _formed(clock, 2)
+    rdzv.report_failure(0, 1, "timeout")
+    rdzv.join(5, "h5", 0)
+    rdzv.get_comm_plan(1, 1)
+    assert not rdzv.get_comm_plan(0, 1).ready
+    clock.advance(1.0)
+    assert rdzv.get_comm_plan(0, 1).world_size == 3
 
 
 def test_settle_restarts_with_each_join(clock):
