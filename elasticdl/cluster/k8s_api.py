@@ -116,7 +116,7 @@ def list_pods(core: client.CoreV1Api, namespace: str,
     Raw JSON rather than client models: a pod status the model finds
     incomplete must not break a status report or the master's pod watch.
     """
-    resp = core.list_namespaced_pod(namespace, label_selector=label_selector,
+    resp: Any = core.list_namespaced_pod(namespace, label_selector=label_selector,
                                     _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
     try:
         data = json.loads(resp.data)
@@ -124,3 +124,25 @@ def list_pods(core: client.CoreV1Api, namespace: str,
         resp.release_conn()
     return list(data.get("items") or []), str((data.get("metadata") or {})
                                               .get("resourceVersion") or "")
+
+
+def uid_of(obj: Any) -> str:
+    """``metadata.uid`` of a client model (V1Pod...)."""
+    meta = getattr(obj, "metadata", None)
+    if meta is None or not meta.uid:
+        raise ClusterError("the API returned an object without metadata.uid")
+    return str(meta.uid)
+
+
+def to_model(cls: Any, manifest: dict[str, Any]) -> Any:
+    """The client model (V1Pod, V1Service) of a manifest dict."""
+    model = cls.from_dict(manifest)
+    if model is None:
+        raise ClusterError(f"empty {cls.__name__} manifest")
+    return model
+
+
+def short_error(error: BaseException) -> str:
+    """One line for a log: ``HTTP 503 Service Unavailable`` or the transport error."""
+    status = getattr(error, "status", None)
+    return f"HTTP {status} {getattr(error, 'reason', '')}" if status else str(error)

@@ -42,6 +42,9 @@ from elasticdl.cluster.k8s_api import (
     is_status,
     list_pods,
     load_api_client,
+    short_error,
+    to_model,
+    uid_of,
 )
 from elasticdl.cluster.pod_status import Pod, PodState, pod_state, replica_of
 from elasticdl.common.job_spec import JobSpec
@@ -118,7 +121,7 @@ class KubernetesCluster(Cluster):
                     master, job_spec.namespace, _request_timeout=REQUEST_TIMEOUT)
             except API_ERRORS as e:
                 raise api_error(e, f"read the master pod {master}") from None
-            owner = (master, _uid(pod))
+            owner = (master, uid_of(pod))
         else:
             logger.warning("MY_POD_NAME is not set: replicas get no owner reference and "
                            "survive the master unless it closes the cluster")
@@ -162,7 +165,7 @@ class KubernetesCluster(Cluster):
             self._ensure_service(spec.index, spec.port)
         name = manifest["metadata"]["name"]
         pod = self._create_pod(spec.name, manifest)
-        uid = _uid(pod)
+        uid = uid_of(pod)
         with self._lock:
             self._created[name] = uid
             tracked = self._pods.setdefault(uid, _Tracked(name, spec.type, spec.index, {}))
@@ -228,7 +231,7 @@ class KubernetesCluster(Cluster):
         name = body["metadata"]["name"]
         try:
             self._core.create_namespaced_service(
-                self.namespace, _model(client.V1Service, body),
+                self.namespace, to_model(client.V1Service, body),
                 _request_timeout=REQUEST_TIMEOUT)
             logger.info("created service %s -> ps-%d:%d", name, index, port)
         except API_ERRORS as e:
@@ -239,7 +242,7 @@ class KubernetesCluster(Cluster):
 
     def _create_pod(self, replica: str, manifest: mf.Manifest) -> client.V1Pod:
         name = manifest["metadata"]["name"]
-        body = _model(client.V1Pod, manifest)
+        body = to_model(client.V1Pod, manifest)
         for attempt in (1, 2):
             try:
                 return self._core.create_namespaced_pod(self.namespace, body,
@@ -358,11 +361,17 @@ class KubernetesCluster(Cluster):
                     self._rv = ""
                     continue
                 logger.warning("pod watch interrupted (%s); resuming from resourceVersion %s "
-                               "in %.1f s", _short(e), self._rv or "(list)", backoff)
+                               "in %.1f s", short_error(e), self._rv or "(list)", backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
             except ClusterError as e:
                 logger.error("%s; retrying in %.1f s", e, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+            except Exception:  # noqa: BLE001 - a dead watch would hang the master silently
+                logger.exception("pod watch failed unexpectedly; listing again in %.1f s",
+                                 backoff)
+                self._rv = ""
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
 
@@ -410,27 +419,6 @@ class KubernetesCluster(Cluster):
                     f" ({state.reason})" if state.reason else "",
                     f" exit {state.exit_code}" if state.exit_code is not None else "")
         self._events.put(event)
-
-
-def _uid(obj: Any) -> str:
-    meta = getattr(obj, "metadata", None)
-    if meta is None or not meta.uid:
-        raise ClusterError("the API returned an object without metadata.uid")
-    return str(meta.uid)
-
-
-def _model(cls: Any, manifest: mf.Manifest) -> Any:
-    """The client model (V1Pod, V1Service) of a manifest dict."""
-    model = cls.from_dict(manifest)
-    if model is None:
-        raise ClusterError(f"empty {cls.__name__} manifest")
-    return model
-
-
-def _short(error: BaseException) -> str:
-    """One line for a log: ``HTTP 503 Service Unavailable`` or the transport error."""
-    status = getattr(error, "status", None)
-    return f"HTTP {status} {getattr(error, 'reason', '')}" if status else str(error)
 
 
 def create(job_spec: JobSpec, kubeconfig: Optional[str] = None,
