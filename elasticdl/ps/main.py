@@ -1,0 +1,140 @@
+"""Entry point of a parameter-server process.
+
+``python -m elasticdl.ps.main --ps_id=I --num_ps=N --port=P --job_spec=JSON
+[--master_addr=host:port] [--checkpoint_dir_for_init=DIR]``
+
+Loads the model module named by the job spec (for its ``optimizer``),
+restores this PS's shard from the newest complete checkpoint when there is
+one (a relaunched PS resumes where the job's checkpoints left it; the number
+of PS may differ from the checkpoint's), serves until SIGTERM/SIGINT, and
+writes its shard every ``--checkpoint_steps`` versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from elasticdl.api.model_spec import load_from_job_spec
+from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.log_utils import configure_logging
+from elasticdl.ps import checkpoint as ps_ckpt
+from elasticdl.ps.server import start_server, tune_malloc
+from elasticdl.ps.servicer import PServicer
+from elasticdl.ps.shard import PSShard, ShardConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PSArgs:
+    """The flags of a PS process."""
+
+    ps_id: int
+    num_ps: int
+    port: int
+    job_spec: JobSpec
+    master_addr: str = ""
+    checkpoint_dir_for_init: str = ""
+    host: str = "0.0.0.0"
+    sync_wait_s: float = 30.0
+    grace_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ps_id < self.num_ps:
+            raise ValueError(f"--ps_id={self.ps_id} out of range for --num_ps={self.num_ps}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port={self.port} out of range")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> PSArgs:
+    p = argparse.ArgumentParser(prog="python -m elasticdl.ps.main", description=__doc__)
+    p.add_argument("--ps_id", type=int, required=True)
+    p.add_argument("--num_ps", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    p.add_argument("--job_spec", required=True, help="the JobSpec as JSON, or @FILE")
+    p.add_argument("--master_addr", default="")
+    p.add_argument("--checkpoint_dir_for_init", default="")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--sync_wait_s", type=float, default=30.0,
+                   help="sync mode: how long a push waits for its group to be applied")
+    a = p.parse_args(argv)
+    text = a.job_spec
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    return PSArgs(ps_id=a.ps_id, num_ps=a.num_ps, port=a.port, job_spec=JobSpec.from_json(text),
+                  master_addr=a.master_addr, checkpoint_dir_for_init=a.checkpoint_dir_for_init,
+                  host=a.host, sync_wait_s=a.sync_wait_s)
+
+
+def shard_config(args: PSArgs) -> ShardConfig:
+    spec = args.job_spec
+    return ShardConfig(ps_id=args.ps_id, num_ps=args.num_ps, grads_to_wait=spec.grads_to_wait,
+                       use_async=spec.use_async,
+                       lr_staleness_modulation=spec.lr_staleness_modulation,
+                       sync_version_tolerance=spec.sync_version_tolerance,
+                       sync_wait_s=args.sync_wait_s, checkpoint_dir=spec.checkpoint_dir,
+                       checkpoint_steps=spec.checkpoint_steps,
+                       keep_checkpoint_max=spec.keep_checkpoint_max)
+
+
+def checkpoint_every_n(shard: PSShard) -> None:
+    """``on_version`` hook: write the shard every ``checkpoint_steps`` versions."""
+    cfg = shard.config
+    if cfg.checkpoint_dir and cfg.checkpoint_steps and shard.version % cfg.checkpoint_steps == 0:
+        ps_ckpt.save_shard(shard, cfg.checkpoint_dir, shard.version, cfg.keep_checkpoint_max)
+
+
+def restore_source(args: PSArgs) -> Optional[str]:
+    """The version dir to restore from: the job's own newest checkpoint, else the init one."""
+    own = ps_ckpt.latest_version_dir(args.job_spec.checkpoint_dir)
+    if own is not None:
+        return own
+    init = args.checkpoint_dir_for_init or args.job_spec.checkpoint_dir_for_init
+    return init or None
+
+
+def build_shard(args: PSArgs) -> PSShard:
+    model_spec = load_from_job_spec(args.job_spec)
+    shard = PSShard(shard_config(args), model_spec.optimizer, on_version=checkpoint_every_n)
+    source = restore_source(args)
+    if source:
+        ps_ckpt.restore_shard(shard, source)
+    return shard
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.job_spec.log_level, role=f"ps-{args.ps_id}")
+    tune_malloc()
+    shard = build_shard(args)
+    server, port = start_server(PServicer(shard), args.port, args.host)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("PS %d got signal %d; stopping", args.ps_id, signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    message = f"PS {args.ps_id} serving on port {port}"
+    print(message, flush=True)
+    logger.info("%s (pid %d, master %s, version %d, initialised %s)", message, os.getpid(),
+                args.master_addr or "-", shard.version, shard.initialized)
+    while not stop.wait(1.0):
+        pass
+    server.stop(args.grace_s).wait(args.grace_s + 1)
+    logger.info("PS %d stopped at version %d", args.ps_id, shard.version)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Building and starting the PS gRPC server."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from concurrent import futures
+
+import grpc
+
+from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
+from elasticdl.ps.servicer import PServicer
+
+logger = logging.getLogger(__name__)
+
+# Tensors travel in chunks of a few MiB, but a small model's unary pull or a
+# push_model may be bigger: allow large messages. Frames are made large too so
+# a chunk crosses HTTP/2 in few frames.
+GRPC_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", 1 << 30),
+    ("grpc.max_receive_message_length", 1 << 30),
+    ("grpc.http2.max_frame_size", (1 << 24) - 1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def build_server(servicer: PServicer, port: int = 0, host: str = "0.0.0.0",
+                 max_workers: int = 64) -> tuple[grpc.Server, int]:
+    """A started-ready (not started) server for ``servicer``; returns it and its port.
+
+    ``max_workers`` bounds concurrent RPCs: sync pushes wait for their group,
+    so it must exceed the number of workers (each holds one thread at most).
+
+    Raises:
+        RuntimeError: the port cannot be bound.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix="ps-rpc"),
+                         options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_workers * 4)
+    pb_grpc.add_PServerServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the PS server to {host}:{port}")
+    return server, bound
+
+
+def start_server(servicer: PServicer, port: int = 0, host: str = "0.0.0.0",
+                 max_workers: int = 64) -> tuple[grpc.Server, int]:
+    """Build and start the server; returns it and the bound port."""
+    server, bound = build_server(servicer, port, host, max_workers)
+    server.start()
+    logger.info("PS %d gRPC server listening on %s:%d", servicer.shard.config.ps_id, host,
+                bound)
+    return server, bound
+
+
+def tune_malloc() -> None:
+    """Keep large freed buffers in the heap (glibc only).
+
+    Every transfer allocates tensor-sized byte buffers; glibc serves those
+    from fresh ``mmap``s whose first touch page-faults, which makes a copy of
+    40 MB several times slower than a copy into reused memory (measured in
+    benchmarks/ps_bandwidth.py). Raising the mmap and trim thresholds lets
+    freed buffers be reused. A no-op where glibc is absent.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        logger.debug("not glibc: malloc left as it is")
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = mallopt(m_mmap_threshold, 1 << 30) and mallopt(m_trim_threshold, 1 << 30)
+    logger.debug("malloc thresholds raised: %s", bool(ok))

@@ -1,0 +1,233 @@
+"""The ``PServer`` gRPC service over a :class:`~elasticdl.ps.shard.PSShard`.
+
+Every request is validated before it touches the shard: unknown names, wrong
+shapes or dtypes, ids out of range or on another PS answer INVALID_ARGUMENT
+with a message, a push before any model FAILED_PRECONDITION; the PS keeps
+serving either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Optional, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from elasticdl.common import tensor_codec as codec
+from elasticdl.common.checkpoint import CheckpointError
+from elasticdl.proto import elasticdl_pb2 as pb
+from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
+from elasticdl.ps import checkpoint as ps_ckpt
+from elasticdl.ps.parameters import TableSpec
+from elasticdl.ps.shard import GradientPush, NotInitializedError, PSShard
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _guard(method: Callable[..., T]) -> Callable[..., T]:
+    """Map validation failures to gRPC status codes (the server keeps serving)."""
+
+    @functools.wraps(method)
+    def wrapper(self: PServicer, request: Any, context: grpc.ServicerContext) -> T:
+        try:
+            return method(self, request, context)
+        except ValueError as e:
+            logger.warning("%s: invalid request: %s", method.__name__, e)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NotInitializedError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (CheckpointError, OSError) as e:
+            logger.error("%s failed: %s", method.__name__, e)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    return wrapper
+
+
+def _ids_of(ids: Any, id_tensor: pb.Tensor, has_tensor: bool, what: str) -> np.ndarray:
+    if has_tensor:
+        if len(ids):
+            raise ValueError(f"{what}: give ids or id_tensor, not both")
+        return codec.decode_ids(id_tensor, f"{what} ids")
+    return np.array(ids, dtype=np.int64)
+
+
+def decode_rows(rows: pb.EmbeddingRows, shard: PSShard) -> tuple[str, np.ndarray, torch.Tensor]:
+    """``(table, ids, values)`` of an EmbeddingRows message, checked against the table."""
+    table = shard.params.table(rows.table)
+    what = f"gradient of table {rows.table!r}"
+    ids = _ids_of(rows.ids, rows.id_tensor, rows.HasField("id_tensor"), what)
+    values = codec.decode(rows.values, table.spec.dtype, [ids.shape[0], table.spec.dim])
+    return rows.table, ids, values
+
+
+class PServicer(pb_grpc.PServerServicer):
+    """gRPC handlers of one PS."""
+
+    def __init__(self, shard: PSShard, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES):
+        self.shard = shard
+        self.chunk_bytes = chunk_bytes
+        self._cache_lock = threading.Lock()
+        self._chunk_cache: tuple[int, int, list[pb.DenseChunk]] = (-1, 0, [])
+
+    # ------------------------------------------------------------ model
+    @_guard
+    def push_model(self, request: pb.Model, context: grpc.ServicerContext) -> pb.PushModelResponse:
+        if self.shard.initialized:
+            return pb.PushModelResponse(accepted=False, version=self.shard.version)
+        dense = {t.name: codec.decode(t) for t in request.dense}
+        buffers = {t.name: codec.decode(t) for t in request.buffers}
+        if len(dense) != len(request.dense) or len(buffers) != len(request.buffers):
+            raise ValueError("push_model: duplicate tensor names")
+        if not all(request_name for request_name in list(dense) + list(buffers)):
+            raise ValueError("push_model: a tensor without a name")
+        tables = [TableSpec(name=t.name, num_embeddings=t.num_embeddings, dim=t.dim,
+                            initializer=t.initializer, seed=t.seed, padding_idx=t.padding_idx,
+                            dtype=codec.torch_dtype(t.dtype or "float32"))
+                  for t in request.embedding_tables]
+        accepted = self.shard.initialize(request.version, dense, buffers, tables)
+        return pb.PushModelResponse(accepted=accepted, version=self.shard.version)
+
+    # ------------------------------------------------------------ pulls
+    @_guard
+    def pull_dense(self, request: pb.PullDenseRequest,
+                   context: grpc.ServicerContext) -> pb.PullDenseResponse:
+        shard = self.shard
+        with shard.lock:
+            initialized, version, tensors = shard.snapshot_dense(request.version)
+            resp = pb.PullDenseResponse(initialized=initialized, version=version)
+            if tensors is not None:
+                for name, t in tensors.items():
+                    target = resp.buffers if name in shard.params.buffers else resp.dense
+                    target.append(codec.encode(t, name))
+        return resp
+
+    @_guard
+    def pull_dense_chunks(self, request: pb.PullDenseRequest,
+                          context: grpc.ServicerContext) -> Iterator[pb.DenseChunk]:
+        chunk_bytes = request.chunk_bytes or self.chunk_bytes
+        if chunk_bytes < 0:
+            raise ValueError(f"chunk_bytes must be >= 0, got {request.chunk_bytes}")
+        return iter(self._chunks(request.version, chunk_bytes))
+
+    def _chunks(self, worker_version: int, chunk_bytes: int) -> list[pb.DenseChunk]:
+        shard = self.shard
+        with shard.lock:
+            initialized, version, tensors = shard.snapshot_dense(worker_version)
+            if tensors is None:
+                return [pb.DenseChunk(initialized=initialized, version=version)]
+            with self._cache_lock:
+                cached_version, cached_size, chunks = self._chunk_cache
+                if cached_version == version and cached_size == chunk_bytes:
+                    return chunks
+            chunks = []
+            for name, t in tensors.items():
+                is_buffer = name in shard.params.buffers
+                for c in codec.iter_chunks(name, t, chunk_bytes):
+                    chunks.append(pb.DenseChunk(initialized=True, version=version, chunk=c,
+                                                is_buffer=is_buffer))
+            if not chunks:
+                chunks = [pb.DenseChunk(initialized=True, version=version)]
+            with self._cache_lock:
+                self._chunk_cache = (version, chunk_bytes, chunks)
+            return chunks
+
+    @_guard
+    def pull_embedding(self, request: pb.PullEmbeddingRequest,
+                       context: grpc.ServicerContext) -> pb.Tensor:
+        what = f"pull of table {request.table!r}"
+        ids = _ids_of(request.ids, request.id_tensor, request.HasField("id_tensor"), what)
+        rows = self.shard.pull_embedding(request.table, ids)
+        return codec.encode(rows, request.table)
+
+    # ------------------------------------------------------------ pushes
+    def _dense_grad(self, msg: pb.Tensor) -> torch.Tensor:
+        param = self.shard.params.dense.get(msg.name)
+        if param is None:
+            raise ValueError(f"gradient for unknown parameter {msg.name!r} on PS "
+                             f"{self.shard.config.ps_id}")
+        return codec.decode(msg, param.dtype, list(param.shape))
+
+    def _buffer(self, msg: pb.Tensor) -> torch.Tensor:
+        buf = self.shard.params.buffers.get(msg.name)
+        if buf is None:
+            raise ValueError(f"unknown buffer {msg.name!r} on PS {self.shard.config.ps_id}")
+        return codec.decode(msg, buf.dtype, list(buf.shape))
+
+    @_guard
+    def push_gradients(self, request: pb.PushGradientsRequest,
+                       context: grpc.ServicerContext) -> pb.PushGradientsResponse:
+        self._require_init()
+        push = GradientPush(version=request.version, worker_id=request.worker_id,
+                            learning_rate=request.learning_rate)
+        for msg in request.dense:
+            if msg.name in push.dense:
+                raise ValueError(f"gradient of {msg.name!r} given twice")
+            push.dense[msg.name] = self._dense_grad(msg)
+        push.buffers = {b.name: self._buffer(b) for b in request.buffers}
+        push.sparse = [decode_rows(rows, self.shard) for rows in request.sparse]
+        accepted, version = self.shard.push_gradients(push)
+        return pb.PushGradientsResponse(accepted=accepted, version=version)
+
+    @_guard
+    def push_gradient_chunks(self, request_iterator: Iterator[pb.GradientChunk],
+                             context: grpc.ServicerContext) -> pb.PushGradientsResponse:
+        self._require_init()
+        shard = self.shard
+        expected = {n: (p.dtype, list(p.shape)) for n, p in shard.params.dense.items()}
+        assembler = codec.ChunkAssembler(expected=expected)
+        push: Optional[GradientPush] = None
+        for msg in request_iterator:
+            if push is None:
+                push = GradientPush(version=msg.version, worker_id=msg.worker_id,
+                                    learning_rate=msg.learning_rate)
+            if msg.HasField("dense"):
+                done = assembler.add(msg.dense)
+                if done is not None:
+                    if done in push.dense:
+                        raise ValueError(f"gradient of {done!r} given twice")
+                    push.dense[done] = assembler.pop(done)
+            if msg.HasField("sparse"):
+                push.sparse.append(decode_rows(msg.sparse, shard))
+            if msg.HasField("buffer"):
+                push.buffers[msg.buffer.name] = self._buffer(msg.buffer)
+        if push is None:
+            raise ValueError("push_gradient_chunks: empty stream")
+        missing = assembler.incomplete()
+        if missing:
+            raise ValueError(f"gradients incomplete at end of stream: {', '.join(missing)}")
+        accepted, version = shard.push_gradients(push)
+        return pb.PushGradientsResponse(accepted=accepted, version=version)
+
+    def _require_init(self) -> None:
+        if not self.shard.initialized:
+            raise NotInitializedError(f"PS {self.shard.config.ps_id} has no model yet "
+                                      "(push_model)")
+
+    # ------------------------------------------------------------ other
+    @_guard
+    def save_checkpoint(self, request: pb.SaveCheckpointRequest,
+                        context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:
+        if not request.directory:
+            raise ValueError("save_checkpoint: directory is required")
+        if request.keep_max < 0:
+            raise ValueError("save_checkpoint: keep_max must be >= 0")
+        path = ps_ckpt.save_shard(self.shard, request.directory, request.version,
+                                  request.keep_max)
+        version = request.version if request.version >= 0 else self.shard.version
+        return pb.SaveCheckpointResponse(path=path, version=version)
+
+    def status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.PSStatus:
+        cfg = self.shard.config
+        return pb.PSStatus(ps_id=cfg.ps_id, num_ps=cfg.num_ps,
+                           initialized=self.shard.initialized, version=self.shard.version)
+
+    def echo(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
+        return pb.Empty()
