@@ -1,0 +1,381 @@
+"""A worker's client of the parameter servers.
+
+Placement (DESIGN §3): dense parameter ``name`` lives on PS
+``crc32(name) % num_ps``; row ``id`` of every table on PS ``id % num_ps``.
+Requests to different PS run concurrently on a thread pool. Every call has a
+deadline; a PS that is unreachable (restarting: a relaunched PS may come back
+on the same address) is polled until it serves again, for at most
+``reconnect_timeout_s``, and the call is then retried, else
+``ConnectionError`` is raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from elasticdl.common import tensor_codec as codec
+from elasticdl.common.checkpoint import version_dir
+from elasticdl.proto import elasticdl_pb2 as pb
+from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
+from elasticdl.ps.parameters import TableSpec, dense_owner
+from elasticdl.ps.server import GRPC_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Ready = Optional[Callable[[], None]]
+
+
+class PSError(RuntimeError):
+    """A PS call failed for a reason retrying cannot fix."""
+
+
+class PSNotInitializedError(PSError):
+    """The PS has no model (it restarted without a checkpoint): push_model again."""
+
+    def __init__(self, ps: int, message: str):
+        super().__init__(message)
+        self.ps = ps
+
+
+class PushStream:
+    """A ``push_gradient_chunks`` call fed while backward still runs.
+
+    ``put_*`` may be called from autograd hooks: they only queue the tensor
+    (with an optional ``ready`` callable, e.g. a CUDA event's synchronize);
+    the gRPC request iterator encodes and sends it. :meth:`finish` closes the
+    stream and returns ``(accepted, version)``.
+    """
+
+    def __init__(self, client: PSClient, ps: int, version: int, worker_id: int,
+                 learning_rate: float = 0.0):
+        self._client = client
+        self.ps = ps
+        self._header = {"version": version, "worker_id": worker_id,
+                        "learning_rate": learning_rate}
+        self._items: list[tuple[str, str, Any, Ready]] = []
+        self._closed = False
+        self._aborted = False
+        self._cond = threading.Condition()
+        self._future = client.submit(ps, self._call, "push_gradient_chunks")
+
+    def put_dense(self, name: str, grad: torch.Tensor, ready: Ready = None) -> None:
+        self._put(("dense", name, grad, ready))
+
+    def put_sparse(self, table: str, ids: np.ndarray, grad: torch.Tensor,
+                   ready: Ready = None) -> None:
+        self._put(("sparse", table, (ids, grad), ready))
+
+    def put_buffer(self, name: str, value: torch.Tensor) -> None:
+        self._put(("buffer", name, value, None))
+
+    def _put(self, item: tuple[str, str, Any, Ready]) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("push stream already finished")
+            self._items.append(item)
+            self._cond.notify()
+
+    def finish(self) -> tuple[bool, int]:
+        self.close()
+        return self._future.result()
+
+    def close(self) -> None:
+        """End the stream: the PS applies what it received."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def abort(self) -> None:
+        """Cancel the push: the PS discards what it received."""
+        with self._cond:
+            self._aborted = self._closed = True
+            self._cond.notify()
+
+    def _call(self, stub: pb_grpc.PServerStub) -> tuple[bool, int]:
+        resp = stub.push_gradient_chunks(self._requests(), timeout=self._client.rpc_timeout_s)
+        return resp.accepted, resp.version
+
+    def _requests(self) -> Iterator[pb.GradientChunk]:
+        """Replays every queued item (so a retry after a reconnect resends all)."""
+        first = True
+        i = 0
+        deadline = time.monotonic() + self._client.rpc_timeout_s
+        while True:
+            with self._cond:
+                while i >= len(self._items) and not self._closed:
+                    if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                        raise TimeoutError("push stream: no gradient queued in time")
+                if self._aborted:
+                    raise RuntimeError("push aborted by the worker")
+                if i >= len(self._items):
+                    break
+                kind, name, value, ready = self._items[i]
+            i += 1
+            if ready is not None:
+                ready()
+            for msg in self._encode(kind, name, value):
+                if first:
+                    msg.version = self._header["version"]
+                    msg.worker_id = self._header["worker_id"]
+                    msg.learning_rate = self._header["learning_rate"]
+                    first = False
+                yield msg
+        if first:  # nothing at all for this PS: the push still counts
+            yield pb.GradientChunk(**self._header)
+
+    def _encode(self, kind: str, name: str, value: Any) -> Iterator[pb.GradientChunk]:
+        if kind == "dense":
+            for c in codec.iter_chunks(name, value, self._client.chunk_bytes):
+                yield pb.GradientChunk(dense=c)
+        elif kind == "sparse":
+            ids, grad = value
+            yield pb.GradientChunk(sparse=pb.EmbeddingRows(
+                table=name, id_tensor=codec.encode_ids(ids), values=codec.encode(grad)))
+        else:
+            yield pb.GradientChunk(buffer=codec.encode(value, name))
+
+
+class PSClient:
+    """Talks to ``addrs`` (``host:port`` of PS 0..n-1)."""
+
+    def __init__(self, addrs: Sequence[str], rpc_timeout_s: float = 120.0,
+                 reconnect_timeout_s: float = 120.0,
+                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES):
+        if not addrs:
+            raise ValueError("PSClient needs at least one PS address")
+        self.addrs = list(addrs)
+        self.rpc_timeout_s = rpc_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._locks = [threading.Lock() for _ in self.addrs]
+        self._generation = [0] * len(self.addrs)
+        self._channels = [self._channel(a) for a in self.addrs]
+        self._stubs = [pb_grpc.PServerStub(c) for c in self._channels]
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 3 * len(self.addrs)),
+                                        thread_name_prefix="ps-client")
+
+    @staticmethod
+    def _channel(addr: str) -> grpc.Channel:
+        return grpc.insecure_channel(addr, options=GRPC_OPTIONS)
+
+    @property
+    def num_ps(self) -> int:
+        return len(self.addrs)
+
+    # ------------------------------------------------------- placement
+    def dense_owner(self, name: str) -> int:
+        return dense_owner(name, self.num_ps)
+
+    def partition(self, named: Mapping[str, T]) -> list[dict[str, T]]:
+        """Split a name -> value mapping by owning PS."""
+        parts: list[dict[str, T]] = [{} for _ in self.addrs]
+        for name, value in named.items():
+            parts[self.dense_owner(name)][name] = value
+        return parts
+
+    def partition_ids(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Positions into ``ids`` owned by each PS."""
+        if self.num_ps == 1:
+            return [np.arange(ids.shape[0])]
+        owner = ids % self.num_ps
+        return [np.nonzero(owner == i)[0] for i in range(self.num_ps)]
+
+    # ------------------------------------------------------- calls
+    def call(self, ps: int, fn: Callable[[pb_grpc.PServerStub], T], what: str) -> T:
+        """``fn(stub)`` with error mapping; waits out a PS restart, then retries."""
+        deadline: Optional[float] = None
+        while True:
+            generation = self._generation[ps]
+            try:
+                return fn(self._stubs[ps])
+            except grpc.RpcError as e:
+                code = e.code()  # type: ignore[attr-defined]
+                details = e.details()  # type: ignore[attr-defined]
+                where = f"PS {ps} ({self.addrs[ps]})"
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(f"{where} rejected {what}: {details}") from None
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise PSNotInitializedError(ps, f"{where}: {details}") from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise TimeoutError(f"{what} on {where} timed out") from None
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise PSError(f"{what} on {where} failed: {code.name}: {details}") from None
+                if deadline is None:
+                    logger.warning("%s unavailable during %s (%s); waiting up to %.0f s for "
+                                   "it to serve again", where, what, details,
+                                   self.reconnect_timeout_s)
+                    deadline = time.monotonic() + self.reconnect_timeout_s
+                self._reconnect(ps, generation, deadline)
+
+    def _reconnect(self, ps: int, generation: int, deadline: float) -> None:
+        with self._locks[ps]:
+            if self._generation[ps] != generation:
+                return  # another thread already reconnected
+            self._channels[ps].close()
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConnectionError(f"PS {ps} at {self.addrs[ps]} did not come back "
+                                          f"within {self.reconnect_timeout_s:.0f} s")
+                channel = self._channel(self.addrs[ps])
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=min(1.0, left))
+                except grpc.FutureTimeoutError:
+                    channel.close()
+                    continue
+                self._channels[ps] = channel
+                self._stubs[ps] = pb_grpc.PServerStub(channel)
+                self._generation[ps] += 1
+                logger.info("reconnected to PS %d at %s", ps, self.addrs[ps])
+                return
+
+    def submit(self, ps: int, fn: Callable[[pb_grpc.PServerStub], T], what: str) -> Future:
+        return self._pool.submit(self.call, ps, fn, what)
+
+    def _all(self, fn: Callable[[int, pb_grpc.PServerStub], T], what: str,
+             ps_list: Optional[Sequence[int]] = None) -> list[T]:
+        """Run ``fn`` on each PS concurrently; re-raises the first failure."""
+        targets = range(self.num_ps) if ps_list is None else ps_list
+        futures = [self.submit(i, lambda stub, i=i: fn(i, stub), what) for i in targets]
+        return [f.result() for f in futures]
+
+    # ------------------------------------------------------- operations
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Block until every PS answers; ConnectionError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        for i, channel in enumerate(self._channels):
+            try:
+                grpc.channel_ready_future(channel).result(
+                    timeout=max(0.01, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                raise ConnectionError(f"PS {i} at {self.addrs[i]} not reachable within "
+                                      f"{timeout_s:.0f} s") from None
+
+    def status(self) -> list[pb.PSStatus]:
+        return self._all(lambda i, s: s.status(pb.Empty(), timeout=self.rpc_timeout_s),
+                         "status")
+
+    def push_model(self, version: int, dense: Mapping[str, torch.Tensor],
+                   buffers: Mapping[str, torch.Tensor], tables: Sequence[TableSpec],
+                   ps_list: Optional[Sequence[int]] = None) -> list[bool]:
+        """Initialise PS (each gets its part); returns per PS whether it took it."""
+        dparts, bparts = self.partition(dense), self.partition(buffers)
+        infos = [pb.EmbeddingTableInfo(name=t.name, dim=t.dim, initializer=t.initializer,
+                                       dtype=codec.dtype_name(t.dtype),
+                                       num_embeddings=t.num_embeddings, seed=t.seed,
+                                       padding_idx=t.padding_idx) for t in tables]
+
+        def push(i: int, stub: pb_grpc.PServerStub) -> bool:
+            model = pb.Model(version=version, embedding_tables=infos,
+                             dense=[codec.encode(t, n) for n, t in dparts[i].items()],
+                             buffers=[codec.encode(t, n) for n, t in bparts[i].items()])
+            return stub.push_model(model, timeout=self.rpc_timeout_s).accepted
+
+        return self._all(push, "push_model", ps_list)
+
+    def pull_dense(self, versions: Sequence[int], dest: Mapping[str, torch.Tensor],
+                   streaming: Sequence[bool], ps_list: Optional[Sequence[int]] = None
+                   ) -> dict[int, tuple[bool, int, bool]]:
+        """Pull each PS's tensors newer than ``versions[i]`` into ``dest`` (contiguous
+        CPU tensors by name). Returns per PS ``(initialized, version, updated)``."""
+        parts = self.partition(dest)
+
+        def pull(i: int, stub: pb_grpc.PServerStub) -> tuple[bool, int, bool]:
+            req = pb.PullDenseRequest(version=versions[i], chunk_bytes=self.chunk_bytes)
+            if not streaming[i]:
+                resp = stub.pull_dense(req, timeout=self.rpc_timeout_s)
+                for msg in list(resp.dense) + list(resp.buffers):
+                    if msg.name not in parts[i]:
+                        raise ValueError(f"PS {i} sent unknown tensor {msg.name!r}")
+                    codec.decode_into(msg, parts[i][msg.name])
+                return resp.initialized, resp.version, bool(len(resp.dense) + len(resp.buffers))
+            assembler = codec.ChunkAssembler(destinations=parts[i])
+            initialized, version, updated = False, -1, False
+            for msg in stub.pull_dense_chunks(req, timeout=self.rpc_timeout_s):
+                initialized, version = msg.initialized, msg.version
+                if msg.HasField("chunk"):
+                    assembler.add(msg.chunk)
+                    updated = True
+            assembler.result()
+            return initialized, version, updated
+
+        targets = list(range(self.num_ps)) if ps_list is None else list(ps_list)
+        return dict(zip(targets, self._all(pull, "pull_dense", targets)))
+
+    def pull_embedding_unique(self, table: str, ids: np.ndarray,
+                              dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows of unique ``ids`` (in the given order), pulled from their PS concurrently."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        positions = self.partition_ids(ids)
+        out = torch.empty((ids.shape[0], dim), dtype=dtype)
+
+        def pull(i: int, stub: pb_grpc.PServerStub) -> None:
+            pos = positions[i]
+            if pos.shape[0] == 0:
+                return
+            req = pb.PullEmbeddingRequest(table=table, id_tensor=codec.encode_ids(ids[pos]))
+            rows = codec.decode(stub.pull_embedding(req, timeout=self.rpc_timeout_s), dtype,
+                                [pos.shape[0], dim])
+            if pos.shape[0] == ids.shape[0]:
+                out.copy_(rows)
+            else:
+                out.index_copy_(0, torch.from_numpy(pos), rows)
+
+        self._all(pull, "pull_embedding")
+        return out
+
+    def pull_embedding(self, table: str, ids: Any, dim: int,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows of ``ids`` (any shape; duplicates pulled once), shape ids.shape + (dim,)."""
+        arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+        uniq, inverse = np.unique(arr.reshape(-1), return_inverse=True)
+        rows = self.pull_embedding_unique(table, uniq, dim, dtype)
+        return rows[torch.from_numpy(inverse.reshape(-1))].reshape(tuple(arr.shape) + (dim,))
+
+    def push_gradients(self, ps: int, version: int, dense: Mapping[str, torch.Tensor],
+                       sparse: Sequence[tuple[str, np.ndarray, torch.Tensor]] = (),
+                       buffers: Optional[Mapping[str, torch.Tensor]] = None,
+                       worker_id: int = 0, learning_rate: float = 0.0) -> Future:
+        """One unary push to PS ``ps``; the future gives ``(accepted, version)``."""
+        def push(stub: pb_grpc.PServerStub) -> tuple[bool, int]:
+            req = pb.PushGradientsRequest(
+                version=version, worker_id=worker_id, learning_rate=learning_rate,
+                dense=[codec.encode(g, n) for n, g in dense.items()],
+                sparse=[pb.EmbeddingRows(table=t, id_tensor=codec.encode_ids(ids),
+                                         values=codec.encode(g)) for t, ids, g in sparse],
+                buffers=[codec.encode(b, n) for n, b in (buffers or {}).items()])
+            resp = stub.push_gradients(req, timeout=self.rpc_timeout_s)
+            return resp.accepted, resp.version
+
+        return self.submit(ps, push, "push_gradients")
+
+    def open_push_stream(self, ps: int, version: int, worker_id: int = 0,
+                         learning_rate: float = 0.0) -> PushStream:
+        return PushStream(self, ps, version, worker_id, learning_rate)
+
+    def save_checkpoint(self, directory: str, version: int = -1, keep_max: int = 0) -> str:
+        """Every PS writes its shard of ``version`` (-1: each PS's current version)
+        under ``directory``; returns the version directory."""
+        resps = self._all(lambda i, s: s.save_checkpoint(
+            pb.SaveCheckpointRequest(directory=directory, version=version, keep_max=keep_max),
+            timeout=self.rpc_timeout_s), "save_checkpoint")
+        versions = {r.version for r in resps}
+        if len(versions) != 1:
+            raise PSError(f"PS saved different versions {sorted(versions)}; pass an explicit "
+                          "version")
+        return version_dir(directory, versions.pop())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for channel in self._channels:
+            channel.close()

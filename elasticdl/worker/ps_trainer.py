@@ -1,0 +1,312 @@
+"""The worker's trainer under ParameterServerStrategy.
+
+Per step: pull the dense parameters that changed (async mode: every
+``get_model_steps`` steps), run forward — each
+:class:`~elasticdl.api.layers.Embedding` pulls only the deduplicated rows of
+the batch — and backward. Gradients leave for their PS while backward still
+runs: a ``post_accumulate_grad`` hook on every parameter (and on every pulled
+row block) hands the gradient to that PS's push, a gRPC stream opened before
+backward (for PS whose dense part is small, one unary push after backward is
+cheaper and is used instead). Every PS receives exactly one push per step,
+even an empty one, so sync-mode counting stays aligned.
+
+A push a PS rejects (sync mode, too stale) is recomputed on freshly pulled
+parameters and re-sent to that PS only. A PS that restarted without a
+checkpoint answers "not initialised": it gets this worker's current model
+and the step is redone for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from elasticdl.api.layers import Embedding
+from elasticdl.api.model_spec import ModelSpec, ModelSpecError
+from elasticdl.common.job_spec import JobSpec
+from elasticdl.worker.ps_client import PSClient, PSNotInitializedError
+from elasticdl.worker.trainer import Trainer, call_model, to_device
+
+logger = logging.getLogger(__name__)
+
+Staged = tuple[torch.Tensor, Optional[Callable[[], None]]]
+
+
+def _stage(t: torch.Tensor) -> Staged:
+    """A CPU copy of a gradient: asynchronous (pinned + event) for CUDA tensors."""
+    if t.device.type != "cuda":
+        return t.detach(), None
+    cpu = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    cpu.copy_(t.detach(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return cpu, event.synchronize
+
+
+class _PushSession:
+    """One step's gradient pushes to the PS in ``targets``."""
+
+    def __init__(self, trainer: PSTrainer, targets: list[int]):
+        self.t = trainer
+        self.targets = set(targets)
+        self.streams = {i: trainer.client.open_push_stream(i, trainer.versions[i],
+                                                           trainer.worker_id)
+                        for i in targets if trainer.streaming[i]}
+        self.dense: dict[int, dict[str, torch.Tensor]] = {i: {} for i in targets}
+        self.sparse: dict[int, list[tuple[str, np.ndarray, torch.Tensor]]] = \
+            {i: [] for i in targets}
+        self.waits: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def on_dense(self, name: str, grad: torch.Tensor) -> None:
+        ps = self.t.owner[name]
+        if ps not in self.targets:
+            return
+        staged, ready = _stage(grad)
+        if ps in self.streams:
+            self.streams[ps].put_dense(name, staged, ready)
+            return
+        with self._lock:
+            self.dense[ps][name] = staged
+            if ready is not None:
+                self.waits.append(ready)
+
+    def on_sparse(self, table: str, ids: np.ndarray, grad: torch.Tensor) -> None:
+        staged, ready = _stage(grad)
+        for ps, pos in enumerate(self.t.client.partition_ids(ids)):
+            if ps not in self.targets or pos.shape[0] == 0:
+                continue
+            part = staged if pos.shape[0] == ids.shape[0] else \
+                staged.index_select(0, torch.from_numpy(pos)) if ready is None else None
+            if part is None:  # CUDA: select after the copy finished
+                ready()
+                ready = None
+                part = staged.index_select(0, torch.from_numpy(pos))
+            if ps in self.streams:
+                self.streams[ps].put_sparse(table, ids[pos], part, ready)
+            else:
+                with self._lock:
+                    self.sparse[ps].append((table, ids[pos], part))
+                    if ready is not None:
+                        self.waits.append(ready)
+
+    def abort(self) -> None:
+        for stream in self.streams.values():
+            stream.abort()
+
+    def finish(self, buffers: dict[str, torch.Tensor]) -> dict[int, Any]:
+        """Send what is left; per PS ``(accepted, version)`` or the exception raised."""
+        for wait in self.waits:
+            wait()
+        parts = self.t.client.partition({n: b.detach().cpu() for n, b in buffers.items()})
+        futures = {}
+        for ps in self.targets:
+            if ps in self.streams:
+                for name, value in parts[ps].items():
+                    self.streams[ps].put_buffer(name, value)
+                self.streams[ps].close()
+            else:
+                futures[ps] = self.t.client.push_gradients(
+                    ps, self.t.versions[ps], self.dense[ps], self.sparse[ps], parts[ps],
+                    self.t.worker_id)
+        out: dict[int, Any] = {}
+        for ps in self.targets:
+            try:
+                out[ps] = self.streams[ps].finish() if ps in self.streams \
+                    else futures[ps].result()
+            except PSNotInitializedError as e:
+                out[ps] = e
+        return out
+
+
+class PSTrainer(Trainer):
+    """Model replica whose parameters live on the parameter servers."""
+
+    def __init__(self, model_spec: ModelSpec, ps_addrs: list[str], job_spec: JobSpec,
+                 worker_id: int, device: torch.device, client: Optional[PSClient] = None,
+                 init_timeout_s: float = 120.0, max_push_attempts: int = 32):
+        torch.manual_seed(job_spec.seed)
+        self.spec = model_spec
+        self.job_spec = job_spec
+        self.worker_id = worker_id
+        self.device = device
+        self.max_push_attempts = max_push_attempts
+        self.client = client or PSClient(ps_addrs)
+        self.model = model_spec.build_model().to(device)
+        self.model.train()
+        self.loss_fn = model_spec.loss
+        self.tables = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, Embedding):
+                table = f"{name}.weight" if name else "weight"
+                self.tables[table] = module.table_spec(table)
+                module.attach(self._lookup, table)
+        self.params = dict(self.model.named_parameters())
+        state_keys = set(self.model.state_dict())
+        self.buffers = {n: b for n, b in self.model.named_buffers() if n in state_keys}
+        self.owner = {n: self.client.dense_owner(n) for n in {**self.params, **self.buffers}}
+        # pulls land in `mirror`: the parameters themselves on CPU, pinned copies for CUDA
+        self.mirror = {n: self._mirror_of(t) for n, t in {**self.params, **self.buffers}.items()}
+        sizes = [0] * self.client.num_ps
+        for n, t in self.mirror.items():
+            sizes[self.owner[n]] += t.numel() * t.element_size()
+        self.streaming = [s > self.client.chunk_bytes for s in sizes]
+        self.versions = [-1] * self.client.num_ps      # of the parameters held here
+        self.ps_versions = [-1] * self.client.num_ps   # newest each PS reported
+        self.steps = 0
+        self._session: Optional[_PushSession] = None
+        for name, p in self.params.items():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(
+                    lambda param, name=name: self._on_grad(name, param))
+        self._initialize_ps(init_timeout_s)
+
+    def _mirror_of(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu" and t.is_contiguous():
+            return t.data
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+
+    @property
+    def model_version(self) -> int:  # type: ignore[override]
+        """The newest model version the PS reported (sync: all PS agree)."""
+        return max(self.ps_versions)
+
+    # ------------------------------------------------------------ set-up
+    def _push_model(self, ps_list: list[int]) -> None:
+        dense = {n: p.detach().cpu() for n, p in self.params.items()}
+        buffers = {n: b.detach().cpu() for n, b in self.buffers.items()}
+        version = max(0, max(self.versions))
+        took = self.client.push_model(version, dense, buffers, list(self.tables.values()),
+                                      ps_list)
+        logger.info("worker %d pushed its model to PS %s (taken: %s)", self.worker_id,
+                    ps_list, took)
+
+    def _initialize_ps(self, timeout_s: float) -> None:
+        """Worker 0 initialises the PS; others wait for it (and push themselves if
+        it never comes, e.g. worker 0 died first)."""
+        self.client.wait_ready(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [i for i, s in enumerate(self.client.status()) if not s.initialized]
+            if not missing:
+                break
+            if self.worker_id == 0 or time.monotonic() > deadline:
+                self._push_model(missing)
+            else:
+                time.sleep(0.2)
+        self.pull_dense()
+
+    # ------------------------------------------------------------ pulls
+    def pull_dense(self, ps_list: Optional[list[int]] = None) -> None:
+        """Bring the local parameters up to the PS versions."""
+        results = self.client.pull_dense(self.versions, self.mirror, self.streaming, ps_list)
+        updated = set()
+        for ps, (initialized, version, changed) in results.items():
+            if not initialized:
+                raise PSNotInitializedError(ps, f"PS {ps} lost its model")
+            self.versions[ps] = version
+            self.ps_versions[ps] = version
+            if changed:
+                updated.add(ps)
+        if updated and self.device.type != "cpu":
+            with torch.no_grad():
+                for name, t in {**self.params, **self.buffers}.items():
+                    if self.owner[name] in updated and self.mirror[name] is not t.data:
+                        t.data.copy_(self.mirror[name], non_blocking=True)
+
+    def _pull_or_reinit(self) -> None:
+        """pull_dense; a PS that lost its model (restart without checkpoint) gets ours."""
+        for _ in range(self.client.num_ps + 1):
+            try:
+                self.pull_dense()
+                return
+            except PSNotInitializedError as e:
+                self._push_model([e.ps])
+        self.pull_dense()
+
+    def _lookup(self, layer: Embedding, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        rows = self.client.pull_embedding_unique(layer.table_name, uniq, layer.embedding_dim,
+                                                 layer.table_dtype).to(self.device)
+        pad = None
+        if layer.padding_idx is not None:
+            hit = np.searchsorted(uniq, layer.padding_idx)
+            if hit < uniq.shape[0] and uniq[hit] == layer.padding_idx:
+                pad = int(hit)
+        session = self._session
+        if session is not None and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            rows.register_post_accumulate_grad_hook(
+                lambda leaf: session.on_sparse(layer.table_name, uniq, leaf.grad))
+        index = torch.from_numpy(inverse.reshape(ids.shape)).to(self.device)
+        return F.embedding(index, rows, pad)
+
+    # ------------------------------------------------------------ steps
+    def _on_grad(self, name: str, param: torch.Tensor) -> None:
+        if self._session is not None and param.grad is not None:
+            self._session.on_dense(name, param.grad)
+
+    def compute_loss(self, features: Any, labels: Any) -> torch.Tensor:
+        outputs = call_model(self.model, to_device(features, self.device))
+        loss = self.loss_fn(to_device(labels, self.device), outputs)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
+                                 f"tensor, got {getattr(loss, 'shape', type(loss))}")
+        return loss
+
+    def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
+        targets = list(range(self.client.num_ps))
+        pull = not self.job_spec.use_async or self.steps % self.job_spec.get_model_steps == 0
+        for attempt in range(1, self.max_push_attempts + 1):
+            if pull or attempt > 1:
+                self._pull_or_reinit()
+            loss, results = self._step(features, labels, targets)
+            retry = []
+            for ps, result in results.items():
+                if isinstance(result, PSNotInitializedError):
+                    self._push_model([ps])
+                    retry.append(ps)
+                    continue
+                accepted, version = result
+                self.ps_versions[ps] = version
+                if not accepted:
+                    retry.append(ps)
+            if not retry:
+                self.steps += 1
+                return loss
+            logger.info("worker %d: step redone for PS %s (attempt %d)", self.worker_id,
+                        retry, attempt)
+            targets = retry
+        raise RuntimeError(f"gradients rejected {self.max_push_attempts} times in a row; "
+                           "is --sync_version_tolerance too small for this many workers?")
+
+    def _step(self, features: Any, labels: Any,
+              targets: list[int]) -> tuple[torch.Tensor, dict[int, Any]]:
+        self.model.zero_grad(set_to_none=True)
+        session = _PushSession(self, targets)
+        self._session = session
+        try:
+            loss = self.compute_loss(features, labels)
+            loss.backward()
+        except BaseException:
+            session.abort()
+            raise
+        finally:
+            self._session = None
+        return loss.detach(), session.finish(self.buffers)
+
+    def forward(self, features: Any) -> Any:
+        """Outputs with the newest parameters (evaluation and prediction)."""
+        self._pull_or_reinit()
+        return super().forward(features)
+
+    def close(self) -> None:
+        self.client.close()
