@@ -52,7 +52,7 @@ setup(
     ],
     extras_require={
         "parquet": ["pyarrow>=12"],
-        "k8s": ["kubernetes>=28"],
+        "k8s": ["kubernetes>=28", "pyyaml>=6"],
         "dev": ["grpcio-tools>=1.60", "pytest>=7", "pytest-timeout>=2", "ruff>=0.5",
                 "mypy>=1.8", "scikit-learn>=1.2", "pyarrow>=12", "kubernetes>=28",
                 "kubernetes-validate>=1.28"],

@@ -178,6 +178,33 @@ def _job_op(op: str):
     return command
 
 
+def _exit_with(fn):
+    """Run a client function that returns an exit code, and exit with it."""
+    def command(*args: Any, **kwargs: Any) -> None:
+        code = fn(*args, **kwargs)
+        if code:
+            sys.exit(code)
+
+    command.__name__ = fn.__name__
+    command.__doc__ = fn.__doc__
+    command.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    return command
+
+
+def _zoo(name: str):
+    from elasticdl_client import zoo
+
+    return _exit_with(getattr(zoo, name))
+
+
+def _rbac():
+    from elasticdl_client import k8s
+
+    return _exit_with(k8s.rbac)
+
+
+COMMANDS["zoo"] = {"init": _zoo("init"), "build": _zoo("build"), "push": _zoo("push")}
+COMMANDS["rbac"] = _rbac()
 COMMANDS["status"] = _job_op("status")
 COMMANDS["logs"] = _job_op("logs")
 COMMANDS["stop"] = _job_op("stop")
