@@ -38,7 +38,7 @@ demo: $(STAMP)
 	$(VENV)/bin/elasticdl train --model_zoo=model_zoo \
 		--model_def=digits.digits_cnn.custom_model \
 		--training_data=data/digits/train --validation_data=data/digits/val \
-		--distribution_strategy=Local --num_epochs=2 --output=out/digits-demo \
+		--distribution_strategy=Local --num_epochs=5 --output=out/digits-demo \
 		--job_name=digits-demo
 
 bench: $(STAMP)
