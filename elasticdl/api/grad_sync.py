@@ -1,21 +1,24 @@
 """Bucketed gradient all-reduce started from backward hooks.
 
 :class:`GradientAllreducer` registers one ``post_accumulate_grad`` hook per
-parameter. When it is *armed* for a backward pass, each hook copies its
-parameter's gradient — multiplied by this member's weight — into a flat bucket
-buffer; as soon as a bucket is complete (and every bucket before it has been
-launched, so all ranks issue collectives in the same order) an asynchronous
-``all_reduce`` (SUM) starts while backward goes on computing the next
-gradients. At the end of backward (an autograd engine callback) the buckets not
-launched yet are launched with zeros for gradients that never came (parameters
-unused on this rank), every bucket is waited for, and the summed gradients are
-written back into ``param.grad``.
+parameter. A step starts with :meth:`~GradientAllreducer.begin`, which launches
+an asynchronous all-reduce of a few *meta* numbers (the member's record count
+and control flags); it completes while forward and backward run, so it adds no
+waiting point to the step. When the reducer is *armed* for a backward pass, each
+hook copies its parameter's gradient — multiplied by this member's record count
+— into a flat bucket buffer; as soon as a bucket is complete (and every bucket
+before it has been launched, so all ranks issue collectives in the same order)
+an asynchronous ``all_reduce`` (SUM) starts while backward goes on computing
+the next gradients. At the end of backward (an autograd engine callback) the
+buckets not launched yet are launched with zeros for gradients that never came
+(parameters unused on this rank), every bucket is waited for, and the sums
+divided by the step's total record count ``N`` (the first meta sum) are written
+back into ``param.grad``.
 
-Weights instead of a division by the world size: a member's weight is its
-share of the step's records (``n_r / N``), so the sum is the gradient of the
-mean loss over the union of all members' records — exactly single-process
-training on the union batch, also when members hold different numbers of
-records (a short last minibatch, an idle member contributing zeros).
+Weighting by records instead of dividing by the world size makes the result the
+gradient of the mean loss over the union of all members' records — exactly
+single-process training on the union batch, also when members hold different
+numbers of records (a short last minibatch, an idle member contributing zeros).
 
 Buckets are laid out in reverse parameter order (roughly the order gradients
 become ready in backward), the first one small (1 MiB) so communication starts
@@ -65,8 +68,12 @@ class GradientAllreducer:
             for i, off in zip(bucket.params, bucket.offsets):
                 self._where[i] = (b, off)
         self._group: Optional[dist.ProcessGroup] = None
-        self._armed = False
+        self._active = False   # a step is in progress (meta launched)
+        self._armed = False    # hooks reduce this backward pass
         self._scale = 1.0
+        self._meta: Optional[torch.Tensor] = None
+        self._meta_work: Optional[Any] = None
+        self.result: list[float] = []
         self._next = 0
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
@@ -108,24 +115,43 @@ class GradientAllreducer:
         return len(self._buckets)
 
     # ------------------------------------------------------------- control
-    def arm(self, group: Optional[dist.ProcessGroup], scale: float) -> None:
-        """Reduce gradients in the next backward pass, this member's weighted ``scale``."""
+    def begin(self, meta: list[float], group: Optional[dist.ProcessGroup] = None) -> None:
+        """Start a step: launch the all-reduce of ``meta`` (``meta[0]``: this
+        member's records in the step). Every member calls it once per step.
+
+        Raises:
+            CollectiveError: the collective could not be launched.
+        """
         self._group = group
-        self._scale = scale
-        self._armed = True
+        self._active = True
+        self._armed = False
         self._next = 0
         self._queued = False
+        self.result = []
         for bucket in self._buckets:
             bucket.ready.clear()
             bucket.work = None
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self._meta = torch.tensor(meta, dtype=torch.float64, device=device)
+        with guard("step meta all_reduce"):
+            self._meta_work = dist.all_reduce(self._meta, group=group, async_op=True)
+
+    def arm(self, scale: float) -> None:
+        """Reduce the gradients of the next backward pass, weighted by ``scale``
+        (this member's records; 0 contributes zeros)."""
+        if not self._active:
+            raise RuntimeError("arm() outside a step; call begin() first")
+        self._scale = scale
+        self._armed = True
 
     @property
-    def armed(self) -> bool:
-        return self._armed
+    def active(self) -> bool:
+        return self._active
 
     def abandon(self) -> None:
-        """Forget a reduction in flight (after a failure; its group is destroyed)."""
-        self._armed = False
+        """Forget a step in flight (after a failure; its group is destroyed)."""
+        self._active = self._armed = False
+        self._meta_work = None
         for bucket in self._buckets:
             bucket.work = None
             bucket.ready.clear()
@@ -138,11 +164,11 @@ class GradientAllreducer:
     # --------------------------------------------------------------- hooks
     def _hook(self, index: int) -> Any:
         def on_grad(param: torch.Tensor) -> None:
-            if not self._armed:
+            if not (self._armed and self._active):
                 return
             if not self._queued:
                 self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             grad = param.grad
             if grad is None:
                 return
@@ -175,17 +201,23 @@ class GradientAllreducer:
         with guard("gradient all_reduce"):
             bucket.work = dist.all_reduce(bucket.flat, group=self._group, async_op=True)
 
-    def finish(self) -> None:
-        """Launch what is left, wait for every bucket, write the sums into ``.grad``.
+    def _on_backward_end(self) -> None:
+        self.finish()
+
+    def finish(self) -> list[float]:
+        """Launch what is left, wait for the meta and every bucket, write the
+        gradient sums divided by ``N`` into ``.grad``; returns the meta sums.
 
         Runs by itself at the end of an armed backward pass; call it directly
-        when no backward ran (it is a no-op when not armed).
+        when no backward ran (contributing zeros). A no-op returning the last
+        result when no step is active. With ``N == 0`` (nobody had data) the
+        gradients are left alone.
 
         Raises:
-            CollectiveError: a bucket's all-reduce failed or timed out.
+            CollectiveError: an all-reduce failed or timed out.
         """
-        if not self._armed:
-            return
+        if not self._active:
+            return self.result
         try:
             for bucket in self._buckets[self._next:]:
                 for i, off in zip(bucket.params, bucket.offsets):
@@ -193,16 +225,23 @@ class GradientAllreducer:
                         bucket.flat[off:off + self.params[i].numel()].zero_()
                 self._launch(bucket)
             self._next = len(self._buckets)
+            wait(self._meta_work, "step meta all_reduce")
             for bucket in self._buckets:
                 wait(bucket.work, "gradient all_reduce")
         finally:
-            self._armed = False
+            self._active = self._armed = False
+        assert self._meta is not None
+        self.result = [float(v) for v in self._meta.tolist()]
+        total = self.result[0]
         for bucket in self._buckets:
-            for i, off in zip(bucket.params, bucket.offsets):
-                p = self.params[i]
-                summed = bucket.flat[off:off + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = summed.clone()
-                else:
-                    p.grad.copy_(summed)
+            if total > 0:
+                for i, off in zip(bucket.params, bucket.offsets):
+                    p = self.params[i]
+                    summed = bucket.flat[off:off + p.numel()].view_as(p)
+                    if p.grad is None:
+                        p.grad = summed / total
+                    else:
+                        torch.div(summed, total, out=p.grad)
             bucket.work = None
+        self._meta_work = None
+        return self.result
