@@ -15,7 +15,9 @@ rows hold the same values, and a PS checkpoint exports to this layer's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Optional
 
 import numpy as np
@@ -26,6 +28,19 @@ from torch import nn
 from elasticdl.ps.parameters import TableSpec, initial_rows, parse_initializer
 
 Lookup = Callable[["Embedding", torch.Tensor], torch.Tensor]
+
+_TABLES_ON_PS = contextvars.ContextVar("elasticdl_tables_on_ps", default=False)
+
+
+@contextlib.contextmanager
+def tables_on_ps() -> Iterator[None]:
+    """Models built inside skip the local tables of their :class:`Embedding` layers
+    (the parameter-server trainer attaches them to the PS right after)."""
+    token = _TABLES_ON_PS.set(True)
+    try:
+        yield
+    finally:
+        _TABLES_ON_PS.reset(token)
 
 
 class Embedding(nn.Module):
@@ -61,10 +76,14 @@ class Embedding(nn.Module):
         self.table_dtype = dtype or torch.get_default_dtype()
         self._lookup: Optional[Lookup] = None
         self.table_name = ""
+        self.weight: Optional[nn.Parameter]
+        if _TABLES_ON_PS.get():
+            self.register_parameter("weight", None)
+            return
         rows = initial_rows(initializer, self.seed, np.arange(num_embeddings, dtype=np.int64),
                             embedding_dim, self.table_dtype,
                             -1 if padding_idx is None else padding_idx)
-        self.weight: Optional[nn.Parameter] = nn.Parameter(rows.to(device))
+        self.weight = nn.Parameter(rows.to(device))
 
     def table_spec(self, name: str) -> TableSpec:
         """The PS table of this layer, named ``name`` (its weight's state-dict key)."""
@@ -81,12 +100,16 @@ class Embedding(nn.Module):
         """Move the table to the PS: drop the local weight, look rows up via ``lookup``."""
         self._lookup = lookup
         self.table_name = table_name
-        del self.weight
-        self.register_parameter("weight", None)
+        if self.weight is not None:
+            del self.weight
+            self.register_parameter("weight", None)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self._lookup is not None:
             return self._lookup(self, input)
+        if self.weight is None:
+            raise RuntimeError("Embedding built inside tables_on_ps() was never attached to "
+                               "a parameter server")
         return F.embedding(input, self.weight, self.padding_idx)
 
     def extra_repr(self) -> str:

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Optional, Union
 
 import numpy as np
 import torch
 
+from elasticdl.common.chunk_wire import ChunkView
 from elasticdl.proto import elasticdl_pb2 as pb
 
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 """Chunk size of streamed tensors (measured best on loopback; see benchmarks/ps_bandwidth.py)."""
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -195,10 +197,43 @@ def iter_chunks(name: str, tensor: torch.Tensor,
             return
 
 
+def whole_chunk_view(chunk: Union[pb.TensorChunk, ChunkView],
+                     expected: Mapping[str, tuple[torch.dtype, Sequence[int]]]
+                     ) -> Optional[torch.Tensor]:
+    """A tensor *viewing* the chunk's content when the chunk holds the whole
+    tensor (None otherwise), after checking name, dtype, shape and size.
+
+    The view is read-only by contract: the content is an immutable ``bytes``
+    the receiver owns alone, so this saves a copy of every tensor that fits in
+    one chunk. Callers must not write into it.
+
+    Raises:
+        ValueError: unknown name or metadata not matching ``expected``.
+    """
+    if chunk.offset != 0 or len(chunk.content) != chunk.total_bytes:
+        return None
+    what = f"tensor {chunk.name!r}"
+    if chunk.name not in expected:
+        raise ValueError(f"{what}: unknown name")
+    exp_dtype, exp_shape = expected[chunk.name]
+    tdtype = check_meta(what, chunk.dtype, chunk.shape, exp_dtype, exp_shape)
+    numel = math.prod(chunk.shape)
+    if chunk.total_bytes != numel * torch.empty((), dtype=tdtype).element_size():
+        raise ValueError(f"{what}: total_bytes {chunk.total_bytes} does not match dtype "
+                         f"{chunk.dtype} and shape {list(chunk.shape)}")
+    if numel == 0:
+        return torch.empty(list(chunk.shape), dtype=tdtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        return torch.frombuffer(chunk.content, dtype=tdtype).view(list(chunk.shape))
+
+
 class ChunkAssembler:
     """Reassembles tensors from ``TensorChunk`` messages.
 
-    Chunks of one tensor must arrive in order (offset equal to the bytes
+    Chunks (messages, or :class:`~elasticdl.common.chunk_wire.ChunkView` s
+    whose content is a view of the received bytes) of one tensor must arrive
+    in order (offset equal to the bytes
     received so far); different tensors may follow each other. With
     ``destinations`` (name -> contiguous CPU tensor) chunks are written
     straight into those tensors, and only their names are accepted;
@@ -215,7 +250,7 @@ class ChunkAssembler:
         self._total: dict[str, int] = {}
         self._views: dict[str, np.ndarray] = {}
 
-    def add(self, chunk: pb.TensorChunk) -> Optional[str]:
+    def add(self, chunk: Union[pb.TensorChunk, ChunkView]) -> Optional[str]:
         """Take one chunk; returns the tensor's name when it is now complete.
 
         Raises:
@@ -244,7 +279,7 @@ class ChunkAssembler:
         self._received[name] = end
         return name if end == self._total[name] else None
 
-    def _start(self, chunk: pb.TensorChunk, what: str) -> None:
+    def _start(self, chunk: Union[pb.TensorChunk, ChunkView], what: str) -> None:
         name = chunk.name
         exp_dtype: Optional[torch.dtype] = None
         exp_shape: Optional[Sequence[int]] = None

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import torch
 
+from elasticdl.common import chunk_wire
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.checkpoint import CheckpointError
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -75,7 +76,7 @@ class PServicer(pb_grpc.PServerServicer):
         self.shard = shard
         self.chunk_bytes = chunk_bytes
         self._cache_lock = threading.Lock()
-        self._chunk_cache: tuple[int, int, list[pb.DenseChunk]] = (-1, 0, [])
+        self._chunk_cache: tuple[int, int, list[bytes]] = (-1, 0, [])
 
     # ------------------------------------------------------------ model
     @_guard
@@ -111,18 +112,19 @@ class PServicer(pb_grpc.PServerServicer):
 
     @_guard
     def pull_dense_chunks(self, request: pb.PullDenseRequest,
-                          context: grpc.ServicerContext) -> Iterator[pb.DenseChunk]:
+                          context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serialised ``DenseChunk`` messages (encoded once per version and chunk size)."""
         chunk_bytes = request.chunk_bytes or self.chunk_bytes
         if chunk_bytes < 0:
             raise ValueError(f"chunk_bytes must be >= 0, got {request.chunk_bytes}")
         return iter(self._chunks(request.version, chunk_bytes))
 
-    def _chunks(self, worker_version: int, chunk_bytes: int) -> list[pb.DenseChunk]:
+    def _chunks(self, worker_version: int, chunk_bytes: int) -> list[bytes]:
         shard = self.shard
         with shard.lock:
             initialized, version, tensors = shard.snapshot_dense(worker_version)
             if tensors is None:
-                return [pb.DenseChunk(initialized=initialized, version=version)]
+                return [chunk_wire.dense_chunk_bytes(initialized, version, False, None)]
             with self._cache_lock:
                 cached_version, cached_size, chunks = self._chunk_cache
                 if cached_version == version and cached_size == chunk_bytes:
@@ -130,11 +132,12 @@ class PServicer(pb_grpc.PServerServicer):
             chunks = []
             for name, t in tensors.items():
                 is_buffer = name in shard.params.buffers
-                for c in codec.iter_chunks(name, t, chunk_bytes):
-                    chunks.append(pb.DenseChunk(initialized=True, version=version, chunk=c,
-                                                is_buffer=is_buffer))
+                view = codec.byte_view(t.detach())
+                for _, parts in chunk_wire.tensor_chunks_wire(
+                        name, view, codec.dtype_name(t.dtype), tuple(t.shape), chunk_bytes):
+                    chunks.append(chunk_wire.dense_chunk_bytes(True, version, is_buffer, parts))
             if not chunks:
-                chunks = [pb.DenseChunk(initialized=True, version=version)]
+                chunks = [chunk_wire.dense_chunk_bytes(True, version, False, None)]
             with self._cache_lock:
                 self._chunk_cache = (version, chunk_bytes, chunks)
             return chunks
@@ -177,7 +180,7 @@ class PServicer(pb_grpc.PServerServicer):
         return pb.PushGradientsResponse(accepted=accepted, version=version)
 
     @_guard
-    def push_gradient_chunks(self, request_iterator: Iterator[pb.GradientChunk],
+    def push_gradient_chunks(self, request_iterator: Iterator[chunk_wire.GradientChunkView],
                              context: grpc.ServicerContext) -> pb.PushGradientsResponse:
         self._require_init()
         shard = self.shard
@@ -185,18 +188,21 @@ class PServicer(pb_grpc.PServerServicer):
         assembler = codec.ChunkAssembler(expected=expected)
         push: Optional[GradientPush] = None
         for msg in request_iterator:
+            if msg.error:
+                raise ValueError(f"push_gradient_chunks: {msg.error}")
             if push is None:
                 push = GradientPush(version=msg.version, worker_id=msg.worker_id,
                                     learning_rate=msg.learning_rate)
-            if msg.HasField("dense"):
-                done = assembler.add(msg.dense)
+            if msg.dense is not None:
+                whole = codec.whole_chunk_view(msg.dense, expected)  # no copy
+                done = msg.dense.name if whole is not None else assembler.add(msg.dense)
                 if done is not None:
                     if done in push.dense:
                         raise ValueError(f"gradient of {done!r} given twice")
-                    push.dense[done] = assembler.pop(done)
-            if msg.HasField("sparse"):
+                    push.dense[done] = whole if whole is not None else assembler.pop(done)
+            if msg.sparse is not None:
                 push.sparse.append(decode_rows(msg.sparse, shard))
-            if msg.HasField("buffer"):
+            if msg.buffer is not None:
                 push.buffers[msg.buffer.name] = self._buffer(msg.buffer)
         if push is None:
             raise ValueError("push_gradient_chunks: empty stream")

@@ -71,8 +71,8 @@ class ShardConfig:
 
 @dataclass
 class GradientPush:
-    """One worker's gradients for this shard (already decoded; the shard takes
-    ownership of the tensors and may modify them)."""
+    """One worker's gradients for this shard (already decoded). Dense gradients
+    may be read-only views of received bytes: the shard never writes into them."""
 
     version: int
     worker_id: int = 0
@@ -243,7 +243,9 @@ class PSShard:
         for name, grad in push.dense.items():
             acc = g.dense.get(name)
             if acc is None:
-                g.dense[name] = grad  # the shard owns the decoded tensors of a push
+                g.dense[name] = grad  # may be a read-only view of the received bytes
+            elif g.count == 1:
+                g.dense[name] = acc + grad  # a tensor of our own from now on
             else:
                 acc.add_(grad)
         for table, ids, grad in push.sparse:
@@ -293,7 +295,7 @@ class PSShard:
                     group["lr"] = lr
             for name, grad in dense.items():
                 param = self.params.dense[name]
-                param.grad = grad.mul_(scale) if count > 1 else grad
+                param.grad = grad * scale if count > 1 else grad  # never in place
             try:
                 self.optimizer.step()
             finally:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from elasticdl.api.layers import Embedding
+from elasticdl.api.layers import Embedding, tables_on_ps
 from elasticdl.api.model_spec import ModelSpec, ModelSpecError
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.worker.ps_client import PSClient, PSNotInitializedError
@@ -139,7 +139,8 @@ class PSTrainer(Trainer):
         self.device = device
         self.max_push_attempts = max_push_attempts
         self.client = client or PSClient(ps_addrs)
-        self.model = model_spec.build_model().to(device)
+        with tables_on_ps():
+            self.model = model_spec.build_model().to(device)
         self.model.train()
         self.loss_fn = model_spec.loss
         self.tables = {}

@@ -343,3 +343,21 @@ def test_client_reconnects_to_a_restarted_ps_and_gives_up_in_time():
                 client.status()
         finally:
             client.close()
+
+
+def test_malformed_bulk_stream_does_not_break_the_ps():
+    with local_ps(1) as cluster:
+        client = _client(cluster)
+        try:
+            _init(client)
+            channel = grpc.insecure_channel(cluster.addrs[0])
+            raw = channel.stream_unary("/elasticdl.PServer/push_gradient_chunks")
+            with pytest.raises(grpc.RpcError) as err:
+                raw(iter([b"\x22\x10abc"]), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed" in err.value.details()
+            channel.close()
+            assert cluster.shards[0].version == 0
+            assert _push(client, {"w": torch.ones(2, 3)}) == (True, 1)
+        finally:
+            client.close()

@@ -132,3 +132,61 @@ def test_chunk_assembler_validation():
         codec.ChunkAssembler().add(over)
     with pytest.raises(ValueError, match="chunk_bytes"):
         list(codec.iter_chunks("w", torch.zeros(1), 0))
+
+
+# ------------------------------------------------------------ chunk_wire
+def test_chunk_wire_bytes_are_the_protobuf_wire_format():
+    from elasticdl.common import chunk_wire
+
+    t = torch.randn(3, 5)
+    view = codec.byte_view(t)
+    [(offset, parts)] = chunk_wire.tensor_chunks_wire("w", view, "float32", (3, 5), 1 << 20)
+    raw = chunk_wire.gradient_chunk_bytes(parts, version=-7, worker_id=3, learning_rate=0.25)
+    msg = pb.GradientChunk.FromString(raw)
+    assert (msg.version, msg.worker_id, msg.learning_rate) == (-7, 3, 0.25)
+    assert codec.decode(pb.Tensor(dtype=msg.dense.dtype, shape=msg.dense.shape,
+                                  content=msg.dense.content)).equal(t)
+    # and the parser reads what the generated classes write
+    ref = pb.GradientChunk(version=-7, worker_id=3, learning_rate=0.25,
+                           dense=next(codec.iter_chunks("w", t)),
+                           buffer=codec.encode(torch.tensor(1), "b"))
+    view_msg = chunk_wire.parse_gradient_chunk(ref.SerializeToString())
+    assert (view_msg.version, view_msg.worker_id, view_msg.learning_rate) == (-7, 3, 0.25)
+    assert view_msg.dense.shape == (3, 5) and bytes(view_msg.dense.content) == to_b(t)
+    assert view_msg.buffer.name == "b" and view_msg.sparse is None
+    dense = chunk_wire.dense_chunk_bytes(True, 9, True, parts)
+    parsed = chunk_wire.parse_dense_chunk(dense)
+    assert parsed.initialized and parsed.version == 9 and parsed.is_buffer
+    assert pb.DenseChunk.FromString(dense).chunk.total_bytes == 60
+    assert chunk_wire.parse_dense_chunk(chunk_wire.dense_chunk_bytes(False, 2, False, None)) \
+        .chunk is None
+
+
+def to_b(t: torch.Tensor) -> bytes:
+    return codec.to_bytes(t)
+
+
+@pytest.mark.parametrize("raw", [b"\x08", b"\x22\x10abc", b"\x0f", b"\x08\xff\xff\xff\xff\xff"
+                                 b"\xff\xff\xff\xff\xff\xff"])
+def test_chunk_wire_rejects_malformed(raw):
+    from elasticdl.common import chunk_wire
+
+    with pytest.raises(ValueError, match="malformed"):
+        chunk_wire.parse_gradient_chunk(raw)
+
+
+def test_whole_chunk_view_is_zero_copy_and_checked():
+    from elasticdl.common import chunk_wire
+
+    t = torch.randn(4, 2)
+    raw = chunk_wire.gradient_chunk_bytes(
+        chunk_wire.tensor_chunks_wire("w", codec.byte_view(t), "float32", (4, 2), 1 << 20)[0][1])
+    chunk = chunk_wire.parse_gradient_chunk(raw).dense
+    got = codec.whole_chunk_view(chunk, {"w": (torch.float32, [4, 2])})
+    assert got is not None and torch.equal(got, t)
+    with pytest.raises(ValueError, match="shape"):
+        codec.whole_chunk_view(chunk, {"w": (torch.float32, [8])})
+    with pytest.raises(ValueError, match="unknown"):
+        codec.whole_chunk_view(chunk, {})
+    part = next(codec.iter_chunks("w", t, 8))
+    assert codec.whole_chunk_view(part, {"w": (torch.float32, [4, 2])}) is None
