@@ -45,6 +45,7 @@ class PSArgs:
     checkpoint_dir_for_init: str = ""
     host: str = "0.0.0.0"
     sync_wait_s: float = 30.0
+    sync_wait_min_s: float = 1.0
     grace_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -64,7 +65,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PSArgs:
     p.add_argument("--checkpoint_dir_for_init", default="")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--sync_wait_s", type=float, default=30.0,
-                   help="sync mode: how long a push waits for its group to be applied")
+                   help="sync mode: longest wait of a push for its group to be applied")
+    p.add_argument("--sync_wait_min_s", type=float, default=1.0,
+                   help="sync mode: shortest such wait (the wait adapts in between)")
     a = p.parse_args(argv)
     text = a.job_spec
     if text.startswith("@"):
@@ -72,7 +75,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PSArgs:
             text = f.read()
     return PSArgs(ps_id=a.ps_id, num_ps=a.num_ps, port=a.port, job_spec=JobSpec.from_json(text),
                   master_addr=a.master_addr, checkpoint_dir_for_init=a.checkpoint_dir_for_init,
-                  host=a.host, sync_wait_s=a.sync_wait_s)
+                  host=a.host, sync_wait_s=a.sync_wait_s, sync_wait_min_s=a.sync_wait_min_s)
 
 
 def shard_config(args: PSArgs) -> ShardConfig:
@@ -81,7 +84,8 @@ def shard_config(args: PSArgs) -> ShardConfig:
                        use_async=spec.use_async,
                        lr_staleness_modulation=spec.lr_staleness_modulation,
                        sync_version_tolerance=spec.sync_version_tolerance,
-                       sync_wait_s=args.sync_wait_s, checkpoint_dir=spec.checkpoint_dir,
+                       sync_wait_s=args.sync_wait_s, sync_wait_min_s=args.sync_wait_min_s,
+                       checkpoint_dir=spec.checkpoint_dir,
                        checkpoint_steps=spec.checkpoint_steps,
                        keep_checkpoint_max=spec.keep_checkpoint_max)
 

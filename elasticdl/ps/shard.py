@@ -6,12 +6,14 @@ them with the model module's optimizer:
 * **sync** (default): gradients computed on a version older than
   ``version - sync_version_tolerance`` are rejected; accepted pushes are summed
   until ``grads_to_wait`` of them arrived, then averaged and applied, and the
-  version is bumped. A push waits (up to ``sync_wait_s``) until the group it
-  joined is applied, so workers step in lockstep and sync training equals
-  single-process training on the union of their batches. If the wait times
-  out (a peer died or has no more data), pushes stop waiting until a group
-  with two different workers completes again; a lone worker then fills groups
-  by itself.
+  version is bumped. A push waits until the group it joined is applied, so
+  workers step in lockstep and sync training equals single-process training
+  on the union of their batches. The wait adapts: 10x the usual spread
+  between a group's first and last push, clamped to
+  ``[sync_wait_min_s, sync_wait_s]`` (the cap until a first group completed).
+  If it times out (a peer died, or ran out of data at the end of an epoch),
+  pushes stop waiting until a group with two different workers completes
+  again; a lone worker then fills groups by itself.
 * **async** (``use_async``): every push is applied at once; with
   ``lr_staleness_modulation`` the learning rate is divided by the staleness
   ``version - push.version`` (when > 1).
@@ -57,6 +59,7 @@ class ShardConfig:
     lr_staleness_modulation: bool = False
     sync_version_tolerance: int = 0
     sync_wait_s: float = 30.0
+    sync_wait_min_s: float = 1.0
     checkpoint_dir: str = ""
     checkpoint_steps: int = 0
     keep_checkpoint_max: int = 0
@@ -64,9 +67,10 @@ class ShardConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.ps_id < self.num_ps:
             raise ValueError(f"ps_id {self.ps_id} out of range for num_ps {self.num_ps}")
-        if self.grads_to_wait < 1 or self.sync_version_tolerance < 0 or self.sync_wait_s < 0:
+        if self.grads_to_wait < 1 or self.sync_version_tolerance < 0 or \
+                not 0 <= self.sync_wait_min_s <= self.sync_wait_s:
             raise ValueError("grads_to_wait >= 1, sync_version_tolerance >= 0 and "
-                             "sync_wait_s >= 0 are required")
+                             "0 <= sync_wait_min_s <= sync_wait_s are required")
 
 
 @dataclass
@@ -91,6 +95,7 @@ class _Group:
     count: int = 0
     workers: set[int] = field(default_factory=set)
     lr: float = 0.0
+    started: float = 0.0
 
 
 class PSShard:
@@ -109,6 +114,7 @@ class PSShard:
         self.row_optimizer: Optional[RowOptimizer] = None
         self._group = _Group()
         self._peers_absent = False
+        self._spread: Optional[float] = None  # EMA of first-to-last push time of a group
         self._cond = threading.Condition(threading.RLock())
         self._on_version = on_version
 
@@ -250,6 +256,8 @@ class PSShard:
                 acc.add_(grad)
         for table, ids, grad in push.sparse:
             g.sparse.setdefault(table, []).append((ids, grad))
+        if g.count == 0:
+            g.started = time.monotonic()
         g.count += 1
         g.workers.add(push.worker_id)
         g.lr = push.learning_rate or g.lr
@@ -257,20 +265,25 @@ class PSShard:
             return self.version + 1
         if len(g.workers) > 1:
             self._peers_absent = False
+            spread = time.monotonic() - g.started
+            self._spread = spread if self._spread is None else 0.8 * self._spread + 0.2 * spread
         self._group = _Group()
         self._apply(g.dense, g.sparse, g.count, g.lr or None)
         return None
 
     def _wait_for(self, target: int, worker_id: int) -> int:
-        if self._peers_absent or self.config.sync_wait_s == 0:
+        cfg = self.config
+        if self._peers_absent or cfg.sync_wait_s == 0:
             return self.version
-        deadline = time.monotonic() + self.config.sync_wait_s
+        wait_s = cfg.sync_wait_s if self._spread is None else \
+            min(cfg.sync_wait_s, max(cfg.sync_wait_min_s, 10 * self._spread))
+        deadline = time.monotonic() + wait_s
         while self.version < target:
             left = deadline - time.monotonic()
             if left <= 0:
-                logger.warning("worker %d waited %.0f s for version %d on PS %d; not "
+                logger.warning("worker %d waited %.1f s for version %d on PS %d; not "
                                "waiting for peers until a group completes again",
-                               worker_id, self.config.sync_wait_s, target, self.config.ps_id)
+                               worker_id, wait_s, target, cfg.ps_id)
                 self._peers_absent = True
                 break
             self._cond.wait(left)

@@ -52,7 +52,9 @@ def test_sync_two_workers_equal_single_process_on_union_batches(tmp_path):
     trainers: list[PSTrainer] = []
     try:
         for i in range(2):
-            procs.append(PSProcess(i, 2, job, log_path=str(tmp_path / f"ps-{i}.log")))
+            # a fixed, generous sync wait: lockstep even if this machine stalls a while
+            procs.append(PSProcess(i, 2, job, log_path=str(tmp_path / f"ps-{i}.log"),
+                                   extra=["--sync_wait_min_s=30"]))
         addrs = [p.addr for p in procs]
         trainers = [_trainer(job, addrs, w) for w in range(2)]  # worker 0 initialises
         errors: list[BaseException] = []

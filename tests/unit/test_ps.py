@@ -4,6 +4,7 @@ sync/async semantics, validation, embedding rows and row optimizers."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -101,13 +102,34 @@ def test_sync_version_tolerance_accepts_slightly_stale():
 
 
 def test_sync_lone_worker_stops_waiting_after_timeout():
-    with local_ps(1, sgd(0.1), grads_to_wait=2, sync_wait_s=0.3) as cluster:
+    with local_ps(1, sgd(0.1), grads_to_wait=2, sync_wait_s=0.3,
+                  sync_wait_min_s=0.1) as cluster:
         client = _client(cluster)
         try:
             _init(client)
             g = {"w": torch.ones(2, 3)}
             assert _push(client, g) == (True, 0)   # waited 0.3 s, still pending
             assert _push(client, g) == (True, 1)   # completes the group
+            start = time.monotonic()
+            assert _push(client, g, version=1) == (True, 1)  # peers absent: no waiting
+            assert time.monotonic() - start < 0.2
+        finally:
+            client.close()
+
+
+def test_sync_wait_adapts_to_the_usual_group_spread():
+    with local_ps(1, sgd(0.1), grads_to_wait=2, sync_wait_s=20,
+                  sync_wait_min_s=0.2) as cluster:
+        client = _client(cluster)
+        try:
+            _init(client)
+            g = {"w": torch.ones(2, 3)}
+            for step in range(3):  # two workers in lockstep: groups complete at once
+                futures = [client.push_gradients(0, step, g, worker_id=w) for w in (1, 2)]
+                assert [f.result() for f in futures] == [(True, step + 1)] * 2
+            start = time.monotonic()
+            assert _push(client, g, version=3, worker_id=1) == (True, 3)  # partner gone
+            assert 0.15 < time.monotonic() - start < 5  # ~sync_wait_min_s, not 20 s
         finally:
             client.close()
 
