@@ -151,8 +151,9 @@ class MasterServicer(pb_grpc.MasterServicer):
     @_validated
     def join(self, request: pb.JoinRequest, context: Any) -> pb.CommPlan:
         worker_id = _worker(request.worker_id)
-        if not request.host or not 0 < request.port < 65536:
-            raise _Invalid(f"join needs host and port, got {request.host!r}:{request.port}")
+        if not request.host or not 0 <= request.port < 65536:
+            raise _Invalid(f"join needs a host and a port in 0..65535 (0: none), got "
+                           f"{request.host!r}:{request.port}")
         return self._plan(self._rdzv().join(worker_id, request.host, request.port))
 
     @_validated

@@ -97,14 +97,19 @@ def run_worker(args: WorkerArgs) -> int:
                                   model_spec.prediction_outputs_processor)
         version_every = max(1, spec.evaluation_steps // 4) if spec.evaluation_steps else 20
 
-        def after_step(task: Any, done: int, loss: Any) -> None:
-            if trainer.model_version % version_every == 0:
-                client.report_version(trainer.model_version)
+        def report_version(version: int) -> None:
+            if version % version_every == 0:
+                client.report_version(version)
 
-        loop = TaskLoop(client, trainer, model_spec, readers, spec.minibatch_size,
-                        worker_id=args.worker_id, prediction_sink=sink,
-                        after_train_step=[after_step])
-        stats = loop.run()
+        if hasattr(trainer, "run"):  # AllreduceTrainer drives its own elastic loop
+            stats = trainer.run(client, readers, prediction_sink=sink,
+                                on_step=[lambda version, loss: report_version(version)])
+        else:
+            loop = TaskLoop(client, trainer, model_spec, readers, spec.minibatch_size,
+                            worker_id=args.worker_id, prediction_sink=sink,
+                            after_train_step=[lambda task, done, loss:
+                                              report_version(trainer.model_version)])
+            stats = loop.run()
         client.report_version(trainer.model_version)
         if client.export_model and spec.job_type == "train":
             _export(trainer, spec)
