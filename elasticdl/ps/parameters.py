@@ -230,10 +230,22 @@ class EmbeddingTable:
                 self.state[name][start:start + n] = rows
         self.size = start + n
 
-    def lookup(self, ids: np.ndarray) -> torch.Tensor:
-        """Rows of ``ids`` (created if new), shape (len(ids), dim)."""
-        slots = self.slots(ids)  # first: creating rows may replace self.weights
-        return self.weights.index_select(0, slots)
+    def lookup(self, ids: np.ndarray, create: bool = True) -> torch.Tensor:
+        """Rows of ``ids``, shape (len(ids), dim). New rows are created, or with
+        ``create=False`` returned with their initial values and not stored."""
+        if create:
+            slots = self.slots(ids)  # first: creating rows may replace self.weights
+            return self.weights.index_select(0, slots)
+        self.check_ids(ids)
+        slots_np = self._slot[ids // self.num_ps]
+        present = slots_np >= 0
+        if present.all():
+            return self.weights.index_select(0, torch.from_numpy(slots_np))
+        out = self.spec.initial_rows(ids)
+        if present.any():
+            mask = torch.from_numpy(present)
+            out[mask] = self.weights.index_select(0, torch.from_numpy(slots_np[present]))
+        return out
 
     def state_dict(self) -> dict[str, object]:
         n = self.size

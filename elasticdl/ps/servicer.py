@@ -147,7 +147,7 @@ class PServicer(pb_grpc.PServerServicer):
                        context: grpc.ServicerContext) -> pb.Tensor:
         what = f"pull of table {request.table!r}"
         ids = _ids_of(request.ids, request.id_tensor, request.HasField("id_tensor"), what)
-        rows = self.shard.pull_embedding(request.table, ids)
+        rows = self.shard.pull_embedding(request.table, ids, create=not request.no_create)
         return codec.encode(rows, request.table)
 
     # ------------------------------------------------------------ pushes

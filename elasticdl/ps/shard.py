@@ -178,11 +178,12 @@ class PSShard:
                 return True, self.version, None
             return True, self.version, {**self.params.dense, **self.params.buffers}
 
-    def pull_embedding(self, table: str, ids: np.ndarray) -> torch.Tensor:
-        """Rows of ``ids`` (created lazily); raises ValueError for bad ids."""
+    def pull_embedding(self, table: str, ids: np.ndarray, create: bool = True) -> torch.Tensor:
+        """Rows of ``ids`` (created lazily unless ``create`` is False); raises
+        ValueError for bad ids."""
         with self._cond:
             self._require_init()
-            return self.params.table(table).lookup(ids)
+            return self.params.table(table).lookup(ids, create)
 
     # ------------------------------------------------------------- pushes
     def validate(self, push: GradientPush) -> None:

@@ -334,9 +334,13 @@ class PSClient:
         targets = list(range(self.num_ps)) if ps_list is None else list(ps_list)
         return dict(zip(targets, self._all(pull, "pull_dense", targets)))
 
-    def pull_embedding_unique(self, table: str, ids: np.ndarray,
-                              dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows of unique ``ids`` (in the given order), pulled from their PS concurrently."""
+    def pull_embedding_unique(self, table: str, ids: np.ndarray, dim: int,
+                              dtype: torch.dtype = torch.float32,
+                              create: bool = True) -> torch.Tensor:
+        """Rows of unique ``ids`` (in the given order), pulled from their PS concurrently.
+
+        ``create=False`` (evaluation, export): rows never trained come back with
+        their initial values without being stored on the PS."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         positions = self.partition_ids(ids)
         out = torch.empty((ids.shape[0], dim), dtype=dtype)
@@ -345,7 +349,8 @@ class PSClient:
             pos = positions[i]
             if pos.shape[0] == 0:
                 return
-            req = pb.PullEmbeddingRequest(table=table, id_tensor=codec.encode_ids(ids[pos]))
+            req = pb.PullEmbeddingRequest(table=table, id_tensor=codec.encode_ids(ids[pos]),
+                                          no_create=not create)
             rows = codec.decode(stub.pull_embedding(req, timeout=self.rpc_timeout_s), dtype,
                                 [pos.shape[0], dim])
             if pos.shape[0] == ids.shape[0]:
@@ -357,11 +362,11 @@ class PSClient:
         return out
 
     def pull_embedding(self, table: str, ids: Any, dim: int,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       dtype: torch.dtype = torch.float32, create: bool = True) -> torch.Tensor:
         """Rows of ``ids`` (any shape; duplicates pulled once), shape ids.shape + (dim,)."""
         arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
         uniq, inverse = np.unique(arr.reshape(-1), return_inverse=True)
-        rows = self.pull_embedding_unique(table, uniq, dim, dtype)
+        rows = self.pull_embedding_unique(table, uniq, dim, dtype, create)
         return rows[torch.from_numpy(inverse.reshape(-1))].reshape(tuple(arr.shape) + (dim,))
 
     def push_gradients(self, ps: int, version: int, dense: Mapping[str, torch.Tensor],

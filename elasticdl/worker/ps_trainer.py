@@ -80,15 +80,14 @@ class _PushSession:
 
     def on_sparse(self, table: str, ids: np.ndarray, grad: torch.Tensor) -> None:
         staged, ready = _stage(grad)
-        for ps, pos in enumerate(self.t.client.partition_ids(ids)):
-            if ps not in self.targets or pos.shape[0] == 0:
-                continue
+        parts = [(ps, pos) for ps, pos in enumerate(self.t.client.partition_ids(ids))
+                 if ps in self.targets and pos.shape[0]]
+        if len(parts) > 1 and ready is not None:
+            ready()  # rows are split on the CPU: the copy must be complete first
+            ready = None
+        for ps, pos in parts:
             part = staged if pos.shape[0] == ids.shape[0] else \
-                staged.index_select(0, torch.from_numpy(pos)) if ready is None else None
-            if part is None:  # CUDA: select after the copy finished
-                ready()
-                ready = None
-                part = staged.index_select(0, torch.from_numpy(pos))
+                staged.index_select(0, torch.from_numpy(pos))
             if ps in self.streams:
                 self.streams[ps].put_sparse(table, ids[pos], part, ready)
             else:
@@ -216,11 +215,12 @@ class PSTrainer(Trainer):
             self.ps_versions[ps] = version
             if changed:
                 updated.add(ps)
-        if updated and self.device.type != "cpu":
+        if updated:
             with torch.no_grad():
                 for name, t in {**self.params, **self.buffers}.items():
                     if self.owner[name] in updated and self.mirror[name] is not t.data:
-                        t.data.copy_(self.mirror[name], non_blocking=True)
+                        # synchronous: the next pull reuses the (pinned) mirror
+                        t.data.copy_(self.mirror[name])
 
     def _pull_or_reinit(self) -> None:
         """pull_dense; a PS that lost its model (restart without checkpoint) gets ours."""
@@ -235,14 +235,15 @@ class PSTrainer(Trainer):
     def _lookup(self, layer: Embedding, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
         uniq, inverse = np.unique(flat, return_inverse=True)
+        session = self._session  # None: evaluation or prediction (no rows created)
         rows = self.client.pull_embedding_unique(layer.table_name, uniq, layer.embedding_dim,
-                                                 layer.table_dtype).to(self.device)
+                                                 layer.table_dtype,
+                                                 create=session is not None).to(self.device)
         pad = None
         if layer.padding_idx is not None:
             hit = np.searchsorted(uniq, layer.padding_idx)
             if hit < uniq.shape[0] and uniq[hit] == layer.padding_idx:
                 pad = int(hit)
-        session = self._session
         if session is not None and torch.is_grad_enabled():
             rows.requires_grad_(True)
             rows.register_post_accumulate_grad_hook(
@@ -308,6 +309,41 @@ class PSTrainer(Trainer):
         """Outputs with the newest parameters (evaluation and prediction)."""
         self._pull_or_reinit()
         return super().forward(features)
+
+    # ------------------------------------------------------------ export
+    def state_dict_from_ps(self, batch_ids: int = 1 << 20) -> dict[str, torch.Tensor]:
+        """The model's plain state dict with the PS's newest values; embedding
+        tables whole (rows never trained hold their initial values)."""
+        self.versions = [-1] * self.client.num_ps  # force a full pull
+        self._pull_or_reinit()
+        state = {n: t.detach().cpu().clone() for n, t in self.model.state_dict().items()}
+        for name, spec in self.tables.items():
+            table = torch.empty((spec.num_embeddings, spec.dim), dtype=spec.dtype)
+            for start in range(0, spec.num_embeddings, batch_ids):
+                ids = np.arange(start, min(start + batch_ids, spec.num_embeddings))
+                table[start:start + ids.shape[0]] = self.client.pull_embedding_unique(
+                    name, ids, spec.dim, spec.dtype, create=False)
+            state[name] = table
+        return state
+
+    def export_model(self, directory: str) -> list[str]:
+        """Write the final model like the Local strategy does (``model.pt``: a
+        plain state dict loadable without elasticdl); returns the paths."""
+        from elasticdl.worker.local_job import export_model
+
+        state = self.state_dict_from_ps()
+        with tables_on_ps():
+            model = self.spec.build_model()
+        for name, module in model.named_modules():
+            if isinstance(module, Embedding):
+                key = f"{name}.weight" if name else "weight"
+                module.weight = torch.nn.Parameter(state[key])
+        model.load_state_dict(state, strict=True)
+        return export_model(model, directory)
+
+    def save_checkpoint(self, directory: str, keep_max: int = 0) -> str:
+        """Every PS writes its shard of the current version; returns the version dir."""
+        return self.client.save_checkpoint(directory, self.model_version, keep_max)
 
     def close(self) -> None:
         self.client.close()

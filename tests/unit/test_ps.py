@@ -247,6 +247,10 @@ def test_embedding_rows_lazy_deterministic_and_deduplicated():
             expected = TABLE.initial_rows(ids.reshape(-1)).reshape(2, 3, 4)
             assert torch.equal(rows, expected)
             assert [s.params.tables[TABLE.name].size for s in cluster.shards] == [2, 2]
+            # evaluation pulls (no_create) return initial values and create nothing
+            fresh = client.pull_embedding(TABLE.name, np.array([7, 8, 10]), 4, create=False)
+            assert torch.equal(fresh, TABLE.initial_rows(np.array([7, 8, 10])))
+            assert [s.params.tables[TABLE.name].size for s in cluster.shards] == [2, 2]
             # created once: a second pull returns the same rows without new slots
             assert torch.equal(client.pull_embedding(TABLE.name, ids, 4), expected)
             assert [s.params.tables[TABLE.name].size for s in cluster.shards] == [2, 2]

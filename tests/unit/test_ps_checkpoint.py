@@ -76,9 +76,13 @@ def test_save_with_two_restore_with_one_and_three_then_export(tmp_path):
             for features, labels in batches:
                 trainer.train_minibatch(features, labels)
             assert trainer.model_version == 3
-            vdir = trainer.client.save_checkpoint(ckpt_dir, trainer.model_version, keep_max=2)
-            trainer.pull_dense()
+            vdir = trainer.save_checkpoint(ckpt_dir, keep_max=2)
+            sizes = [s.params.tables["emb.weight"].size for s in cluster.shards]
             expected_outputs = trainer.forward(batches[0][0])
+            [exported] = [p for p in trainer.export_model(str(tmp_path / "final"))
+                          if p.endswith("model.pt")]
+            # evaluation and export pull rows without creating them on the PS
+            assert [s.params.tables["emb.weight"].size for s in cluster.shards] == sizes
         finally:
             trainer.close()
         assert sorted(os.listdir(vdir)) == ["DONE", "ps-0-of-2.pt", "ps-1-of-2.pt"]
@@ -114,6 +118,11 @@ def test_save_with_two_restore_with_one_and_three_then_export(tmp_path):
     path = ps_ckpt.export_model(vdir, str(tmp_path / "out"))
     loaded = torch.load(path, weights_only=True)
     assert torch.equal(loaded["emb.weight"], state["emb.weight"])
+    # the worker's export (pulled from the live PS) holds the same model
+    from_worker = torch.load(exported, weights_only=True)
+    assert from_worker.keys() == state.keys()
+    for k in state:
+        assert torch.allclose(from_worker[k].float(), state[k].float(), atol=1e-6), k
 
 
 def test_done_marker_only_when_all_shards_written_and_retention(tmp_path):
