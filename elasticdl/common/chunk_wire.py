@@ -138,7 +138,7 @@ def tensor_chunks_wire(name: str, view: np.ndarray, dtype: str, shape: tuple[int
     total = int(view.shape[0])
     out = []
     offset = 0
-    mv = memoryview(view)
+    mv = memoryview(view)  # type: ignore[arg-type]
     while True:
         end = min(offset + chunk_bytes, total)
         out.append((offset, _tensor_chunk_wire(name, dtype, shape, offset, total,

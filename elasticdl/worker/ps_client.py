@@ -11,6 +11,7 @@ on the same address) is polled until it serves again, for at most
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -268,7 +269,7 @@ class PSClient:
              ps_list: Optional[Sequence[int]] = None) -> list[T]:
         """Run ``fn`` on each PS concurrently; re-raises the first failure."""
         targets = range(self.num_ps) if ps_list is None else ps_list
-        futures = [self.submit(i, lambda stub, i=i: fn(i, stub), what) for i in targets]
+        futures = [self.submit(i, functools.partial(fn, i), what) for i in targets]
         return [f.result() for f in futures]
 
     # ------------------------------------------------------- operations
