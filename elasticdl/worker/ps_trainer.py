@@ -270,7 +270,11 @@ class PSTrainer(Trainer):
         for attempt in range(1, self.max_push_attempts + 1):
             if pull or attempt > 1:
                 self._pull_or_reinit()
-            loss, results = self._step(features, labels, targets)
+            try:
+                loss, results = self._step(features, labels, targets)
+            except PSNotInitializedError as e:  # an embedding pull met a restarted PS
+                self._push_model([e.ps])
+                continue
             retry = []
             for ps, result in results.items():
                 if isinstance(result, PSNotInitializedError):
@@ -287,8 +291,9 @@ class PSTrainer(Trainer):
             logger.info("worker %d: step redone for PS %s (attempt %d)", self.worker_id,
                         retry, attempt)
             targets = retry
-        raise RuntimeError(f"gradients rejected {self.max_push_attempts} times in a row; "
-                           "is --sync_version_tolerance too small for this many workers?")
+        raise RuntimeError(f"step not accepted after {self.max_push_attempts} attempts "
+                           "(rejected as stale, or PS restarting); is "
+                           "--sync_version_tolerance too small for this many workers?")
 
     def _step(self, features: Any, labels: Any,
               targets: list[int]) -> tuple[torch.Tensor, dict[int, Any]]:

@@ -154,3 +154,34 @@ def test_restore_rejects_mixed_shard_counts(tmp_path):
     ckpt.mark_done(str(tmp_path), 1)
     with pytest.raises(ckpt.CheckpointError, match="one n"):
         ps_ckpt.load_shards(vdir)
+
+
+def test_ps_restarted_without_checkpoint_gets_the_workers_model(tmp_path):
+    from elasticdl.ps.server import start_server
+    from elasticdl.ps.servicer import PServicer
+
+    mod = _spec().module
+    batches = mod.make_batches(4, 16, seed=2)
+    with local_ps(1, _spec().optimizer) as cluster:
+        trainer = _trainer(cluster.addrs)
+        restarted = None
+        try:
+            for features, labels in batches[:2]:
+                trainer.train_minibatch(features, labels)
+            before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            cluster.stop(0)
+            shard = PSShard(ShardConfig(), _spec().optimizer)
+            restarted, _ = start_server(PServicer(shard), cluster.ports[0], "127.0.0.1")
+            trainer.train_minibatch(*batches[2])  # re-initialises the PS, then steps
+            # the PS restarted from the newest parameters the worker had pulled
+            # (version 1: the update of version 2 never reached a worker, it is lost)
+            assert shard.initialized and shard.version == 2
+            params = shard.params.dense
+            assert not torch.equal(params["fc.weight"], before["fc.weight"])
+            assert params["fc.weight"].shape == before["fc.weight"].shape
+            trainer.train_minibatch(*batches[3])
+            assert trainer.model_version == 3
+        finally:
+            trainer.close()
+            if restarted is not None:
+                restarted.stop(0).wait(5)
