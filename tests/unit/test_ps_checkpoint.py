@@ -185,3 +185,22 @@ def test_ps_restarted_without_checkpoint_gets_the_workers_model(tmp_path):
             trainer.close()
             if restarted is not None:
                 restarted.stop(0).wait(5)
+
+
+def test_async_trainer_pulls_every_get_model_steps():
+    mod = _spec().module
+    job = JobSpec(model_zoo=FIXTURE_ZOO, model_def=MODEL_DEF, training_data="unused",
+                  distribution_strategy="ParameterServerStrategy", use_async=True,
+                  get_model_steps=3, lr_staleness_modulation=True)
+    with local_ps(2, _spec().optimizer, use_async=True, lr_staleness_modulation=True) as cluster:
+        client = PSClient(cluster.addrs, rpc_timeout_s=10, reconnect_timeout_s=2)
+        trainer = PSTrainer(_spec(), cluster.addrs, job, 0, torch.device("cpu"), client=client)
+        try:
+            held = []
+            for features, labels in mod.make_batches(5, 8, seed=3):
+                trainer.train_minibatch(features, labels)
+                held.append(list(trainer.versions))
+            assert held == [[0, 0], [0, 0], [0, 0], [3, 3], [3, 3]]
+            assert trainer.model_version == 5
+        finally:
+            trainer.close()
