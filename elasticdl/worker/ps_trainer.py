@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from elasticdl.api.layers import Embedding, tables_on_ps
 from elasticdl.api.model_spec import ModelSpec, ModelSpecError
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.ps.server import tune_malloc
 from elasticdl.worker.ps_client import PSClient, PSNotInitializedError
 from elasticdl.worker.trainer import Trainer, call_model, to_device
 
@@ -132,6 +133,7 @@ class PSTrainer(Trainer):
                  worker_id: int, device: torch.device, client: Optional[PSClient] = None,
                  init_timeout_s: float = 120.0, max_push_attempts: int = 32):
         torch.manual_seed(job_spec.seed)
+        tune_malloc()  # tensor-sized transfer buffers: reuse heap memory (see the PS server)
         self.spec = model_spec
         self.job_spec = job_spec
         self.worker_id = worker_id
