@@ -145,7 +145,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     configure_logging(args.job_spec.log_level, role=f"worker-{args.worker_id}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    return run_worker(args)
+    code = run_worker(args)
+    # Everything is reported, written and closed. End here rather than in
+    # interpreter teardown, where destructors of process groups from earlier
+    # elastic plans (whose peers are dead) can block for their full timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""Chaos through the real CLI: kill -9 replicas of running digits jobs.
+
+ParameterServerStrategy: a worker and then the PS are SIGKILLed mid-run; the
+worker is relaunched with a new id, the PS from its latest checkpoint.
+AllreduceStrategy: one of 3 workers is SIGKILLed; the survivors go on without
+restarting, the relaunched worker rejoins. Both: the job succeeds, every
+epoch's records_completed equals the dataset size, accuracy >= 0.95.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from elasticdl.common.ckpt_paths import complete_versions
+from tests.conftest import MODEL_ZOO
+from tests.integration.helpers import kill_job_tree, live_replicas, read_json, start_cli, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def train_args(digits, out, job, **flags):
+    args = ["train", f"--model_zoo={MODEL_ZOO}", "--model_def=digits.digits_cnn.custom_model",
+            f"--training_data={digits}/train", f"--validation_data={digits}/val",
+            f"--output={out}", f"--job_name={job}", "--cluster=local"]
+    return args + [f"--{k}={v}" for k, v in flags.items()]
+
+
+def pid_of(job_dir, replica):
+    return next((r["pid"] for r in live_replicas(job_dir) if r["replica"] == replica), None)
+
+
+def records_done(job_dir):
+    report = read_json(os.path.join(job_dir, "job_report.json")) or {}
+    return sum(e["records_completed"] for e in report.get("epochs", []))
+
+
+def check_report(job_dir, epochs):
+    report = read_json(os.path.join(job_dir, "job_report.json"))
+    assert report["status"] == "succeeded", report.get("failure")
+    assert [e["records_completed"] for e in report["epochs"]] == [1437] * epochs
+    assert report["final_metrics"]["accuracy"] >= 0.95, report["evaluations"]
+    return report
+
+
+def test_ps_job_survives_worker_and_ps_kills(digits_data, tmp_path):
+    job_dir = str(tmp_path / "ps")
+    ckpt = str(tmp_path / "ckpt")
+    proc = start_cli(train_args(digits_data, job_dir, "chaos-ps", num_epochs=6,
+                                distribution_strategy="ParameterServerStrategy",
+                                num_workers=2, num_ps_pods=1, checkpoint_dir=ckpt,
+                                checkpoint_steps=10),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    try:
+        wait_for(lambda: records_done(job_dir) >= 300, 180, "training under way")
+        os.kill(wait_for(lambda: pid_of(job_dir, "worker-1"), 30, "worker-1"), signal.SIGKILL)
+        wait_for(lambda: complete_versions(ckpt), 120, "a PS checkpoint")
+        wait_for(lambda: records_done(job_dir) >= 2500, 180, "more training")
+        os.kill(wait_for(lambda: pid_of(job_dir, "ps-0"), 30, "ps-0"), signal.SIGKILL)
+        code = proc.wait(timeout=400)
+        assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, job_dir)
+    report = check_report(job_dir, 6)
+    relaunched = {(r["replica"], r["new_replica"], r["reason"]) for r in report["relaunches"]}
+    assert ("worker-1", "worker-2", "killed") in relaunched
+    assert ("ps-0", "ps-0", "killed") in relaunched
+    ps_log = open(os.path.join(job_dir, "logs", "ps-0.log")).read()
+    assert re.search(r"restor\w* .*version-\d+", ps_log, re.IGNORECASE), ps_log[-2000:]
+    assert os.path.exists(os.path.join(job_dir, "model.pt"))
+
+
+def test_allreduce_job_survives_a_worker_kill(digits_data, tmp_path):
+    job_dir = str(tmp_path / "ar")
+    proc = start_cli(train_args(digits_data, job_dir, "chaos-ar", num_epochs=6,
+                                distribution_strategy="AllreduceStrategy", num_workers=3,
+                                minibatch_size=32, collective_timeout_s=10),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    try:
+        wait_for(lambda: records_done(job_dir) >= 400, 180, "training under way")
+        survivors = {r: pid_of(job_dir, r) for r in ("worker-0", "worker-2")}
+        os.kill(wait_for(lambda: pid_of(job_dir, "worker-1"), 30, "worker-1"), signal.SIGKILL)
+        code = proc.wait(timeout=400)
+        assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, job_dir)
+    report = check_report(job_dir, 6)
+    assert [(r["replica"], r["new_replica"]) for r in report["relaunches"]] == [
+        ("worker-1", "worker-3")]
+    # the survivors were never restarted: one process each, exiting 0 at the end
+    exited = read_json(os.path.join(job_dir, "replicas.json"))["exited"]
+    for name, pid in survivors.items():
+        runs = [e for e in exited if e["replica"] == name]
+        assert [(e["pid"], e["exit_code"]) for e in runs] == [(pid, 0)], runs
+    master_log = open(os.path.join(job_dir, "logs", "master.log")).read()
+    plans = re.findall(r"plan \d+ published: workers \[([\d, ]+)\]", master_log)
+    assert any("3" in p.split(", ") for p in plans), plans  # the relaunched worker joined
