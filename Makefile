@@ -38,8 +38,10 @@ demo: $(STAMP)
 	$(VENV)/bin/elasticdl train --model_zoo=model_zoo \
 		--model_def=digits.digits_cnn.custom_model \
 		--training_data=data/digits/train --validation_data=data/digits/val \
-		--distribution_strategy=Local --num_epochs=5 --output=out/digits-demo \
-		--job_name=digits-demo
+		--cluster=local --distribution_strategy=ParameterServerStrategy \
+		--num_workers=2 --num_ps_pods=1 --grads_to_wait=2 --num_epochs=12 --evaluation_steps=40 \
+		--checkpoint_dir=out/digits-demo/checkpoints --checkpoint_steps=50 \
+		--output=out/digits-demo --job_name=digits-demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/local_overhead.py
