@@ -244,7 +244,9 @@ class ElasticRunner:
                 if continuous and self.state.model_version > start_version:
                     logger.info("round at version %d completed on a member before the "
                                 "failure; it counts", start_version)
-                    return self._stepped(micro, [], start_version)
+                    result = self._stepped(micro, [], start_version)
+                    self._confirm(self.state.model_version)  # it is in the adopted state
+                    return result
                 if failures >= self.max_failures:
                     raise
                 logger.info("retrying the round at version %d (attempt %d)",

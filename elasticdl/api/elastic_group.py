@@ -169,6 +169,7 @@ class ElasticGroup:
             # process), and we abort the communicators ourselves in _teardown
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+            torch.cuda.set_device(self.device)
         try:
             with guard("store connect"):
                 self._store = dist.TCPStore(plan.master_addr, int(plan.master_port), world,

@@ -125,12 +125,12 @@ class ElasticDataset:
         return tag
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        waited = 0.0
+        idle_since: Optional[float] = None
         while True:
             self._skip_unstepped()
             tag = self._next_tag()
             if tag is not None:
-                waited = 0.0
+                idle_since = None
                 features, labels = self._make(tag)
                 self._current = tag
                 yield features, labels
@@ -154,10 +154,11 @@ class ElasticDataset:
                     self._stopped()
                     return
                 if result.status == RoundStatus.IDLE:
-                    if waited >= self.max_wait_s:
-                        raise TimeoutError(f"no training data for {waited:.0f} s")
+                    now = time.monotonic()
+                    idle_since = now if idle_since is None else idle_since
+                    if now - idle_since >= self.max_wait_s:
+                        raise TimeoutError(f"no training data for {now - idle_since:.0f} s")
                     time.sleep(self.wait_s)
-                    waited += self.wait_s
                 continue
             # NONE: the master has nothing left for anyone
             if self.runner.pending:

@@ -36,13 +36,14 @@ def _job_spec(**kw) -> JobSpec:
                    distribution_strategy="AllreduceStrategy", job_name="elastic-test", **kw)
 
 
-def _trainer(address, worker_id: int, spec: JobSpec):
+def _trainer(address, worker_id: int, spec: JobSpec, device: str = "cpu"):
     from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 
     rdzv = connect(address).rdzv()
     model_spec = load_model_spec(FIXTURE_ZOO, MODEL_DEF)
-    return AllreduceTrainer(model_spec, spec, worker_id, torch.device("cpu"),
-                            FakeComm(rdzv, worker_id), "127.0.0.1")
+    dev = torch.device("cuda", worker_id) if device == "cuda" else torch.device("cpu")
+    return AllreduceTrainer(model_spec, spec, worker_id, dev, FakeComm(rdzv, worker_id),
+                            "127.0.0.1")
 
 
 def _batches(n_steps: int, world: int, size: int) -> list[list[tuple]]:
@@ -61,9 +62,10 @@ def _batches(n_steps: int, world: int, size: int) -> list[list[tuple]]:
 
 
 # --------------------------------------------------------------- equivalence
-def _equivalence_worker(address, worker_id: int, spec_json: str, world: int) -> dict:
+def _equivalence_worker(address, worker_id: int, spec_json: str, world: int,
+                        device: str = "cpu") -> dict:
     spec = JobSpec.from_json(spec_json)
-    trainer = _trainer(address, worker_id, spec)
+    trainer = _trainer(address, worker_id, spec, device)
     try:
         losses = []
         for row in _batches(6, world, 8):
@@ -75,8 +77,9 @@ def _equivalence_worker(address, worker_id: int, spec_json: str, world: int) -> 
                 loss = trainer.train_minibatch(x, y)
             assert loss is not None
             losses.append(float(loss))
-        return {"params": {k: v.clone() for k, v in trainer.model.state_dict().items()},
-                "version": trainer.model_version, "world": trainer.group.world_size}
+        return {"params": {k: v.cpu().clone() for k, v in trainer.model.state_dict().items()},
+                "version": trainer.model_version, "world": trainer.group.world_size,
+                "backend": trainer.group.backend}
     finally:
         trainer.close()
 
@@ -91,14 +94,16 @@ def _union_reference(world: int) -> dict:
     return ref.model.state_dict()
 
 
-def _run_equivalence(spec: JobSpec, workers: int, world: int) -> list[dict]:
+def _run_equivalence(spec: JobSpec, workers: int, world: int,
+                     device: str = "cpu") -> list[dict]:
     rdzv = Rendezvous("127.0.0.1", free_port, settle_s=0.3, checkin_timeout_s=20,
                       initial_workers=workers)
     master = MasterStandIn(rdzv)
     procs = Procs()
     try:
         for w in range(workers):
-            procs.start(w, _equivalence_worker, master.address, w, spec.to_json(), world)
+            procs.start(w, _equivalence_worker, master.address, w, spec.to_json(), world,
+                        device)
         res = procs.collect(list(range(workers)), timeout_s=50)
         return [res[w] for w in range(workers)]
     finally:
@@ -111,6 +116,18 @@ def test_two_workers_equal_single_process_training_on_the_union_batches():
     ref = _union_reference(2)
     for res in results:
         assert res["world"] == 2 and res["version"] == 6
+        for name, value in ref.items():
+            torch.testing.assert_close(res["params"][name], value, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="NCCL needs 2 CUDA devices")
+def test_two_workers_equivalence_on_nccl():
+    results = _run_equivalence(_job_spec(device="cuda"), workers=2, world=2, device="cuda")
+    ref = _union_reference(2)
+    for res in results:
+        assert res["backend"] == "nccl" and res["version"] == 6
         for name, value in ref.items():
             torch.testing.assert_close(res["params"][name], value, rtol=0, atol=1e-5)
 
