@@ -18,8 +18,17 @@ A model module may define ``train_loop(ctx)`` for AllreduceStrategy::
 
 The step function must be declared (``ctx.step``) before iterating
 ``ctx.dataset``: a member without data runs it on a filler batch with weight 0
-while others train. ``retain_grad()`` and tensor hooks work inside it as usual;
-``ctx.all_gather`` / ``ctx.all_reduce`` keep autograd on the current group.
+(``ctx.is_filler`` is True then) while others train. ``retain_grad()`` and
+tensor hooks work inside it as usual; ``ctx.all_gather`` / ``ctx.all_reduce``
+keep autograd on the current group. Collectives belong *inside* the step
+function: it is the only user code every member runs in every step (a member
+waiting for data does not run the loop body), and a failure inside it is
+retried on the re-formed group. The step may run more than once for a batch
+(retries); keep counts that must survive membership changes in ``ctx.counters``.
+
+Between steps a member runs whatever the master hands it (an evaluation task, a
+``get_task`` call); the others wait for it in the next step's collectives, so
+such work must take less than ``--collective_timeout_s``.
 
 Records accounting: a task is reported done only when the steps of all its
 minibatches are confirmed on every member (the next round's header), so the

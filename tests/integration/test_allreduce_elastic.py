@@ -4,6 +4,7 @@ Rendezvous and TaskManager served from the test process (127.0.0.1 only)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any, Optional
 
@@ -220,3 +221,50 @@ def test_kill_one_of_three_members_survivors_continue_and_a_new_worker_joins(mon
             torch.testing.assert_close(res[w]["params"][name], value, rtol=0, atol=0)
     weight = res[0]["params"]["fc.weight"].flatten()
     torch.testing.assert_close(weight, torch.tensor([1.0, -2.0, 0.5, 3.0]), rtol=0, atol=0.05)
+
+
+def test_a_hung_member_is_timed_out_left_out_and_rejoins_when_it_wakes(monkeypatch):
+    """SIGSTOP (no connection reset): the survivor detects it by the collective
+    timeout, goes on alone after the check-in timeout; on SIGCONT the stale
+    member finds itself left out, joins again and retrains its unconfirmed steps."""
+    n_records = 1024
+    monkeypatch.setenv("TOY_FEED_DELAY_S", "0.02")
+    spec = _job_spec(minibatch_size=16, num_minibatches_per_task=4, num_epochs=2,
+                     num_workers=2, collective_timeout_s=2.0)
+    rdzv = Rendezvous("127.0.0.1", free_port, settle_s=0.3, checkin_timeout_s=3.0,
+                      initial_workers=2)
+    tm = TaskManager(training_shards=[("mem", 0, n_records)],
+                     records_per_task=spec.records_per_task, num_epochs=2)
+    master = MasterStandIn(rdzv, tm)
+    procs = Procs()
+    try:
+        for w in range(2):
+            procs.start(w, _chaos_worker, master.address, w, spec.to_json(), n_records)
+        deadline = time.monotonic() + 40
+        while tm.counts()["completed"] < 3:
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.05)
+        os.kill(procs.procs[1].pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while rdzv.members() != [0] or rdzv.forming():
+            assert time.monotonic() < deadline + 20, "worker 0 did not go on alone"
+            time.sleep(0.05)
+        alone_after = time.monotonic() - stopped_at
+        time.sleep(1.0)                     # worker 0 trains alone for a while
+        os.kill(procs.procs[1].pid, signal.SIGCONT)
+        res = procs.collect([0, 1], timeout_s=50)
+    finally:
+        for p in procs.procs.values():
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+        procs.close()
+        master.close()
+
+    assert alone_after < 2.0 + 3.0 + 3.0   # collective timeout + check-in timeout + slack
+    assert tm.finished() and tm.failure is None
+    for epoch in tm.epochs_report():
+        assert epoch["records_completed"] == n_records, tm.epochs_report()
+    assert res[1]["failures"] and res[1]["formations"] >= 2  # it came back
+    assert res[0]["version"] == res[1]["version"]
+    for name, value in res[0]["params"].items():
+        torch.testing.assert_close(res[1]["params"][name], value, rtol=0, atol=0)
