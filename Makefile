@@ -30,7 +30,6 @@ test-unit: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check elasticdl elasticdl_client model_zoo tests benchmarks setup.py
-	$(VENV)/bin/ruff format --check elasticdl elasticdl_client model_zoo tests benchmarks
 	$(VENV)/bin/mypy elasticdl elasticdl_client
 
 demo: $(STAMP)

@@ -270,7 +270,7 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return ",".join(str(v) for v in value)
     if isinstance(value, bool):
-        raise JobSpecError(f.name, "needs a value (--%s=VALUE)" % f.name)
+        raise JobSpecError(f.name, f"needs a value (--{f.name}=VALUE)")
     return str(value)
 
 

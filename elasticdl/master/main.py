@@ -90,7 +90,8 @@ def _rendezvous(spec: JobSpec, host: str) -> Optional[object]:
     from elasticdl.cluster.process import free_port
     from elasticdl.master.rendezvous import Rendezvous
 
-    return Rendezvous(host, free_port)
+    return Rendezvous(host, free_port, checkin_timeout_s=spec.collective_timeout_s + 5,
+                      initial_workers=spec.num_workers)
 
 
 def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:

@@ -95,10 +95,11 @@ def run_worker(args: WorkerArgs) -> int:
 
             sink = PredictionSink(job_dir_for(spec), spec.prediction_output_format,
                                   model_spec.prediction_outputs_processor)
-        version_every = max(1, spec.evaluation_steps // 4) if spec.evaluation_steps else 20
-
         def report_version(version: int) -> None:
-            if version % version_every == 0:
+            # exactly at evaluation steps (so evaluations carry the right version),
+            # and every 20 versions for progress
+            due = spec.evaluation_steps and version % spec.evaluation_steps == 0
+            if due or version % 20 == 0:
                 client.report_version(version)
 
         if hasattr(trainer, "run"):  # AllreduceTrainer drives its own elastic loop

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import FIXTURE_ZOO, ROOT
+from tests.conftest import ROOT
 from tests.integration.helpers import (
     cli_env,
     kill_job_tree,
