@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from elasticdl.api.layers import Embedding, tables_on_ps
-from elasticdl.api.model_spec import ModelSpec, ModelSpecError
+from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.ps.server import tune_malloc
 from elasticdl.worker.ps_client import PSClient, PSNotInitializedError
-from elasticdl.worker.trainer import Trainer, call_model, to_device
+from elasticdl.worker.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -257,14 +257,6 @@ class PSTrainer(Trainer):
     def _on_grad(self, name: str, param: torch.Tensor) -> None:
         if self._session is not None and param.grad is not None:
             self._session.on_dense(name, param.grad)
-
-    def compute_loss(self, features: Any, labels: Any) -> torch.Tensor:
-        outputs = call_model(self.model, to_device(features, self.device))
-        loss = self.loss_fn(to_device(labels, self.device), outputs)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
-                                 f"tensor, got {getattr(loss, 'shape', type(loss))}")
-        return loss
 
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
         targets = list(range(self.client.num_ps))

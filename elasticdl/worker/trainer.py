@@ -57,6 +57,18 @@ class Trainer(ABC):
     model: torch.nn.Module
     device: torch.device
     model_version: int
+    spec: ModelSpec
+    loss_fn: Callable[..., torch.Tensor]
+
+    def compute_loss(self, features: Any, labels: Any) -> torch.Tensor:
+        """Forward pass and the module's loss; the loss must be a scalar tensor."""
+        outputs = call_model(self.model, to_device(features, self.device))
+        loss = self.loss_fn(to_device(labels, self.device), outputs)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
+                                 f"tensor, got {getattr(loss, 'shape', type(loss))}")
+        return loss
+
 
     @abstractmethod
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
@@ -87,14 +99,6 @@ class LocalTrainer(Trainer):
                                  f"{type(self.optimizer).__name__}, not a torch.optim.Optimizer")
         self.loss_fn: Callable[..., torch.Tensor] = spec.loss
         self.model_version = 0
-
-    def compute_loss(self, features: Any, labels: Any) -> torch.Tensor:
-        outputs = call_model(self.model, to_device(features, self.device))
-        loss = self.loss_fn(to_device(labels, self.device), outputs)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
-                                 f"tensor, got {getattr(loss, 'shape', type(loss))}")
-        return loss
 
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
