@@ -108,6 +108,10 @@ class TaskLoop:
                 waited += self.wait_s
                 continue
             waited = 0.0
+            if self.stats.tasks == 0:
+                logger.info("worker %d: first task %d (%s, records %d-%d of %s)",
+                            self.worker_id, task.task_id, MODES.get(task.type, task.type),
+                            task.start, task.end, task.shard_name)
             self.run_task(task)
 
     def run_task(self, task: Task) -> None:

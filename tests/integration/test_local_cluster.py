@@ -49,12 +49,15 @@ def test_predict_survives_sigkill_of_a_worker(toy_checkpoint):
     tmp = toy_checkpoint
     job_dir = str(tmp / "pred")
     proc = start_cli(predict_args(tmp, "pred", tmp / "predict", minibatch_size=50,
-                                  num_minibatches_per_task=4, envs="TOY_FEED_DELAY_S=0.05"),
+                                  num_minibatches_per_task=4, envs="TOY_FEED_DELAY_S=0.1"),
                      str(tmp / "home"), str(tmp / "cli.log"))
     try:
         pred_dir = os.path.join(job_dir, "predictions")
         wait_for(lambda: os.path.isdir(pred_dir) and len(os.listdir(pred_dir)) >= 3, 120,
                  "first predictions")
+        log = os.path.join(job_dir, "logs", "worker-1.log")
+        wait_for(lambda: "first task" in open(log).read(), 120, "worker-1 working")
+        time.sleep(0.2)  # well inside a task (each takes 4 x 0.1 s)
         victim = next(r for r in live_replicas(job_dir) if r["replica"] == "worker-1")
         os.kill(victim["pid"], signal.SIGKILL)
         assert proc.wait(timeout=180) == 0, (tmp / "cli.log").read_text()[-3000:]
