@@ -155,9 +155,6 @@ class JobController:
                 return True
             return False
 
-    def on_seen(self, worker_id: int) -> None:
-        pass
-
     # -------------------------------------------------------------- events
     def handle(self, event: ReplicaEvent) -> None:
         if event.phase in (Phase.PENDING, Phase.RUNNING):

@@ -39,7 +39,6 @@ class JobHooks(Protocol):
 
     def claim_export(self, worker_id: int) -> bool: ...
 
-    def on_seen(self, worker_id: int) -> None: ...
 
 
 class _Invalid(Exception):
@@ -86,7 +85,6 @@ class MasterServicer(pb_grpc.MasterServicer):
         worker_id = _worker(request.worker_id)
         if request.task_type not in (pb.NONE, pb.TRAINING, pb.EVALUATION, pb.PREDICTION):
             raise _Invalid(f"cannot ask for task type {request.task_type}")
-        self.hooks.on_seen(worker_id)
         wanted = None if request.task_type == pb.NONE else TaskType(request.task_type)
         task = self.task_manager.get(worker_id, wanted)
         msg = task_to_proto(task)
@@ -100,7 +98,6 @@ class MasterServicer(pb_grpc.MasterServicer):
         worker_id = _worker(request.worker_id)
         if request.task_id < 0:
             raise _Invalid(f"task_id must be >= 0, got {request.task_id}")
-        self.hooks.on_seen(worker_id)
         ok = not request.err_message
         self.task_manager.report(request.task_id, worker_id, ok, request.err_message,
                                  request.err_traceback, request.fatal)
@@ -158,9 +155,8 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     @_validated
     def get_comm_plan(self, request: pb.CommPlanRequest, context: Any) -> pb.CommPlan:
-        worker_id = _worker(request.worker_id)
-        self.hooks.on_seen(worker_id)
-        return self._plan(self._rdzv().get_comm_plan(worker_id, request.known_plan_version))
+        return self._plan(self._rdzv().get_comm_plan(_worker(request.worker_id),
+                                                      request.known_plan_version))
 
     @_validated
     def report_collective_failure(self, request: pb.CollectiveFailureRequest,
@@ -205,6 +201,3 @@ class NullHooks:
         with self._export:
             first, self._claimed = not self._claimed, True
             return first
-
-    def on_seen(self, worker_id: int) -> None:
-        pass

@@ -379,6 +379,15 @@ class TaskManager:
                      "records_redone": led.records_redone}
                     for e, led in sorted(self.ledger.items())]
 
+    def training_records_left(self) -> int:
+        """Training records not yet done: queued or held tasks plus epochs to come."""
+        with self._lock:
+            held = [d.task for d in self._doing.values()]
+            queued = sum(t.num_records for t in list(self._todo) + held
+                         if t.type == TaskType.TRAINING)
+            future = self.num_epochs - self._epochs_created if self._train_pieces else 0
+            return queued + self.training_records * future
+
     def prediction_report(self) -> dict[str, int]:
         with self._lock:
             return {"records_completed": self.prediction_ledger.records_completed,

@@ -25,7 +25,7 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.model_io import load_for_inference
 from elasticdl.common.progress import Progress
 from elasticdl.master.evaluation import EvaluationAggregator
-from elasticdl.master.task_manager import Task, TaskManager, TaskType
+from elasticdl.master.task_manager import Task, TaskManager
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import TaskLoop
 from elasticdl.worker.task_source import LocalTaskSource
@@ -131,10 +131,8 @@ class LocalJob:
         loop = TaskLoop(LocalTaskSource(tm, self.aggregator), self.trainer, self.model_spec,
                         self.readers, spec.minibatch_size, prediction_sink=sink,
                         after_train_step=[self._after_train_step], after_task=[self._after_task])
-        todo = sum(p[2] - p[1] for p in tm.state_dict()["pending"]) + tm.training_records * (
-            spec.num_epochs - tm.state_dict()["epochs_created"])
         if spec.job_type == "train":
-            self.progress = Progress(todo, "training")
+            self.progress = Progress(tm.training_records_left(), "training")
         logger.info("job %s: %s on %s, output in %s", spec.job_name, spec.job_type,
                     self.trainer.device, self.out_dir)
         start = time.monotonic()
@@ -170,4 +168,4 @@ def run_local_job(spec: JobSpec) -> dict[str, Any]:
     return LocalJob(spec).run()
 
 
-__all__ = ["LocalJob", "run_local_job", "export_model", "TaskType"]
+__all__ = ["LocalJob", "run_local_job", "export_model"]

@@ -72,12 +72,12 @@ def build_trainer(args: WorkerArgs, model_spec: Any, client: Any) -> Any:
     if spec.distribution_strategy == "AllreduceStrategy":
         from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 
-        trainer = AllreduceTrainer(model_spec, spec, args.worker_id, device, client, args.host)
+        member = AllreduceTrainer(model_spec, spec, args.worker_id, device, client, args.host)
         if spec.checkpoint_dir_for_init:  # model, optimizer, version; not the data position
             from elasticdl.common.checkpoint import load_single
 
-            trainer.load_state_dict(load_single(spec.checkpoint_dir_for_init, str(device)))
-        return trainer
+            member.load_state_dict(load_single(spec.checkpoint_dir_for_init, str(device)))
+        return member
     raise ValueError(f"strategy {spec.distribution_strategy} does not run distributed workers")
 
 

@@ -8,8 +8,9 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 from elasticdl.common.job_spec import JobSpec
@@ -82,3 +83,23 @@ class PSProcess:
         """SIGTERM (graceful stop); returns the exit code."""
         self.kill(signal.SIGTERM)
         return self.proc.returncode
+
+
+def run_in_threads(fns: list[Callable[[], None]], timeout_s: float) -> None:
+    """Run each function in its own thread (one per worker); re-raise the first error."""
+    errors: list[BaseException] = []
+
+    def guarded(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "workers did not finish"
+    if errors:
+        raise errors[0]

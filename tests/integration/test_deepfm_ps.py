@@ -4,7 +4,6 @@ workers on two real PS processes: AUC on held-out click logs well above 0.5."""
 from __future__ import annotations
 
 import sys
-import threading
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from elasticdl.api.model_spec import load_model_spec
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.worker.ps_trainer import PSTrainer
 from tests.conftest import MODEL_ZOO
-from tests.integration.ps_procs import PSProcess
+from tests.integration.ps_procs import PSProcess, run_in_threads
 
 pytestmark = pytest.mark.integration
 
@@ -35,28 +34,16 @@ def test_deepfm_learns_the_planted_signal_on_two_ps(tmp_path):
         procs = [PSProcess(i, 2, job, log_path=str(tmp_path / f"ps-{i}.log")) for i in range(2)]
         addrs = [p.addr for p in procs]
         trainers = [PSTrainer(spec, addrs, job, w, torch.device("cpu")) for w in range(2)]
-        errors: list[BaseException] = []
-
         def batch(start: int):
             sl = slice(start, start + BATCH)
             return ((torch.from_numpy(data["ids"][sl]), torch.from_numpy(data["dense"][sl])),
                     torch.from_numpy(data["label"][sl]))
 
         def run(w: int) -> None:
-            try:
-                for start in range(n_val + w * BATCH, len(data["label"]) - BATCH, 2 * BATCH):
-                    trainers[w].train_minibatch(*batch(start))
-            except BaseException as e:  # noqa: BLE001 - re-raised by the main thread
-                errors.append(e)
+            for start in range(n_val + w * BATCH, len(data["label"]) - BATCH, 2 * BATCH):
+                trainers[w].train_minibatch(*batch(start))
 
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
-        if errors:
-            raise errors[0]
+        run_in_threads([lambda w=w: run(w) for w in range(2)], 120)
         features = (torch.from_numpy(data["ids"][:n_val]), torch.from_numpy(data["dense"][:n_val]))
         outputs = trainers[0].forward(features)
         labels = torch.from_numpy(data["label"][:n_val])

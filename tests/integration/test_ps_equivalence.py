@@ -20,7 +20,7 @@ from elasticdl.worker.ps_client import PSClient
 from elasticdl.worker.ps_trainer import PSTrainer
 from elasticdl.worker.trainer import LocalTrainer
 from tests.conftest import FIXTURE_ZOO
-from tests.integration.ps_procs import PSProcess
+from tests.integration.ps_procs import PSProcess, run_in_threads
 
 pytestmark = pytest.mark.integration
 
@@ -57,23 +57,11 @@ def test_sync_two_workers_equal_single_process_on_union_batches(tmp_path):
                                    extra=["--sync_wait_min_s=30"]))
         addrs = [p.addr for p in procs]
         trainers = [_trainer(job, addrs, w) for w in range(2)]  # worker 0 initialises
-        errors: list[BaseException] = []
-
         def run(w: int) -> None:
-            try:
-                for features, labels in batches[w]:
-                    trainers[w].train_minibatch(features, labels)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the main thread
-                errors.append(e)
+            for features, labels in batches[w]:
+                trainers[w].train_minibatch(features, labels)
 
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "workers did not finish"
-        if errors:
-            raise errors[0]
+        run_in_threads([lambda w=w: run(w) for w in range(2)], 60)
         assert trainers[0].model_version == STEPS
         trainers[0].pull_dense()
         ps_params = {n: p.detach().clone() for n, p in trainers[0].model.named_parameters()}

@@ -124,6 +124,7 @@ def test_state_dict_resume_mid_task():
     state = tm.state_dict(partial={t1.task_id: 5})
     resumed = TaskManager([("a", 0, 100)], records_per_task=20, num_epochs=2)
     resumed.load_state_dict(state)
+    assert resumed.training_records_left() == 75 + 100
     tasks = drain(resumed)
     first = sorted((t.start, t.end) for t in tasks if t.epoch == 0)
     assert first == [(25, 40), (40, 60), (60, 80), (80, 100)]
