@@ -82,7 +82,43 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
         _follow(log_path, pos, out)
         raise
     _follow(log_path, pos, out)
-    return read_job_report(job_dir)
+    report = read_job_report(job_dir)
+    if report.get("status") in ("running", "starting") or not report.get("status"):
+        report = _master_died(job_dir, proc.returncode, report)
+    return report
+
+
+def _master_died(job_dir: str, code: Optional[int], report: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """The master exited without finishing the report (killed, or crashed
+    before it could write it): stop whatever it left running and record the
+    failure, so the report never stays ``running``."""
+    killed = _kill_replicas(job_dir)
+    error = f"the master exited with code {code} before the job ended"
+    if killed:
+        error += f"; stopped the replicas it left running: {', '.join(killed)}"
+    report = dict(report)
+    report["status"] = "failed"
+    report["failure"] = report.get("failure") or {
+        "replica": "master", "error": error + " (see logs/master.log)", "traceback": ""}
+    tmp = os.path.join(job_dir, REPORT_NAME + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, os.path.join(job_dir, REPORT_NAME))
+    return report
+
+
+def _kill_replicas(job_dir: str) -> list[str]:
+    """SIGKILL every replica ``replicas.json`` lists as running; their names."""
+    killed = []
+    for r in _load(job_dir, STATE_FILE).get("replicas", []):
+        if _alive(int(r["pid"])):
+            try:
+                os.killpg(int(r["pid"]), signal.SIGKILL)
+                killed.append(r["replica"])
+            except ProcessLookupError:
+                pass
+    return killed
 
 
 def read_job_report(job_dir: str) -> dict[str, Any]:
@@ -187,11 +223,5 @@ def stop(job_name: str, grace_s: float = 30.0) -> str:
         if _alive(pid):
             os.killpg(pid, signal.SIGKILL)
         killed.append("master")
-    for r in _load(job_dir, STATE_FILE).get("replicas", []):
-        if _alive(int(r["pid"])):
-            try:
-                os.killpg(int(r["pid"]), signal.SIGKILL)
-                killed.append(r["replica"])
-            except ProcessLookupError:
-                pass
+    killed.extend(_kill_replicas(job_dir))
     return f"job {job_name}: stopped {', '.join(killed) or 'nothing (not running)'}"

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class ProcessCluster(Cluster):
         self.log_dir = os.path.join(job_dir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
         self._lock = threading.Lock()
+        self._state_lock = threading.Lock()   # one writer of replicas.json at a time
         self._replicas: dict[tuple[ReplicaType, int], _Replica] = {}
         self._history: list[dict[str, object]] = []
         self._ports: dict[tuple[ReplicaType, int], int] = {}
@@ -181,15 +183,33 @@ class ProcessCluster(Cluster):
             self._write_state()
 
     def _write_state(self) -> None:
-        with self._lock:
-            live = [{"replica": r.spec.name, "pid": r.proc.pid, "phase": "running",
-                     "started": r.started} for r in self._replicas.values()]
-            state = {"replicas": live, "exited": list(self._history[-200:])}
-        path = os.path.join(self.job_dir, STATE_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f, indent=1)
-        os.replace(tmp, path)
+        """Mirror the replica table to ``replicas.json`` atomically.
+
+        Called from the launching thread and the reaper thread alike: the
+        snapshot, the write and the rename happen under one lock, each through
+        a temp file of its own, so neither can rename the other's file away.
+        An I/O error here is logged, never raised into the caller (the file is
+        a mirror for ``elasticdl status``; the job must not die for it).
+        """
+        with self._state_lock:
+            with self._lock:
+                live = [{"replica": r.spec.name, "pid": r.proc.pid, "phase": "running",
+                         "started": r.started} for r in self._replicas.values()]
+                state = {"replicas": live, "exited": list(self._history[-200:])}
+            path = os.path.join(self.job_dir, STATE_FILE)
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=STATE_FILE + ".", suffix=".tmp",
+                                           dir=self.job_dir)
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(state, f, indent=1)
+                    os.replace(tmp, path)
+                except BaseException:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+                    raise
+            except OSError as e:
+                logger.error("cannot write %s: %s", path, e)
 
     def close(self) -> None:
         """Terminate every live replica (SIGTERM, then SIGKILL) and stop watching."""

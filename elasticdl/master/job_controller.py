@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -225,7 +226,14 @@ class JobController:
         finished_at: Optional[float] = None
         while True:
             for event in self.cluster.poll_events(0.2):
-                self.handle(event)
+                try:
+                    self.handle(event)
+                except Exception as e:  # a master bug must end the job, reported, not hang it
+                    logger.exception("internal error handling %s %s", event.name,
+                                     event.phase.value)
+                    self._fail("master", f"internal error handling {event.name} "
+                               f"{event.phase.value}: {type(e).__name__}: {e}",
+                               traceback.format_exc())
             now = time.monotonic()
             if now - last_report >= self.report_interval_s:
                 last_report = now

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Optional
 
@@ -122,6 +123,11 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     try:
         controller.start()
         status = controller.run(stop)
+    except Exception as e:  # the report must never stay "running" after the master dies
+        logger.exception("master failed")
+        report.fail("master", f"{type(e).__name__}: {e}", traceback.format_exc())
+        report.write(report_dir)
+        raise
     finally:
         cluster.close()
         server.stop(grace=2).wait(5)
