@@ -11,6 +11,7 @@ Exit codes: 0 success; 1 the job failed; 2 bad flags, model module or data.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import logging
 import sys
@@ -210,8 +211,49 @@ COMMANDS["logs"] = _job_op("logs")
 COMMANDS["stop"] = _job_op("stop")
 
 
+def check_job_flags(command: str, args: list[str]) -> None:
+    """Reject unknown flags and stray arguments of a job command *before* anything
+    runs (python-fire would only complain after the command returned).
+
+    Accepts ``--flag=value``, ``--flag value``, ``--flag`` and ``--noflag`` for
+    boolean flags, and ``-`` for ``_`` in names, as fire does; stops at ``--``
+    (fire's own flags follow). Raises :class:`UsageError` naming the flag and,
+    for a near miss, the closest valid one.
+    """
+    fields = {f.name: f for f in cli_fields()}
+    bools = {n for n, f in fields.items() if f.type in (bool, "bool")}
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        i += 1
+        if tok == "--":
+            return
+        if tok in ("-h", "--help"):
+            continue
+        if not tok.startswith("-"):
+            raise UsageError(f"unexpected argument {tok!r}: flags are given as --name=value "
+                             f"(see elasticdl {command} --help)")
+        name, has_value = tok.lstrip("-").split("=", 1)[0].replace("-", "_"), "=" in tok
+        if name in fields:
+            if not has_value and name not in bools and i < len(args) and \
+                    not args[i].startswith("--"):
+                i += 1  # --flag value
+            continue
+        if name.startswith("no") and name[2:] in bools and not has_value:
+            continue
+        close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.75)
+        hint = f"; did you mean --{close[0]}?" if close else f" (see elasticdl {command} --help)"
+        raise UsageError(f"unknown flag --{name}{hint}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    fire.Fire(COMMANDS, command=argv, name="elasticdl")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("train", "evaluate", "predict"):
+        try:
+            check_job_flags(args[0], args[1:])
+        except UsageError as e:
+            _fail(args[0], str(e), USAGE_ERROR)
+    fire.Fire(COMMANDS, command=args, name="elasticdl")
 
 
 assert {f.name for f in dataclasses.fields(JobSpec)} >= {f.name for f in cli_fields()}

@@ -123,3 +123,35 @@ def test_cli_reference_is_current():
 
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "cli.md")) as f:
         assert f.read() == render(), "run: python scripts/gen_cli_docs.py > docs/cli.md"
+
+
+@pytest.mark.parametrize("typo,suggestion", [
+    ("--num_worker=3", "--num_workers"), ("--minibatch-sise=32", "--minibatch_size"),
+    ("--evaluation_step", "--evaluation_steps")])
+def test_cli_typo_flag_exits_2_before_anything_starts(tmp_path, typo, suggestion):
+    """Issue 11: a typo used to train the whole job and complain afterwards."""
+    import time
+
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "elasticdl_client.main", "train",
+                        "--model_zoo=model_zoo", "--model_def=digits.digits_cnn.custom_model",
+                        "--training_data=x", f"--output={out}", "--cluster=local", typo],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "ELASTICDL_HOME": str(tmp_path / "home")})
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr
+    assert "unknown flag" in r.stderr and f"did you mean {suggestion}?" in r.stderr
+    assert not out.exists() and not (tmp_path / "home").exists()  # nothing started
+    assert elapsed < 10  # under 2 s on an idle machine; the bound allows a loaded one
+
+
+def test_check_job_flags_accepts_fire_forms():
+    from elasticdl_client.main import UsageError, check_job_flags
+
+    check_job_flags("train", ["--num_workers", "3", "--shuffle", "--noshuffle", "--use-async",
+                              "--minibatch_size=8", "--", "--help"])
+    with pytest.raises(UsageError, match="unexpected argument 'junk'"):
+        check_job_flags("train", ["--num_workers=3", "junk"])
+    with pytest.raises(UsageError, match=r"unknown flag --zzz \(see"):
+        check_job_flags("train", ["--zzz=1"])
