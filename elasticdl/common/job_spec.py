@@ -115,6 +115,9 @@ class JobSpec:
                                          "distribution", min=0)
     max_task_retries: int = _f(3, "Attempts of one task before the job fails",
                                "distribution", min=1)
+    skip_nonfinite_steps: bool = _f(False, "Skip (and count in the report) a step whose "
+                                    "loss or gradient is NaN/Inf instead of failing its task",
+                                    "training")
     task_timeout_s: float = _f(0.0, "Reassign a task held longer than this (0: 3x the "
                                "median task time, at least 60 s)", "distribution", min=0)
     # --- cluster

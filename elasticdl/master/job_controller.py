@@ -280,6 +280,8 @@ class JobController:
         if self.spec.job_type == "predict":
             self.report.extra["prediction"] = self.tm.prediction_report()
         self.report.extra["model_version"] = self._max_version
+        self.report.extra["nonfinite_steps_skipped"] = \
+            self.tm.counters.get("nonfinite_steps_skipped", 0)
         self.report.write(self.report_dir)
 
     def _log_progress(self) -> None:

@@ -41,6 +41,10 @@ class JobHooks(Protocol):
 
 
 
+COUNTERS = frozenset({"nonfinite_steps_skipped"})   # what report_task_result may carry
+MAX_COUNTER = 1 << 40
+
+
 class _Invalid(Exception):
     pass
 
@@ -99,8 +103,14 @@ class MasterServicer(pb_grpc.MasterServicer):
         if request.task_id < 0:
             raise _Invalid(f"task_id must be >= 0, got {request.task_id}")
         ok = not request.err_message
+        counters = {}
+        for c in request.counters:
+            if c.name not in COUNTERS or not 0 <= c.value <= MAX_COUNTER:
+                raise _Invalid(f"counter {c.name!r}={c.value}: known counters are "
+                               f"{sorted(COUNTERS)}, values 0..{MAX_COUNTER}")
+            counters[c.name] = c.value
         self.task_manager.report(request.task_id, worker_id, ok, request.err_message,
-                                 request.err_traceback, request.fatal)
+                                 request.err_traceback, request.fatal, counters)
         return pb.Empty()
 
     @_validated

@@ -168,6 +168,7 @@ class TaskManager:
         self.evaluation_records_completed = 0
         self._eval_jobs: dict[int, _EvalJob] = {}
         self.failure: Optional[TaskFailure] = None
+        self.counters: dict[str, int] = {}   # e.g. nonfinite_steps_skipped, summed over tasks
         self.epoch_end_callbacks: list[Callable[[int], None]] = []
         self.evaluation_done_callbacks: list[Callable[[int], Any]] = []
         for name, start, end in make_tasks(prediction_shards, records_per_task):
@@ -243,8 +244,10 @@ class TaskManager:
                 return task
 
     def report(self, task_id: int, worker_id: int, success: bool, error: str = "",
-               traceback: str = "", fatal: bool = False) -> None:
-        """Record the outcome of a task. Unknown or already-counted ids are ignored."""
+               traceback: str = "", fatal: bool = False,
+               counters: Optional[dict[str, int]] = None) -> None:
+        """Record the outcome of a task. Unknown or already-counted ids are ignored;
+        ``counters`` of a task that counts as done are added to :attr:`counters`."""
         epoch_done: Optional[int] = None
         eval_done: Optional[int] = None
         with self._lock:
@@ -267,6 +270,8 @@ class TaskManager:
                 return
             del self._doing[task_id]
             self._completed.add(task_id)
+            for name, value in (counters or {}).items():
+                self.counters[name] = self.counters.get(name, 0) + int(value)
             self._durations.append(self._clock() - doing.started)
             epoch_done, eval_done = self._count_done(task)
         if epoch_done is not None:

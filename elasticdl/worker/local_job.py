@@ -64,7 +64,7 @@ class LocalJob:
         self.readers = create_readers(spec, self.model_spec.custom_data_reader)
         self.task_manager = TaskManager(
             records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
-            shuffle=spec.shuffle, seed=spec.seed, max_task_retries=1,
+            shuffle=spec.shuffle, seed=spec.seed, max_task_retries=spec.max_task_retries,
             **shards_for(self.readers, spec))
         self.out_dir = job_dir_for(spec)
         self.report = JobReport(spec.job_name, spec.distribution_strategy, "local", 1, 0,
@@ -130,7 +130,8 @@ class LocalJob:
                                   self.model_spec.prediction_outputs_processor)
         loop = TaskLoop(LocalTaskSource(tm, self.aggregator), self.trainer, self.model_spec,
                         self.readers, spec.minibatch_size, prediction_sink=sink,
-                        after_train_step=[self._after_train_step], after_task=[self._after_task])
+                        after_train_step=[self._after_train_step], after_task=[self._after_task],
+                        skip_nonfinite_steps=spec.skip_nonfinite_steps)
         if spec.job_type == "train":
             self.progress = Progress(tm.training_records_left(), "training")
         logger.info("job %s: %s on %s, output in %s", spec.job_name, spec.job_type,
@@ -146,6 +147,12 @@ class LocalJob:
         finally:
             if self.progress is not None:
                 self.progress.close()
+        self.report.extra["nonfinite_steps_skipped"] = loop.stats.nonfinite_skipped
+        if tm.failure is not None:  # a task failed --max_task_retries times
+            self.report.epochs = tm.epochs_report()
+            self.report.fail("worker-0", tm.failure.describe(), tm.failure.traceback)
+            self.report.write(self.out_dir)
+            raise TaskFailedError(tm.failure.describe())
         wall = time.monotonic() - start
         if spec.job_type == "train":
             if spec.checkpoint_dir and spec.checkpoint_steps:
@@ -161,6 +168,10 @@ class LocalJob:
         path = self.report.write(self.out_dir)
         logger.info("job %s succeeded in %.1f s; report: %s", spec.job_name, wall, path)
         return self.report.to_dict()
+
+
+class TaskFailedError(RuntimeError):
+    """A task failed ``--max_task_retries`` times; the job failed."""
 
 
 def run_local_job(spec: JobSpec) -> dict[str, Any]:

@@ -113,6 +113,7 @@ def run_worker(args: WorkerArgs) -> int:
         else:
             loop = TaskLoop(client, trainer, model_spec, readers, spec.minibatch_size,
                             worker_id=args.worker_id, prediction_sink=sink,
+                            skip_nonfinite_steps=spec.skip_nonfinite_steps,
                             after_train_step=[lambda task, done, loss:
                                               report_version(trainer.model_version)])
             stats = loop.run()

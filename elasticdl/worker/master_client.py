@@ -67,10 +67,11 @@ class MasterClient(TaskSource):
         return task_from_proto(msg)
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False) -> None:
+                    fatal: bool = False, counters: Optional[dict[str, int]] = None) -> None:
         self._call(self._stub.report_task_result, pb.ReportTaskResultRequest(
             task_id=task.task_id, worker_id=self.worker_id, err_message=error,
-            err_traceback=traceback[-20000:], fatal=fatal))
+            err_traceback=traceback[-20000:], fatal=fatal,
+            counters=[pb.Counter(name=k, value=v) for k, v in (counters or {}).items()]))
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
         self._call(self._stub.report_evaluation_metrics, pb.ReportEvaluationMetricsRequest(

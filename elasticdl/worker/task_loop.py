@@ -24,7 +24,7 @@ from elasticdl.data.api import DataError, DataReader, MalformedRecordError
 from elasticdl.master.task_manager import Task, TaskType
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_source import Metric, TaskSource
-from elasticdl.worker.trainer import Trainer, batch_size_of, to_device
+from elasticdl.worker.trainer import NonFiniteError, Trainer, batch_size_of, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class LoopStats:
     eval_records: int = 0
     predict_records: int = 0
     steps: int = 0
+    nonfinite_skipped: int = 0
 
 
 class TaskLoop:
@@ -80,7 +81,8 @@ class TaskLoop:
                  worker_id: int = 0, prediction_sink: Optional[PredictionSink] = None,
                  after_train_step: Sequence[StepCallback] = (),
                  after_task: Sequence[Callable[[Task], None]] = (),
-                 wait_s: float = 0.2, max_wait_s: float = 3600.0):
+                 wait_s: float = 0.2, max_wait_s: float = 3600.0,
+                 skip_nonfinite_steps: bool = False):
         self.source = source
         self.trainer = trainer
         self.spec = spec
@@ -92,7 +94,9 @@ class TaskLoop:
         self.after_task = list(after_task)
         self.wait_s = wait_s
         self.max_wait_s = max_wait_s
+        self.skip_nonfinite_steps = skip_nonfinite_steps
         self.stats = LoopStats()
+        self._skipped_in_task = 0
         self._metrics = spec.metrics()
 
     def run(self) -> LoopStats:
@@ -115,6 +119,7 @@ class TaskLoop:
             self.run_task(task)
 
     def run_task(self, task: Task) -> None:
+        self._skipped_in_task = 0
         try:
             records = self._read(task)
             if task.type == TaskType.TRAINING:
@@ -129,10 +134,19 @@ class TaskLoop:
             logger.error("task %d: bad data: %s", task.task_id, e)
             self.source.report_task(task, str(e), traceback.format_exc(), fatal=True)
             raise
+        except NonFiniteError as e:
+            # the step was not applied: the model is intact, so the worker goes on;
+            # the master re-queues the task and fails the job after
+            # --max_task_retries with this as the root cause
+            logger.error("task %d failed: %s", task.task_id, e)
+            self.source.report_task(task, f"NonFiniteError: {e}", traceback.format_exc())
+            return
         except Exception as e:  # reported with its traceback, then re-raised
             self.source.report_task(task, f"{type(e).__name__}: {e}", traceback.format_exc())
             raise
-        self.source.report_task(task)
+        counters = {"nonfinite_steps_skipped": self._skipped_in_task} \
+            if self._skipped_in_task else None
+        self.source.report_task(task, counters=counters)
         self.stats.tasks += 1
         for cb in self.after_task:
             cb(task)
@@ -153,7 +167,20 @@ class TaskLoop:
 
     def _train(self, task: Task, records: Sequence[Any]) -> None:
         for done, features, labels in self._minibatches(task, records):
-            loss = self.trainer.train_minibatch(features, labels)
+            try:
+                loss = self.trainer.train_minibatch(features, labels)
+            except NonFiniteError as e:
+                first = task.start + done - batch_size_of(labels, features)
+                e.locate(f"step {self.stats.steps + 1} (task {task.task_id}, epoch "
+                         f"{task.epoch}, records {first}-{task.start + done} of "
+                         f"{task.shard_name})")
+                if not self.skip_nonfinite_steps:
+                    raise
+                self.stats.nonfinite_skipped += 1
+                self._skipped_in_task += 1
+                logger.warning("skipped: %s (--skip_nonfinite_steps; %d skipped so far)", e,
+                               self.stats.nonfinite_skipped)
+                continue
             self.stats.steps += 1
             for cb in self.after_train_step:
                 cb(task, done, loss)

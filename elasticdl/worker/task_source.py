@@ -27,8 +27,10 @@ class TaskSource(ABC):
 
     @abstractmethod
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False) -> None:
-        """Report a task done (empty ``error``) or failed."""
+                    fatal: bool = False, counters: Optional[dict[str, int]] = None) -> None:
+        """Report a task done (empty ``error``) or failed; ``counters`` (e.g.
+        ``nonfinite_steps_skipped``) are added to the job's totals once, when the
+        task counts as done."""
 
     @abstractmethod
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
@@ -51,9 +53,9 @@ class LocalTaskSource(TaskSource):
         return self.task_manager.get(self.worker_id, task_type)
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False) -> None:
+                    fatal: bool = False, counters: Optional[dict[str, int]] = None) -> None:
         self.task_manager.report(task.task_id, self.worker_id, not error, error, traceback,
-                                 fatal)
+                                 fatal, counters)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
         self.aggregator.add(task.model_version, task.task_id, metrics)

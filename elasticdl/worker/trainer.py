@@ -46,6 +46,49 @@ def batch_size_of(labels: Any, features: Any) -> int:
     return int(ref.shape[0]) if hasattr(ref, "shape") else len(ref)
 
 
+class NonFiniteError(RuntimeError):
+    """A step produced a NaN/Inf loss or gradient; the model was not updated.
+
+    The task loop adds where it happened (:meth:`locate`), so the message that
+    reaches the job report names the step, the task and, for a gradient, the
+    parameter.
+    """
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+        self.where = ""
+
+    def locate(self, where: str) -> NonFiniteError:
+        self.where = where
+        self.args = (f"{self.what} at {where}",)
+        return self
+
+
+def check_finite_loss(loss: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteError` if the (scalar) loss is NaN or Inf."""
+    if not bool(torch.isfinite(loss.detach())):
+        raise NonFiniteError(f"non-finite loss ({float(loss.detach())})")
+
+
+def check_finite_grads(named_parameters: Any) -> None:
+    """Raise :class:`NonFiniteError` naming the first parameter whose gradient
+    holds a NaN or Inf. One fused max-abs per tensor and one host sync."""
+    names, grads = [], []
+    for name, p in named_parameters:
+        if p.grad is not None:
+            names.append(name)
+            grads.append(p.grad.coalesce().values() if p.grad.is_sparse else p.grad)
+    if not grads:
+        return
+    finite = torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))
+    if bool(finite.all()):
+        return
+    i = int((~finite).nonzero()[0])
+    raise NonFiniteError(f"non-finite gradient of parameter {names[i]!r} "
+                         f"(shape {tuple(grads[i].shape)})")
+
+
 def call_model(model: torch.nn.Module, features: Any) -> Any:
     """``model(features)``; a dict of features is passed as one argument."""
     return model(features)
@@ -67,6 +110,7 @@ class Trainer(ABC):
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
                                  f"tensor, got {getattr(loss, 'shape', type(loss))}")
+        check_finite_loss(loss)
         return loss
 
 
@@ -104,6 +148,7 @@ class LocalTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.compute_loss(features, labels)
         loss.backward()
+        check_finite_grads(self.model.named_parameters())
         self.optimizer.step()
         self.model_version += 1
         return loss.detach()

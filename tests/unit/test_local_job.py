@@ -110,3 +110,47 @@ def test_malformed_record_names_file_and_record(toy):
     report = read_report(str(tmp / "out"))
     assert report["status"] == "failed"
     assert "part-0.csv" in report["failure"]["error"] and "70" in report["failure"]["error"]
+
+
+@pytest.fixture
+def nan_toy(toy, monkeypatch):
+    import importlib
+
+    monkeypatch.setenv("TOY_NAN_FROM_ID", "200")
+    linear, tmp = toy
+
+    def load(mode):
+        monkeypatch.setenv("TOY_NAN_MODE", mode)
+        from toy import nan
+
+        return importlib.reload(nan)
+    return load, tmp
+
+
+@pytest.mark.parametrize("mode,named", [("loss", "non-finite loss (nan)"),
+                                        ("grad", "non-finite gradient of parameter 'fc.bias'")])
+def test_nonfinite_step_fails_job_naming_it_and_model_stays_finite(nan_toy, mode, named):
+    """Issue 11: a NaN loss/gradient used to train on and report `succeeded`."""
+    from elasticdl.worker.local_job import TaskFailedError
+
+    load, tmp = nan_toy
+    load(mode)
+    with pytest.raises(TaskFailedError, match="failed 2 time"):
+        run_local_job(spec(tmp, model_def="toy.nan.custom_model", max_task_retries=2))
+    report = read_report(str(tmp / "out"))
+    assert report["status"] == "failed"
+    error = report["failure"]["error"]
+    assert named in error and "at step" in error and "(task" in error
+    assert not (tmp / "out" / "model.pt").exists()
+
+
+def test_skip_nonfinite_steps_counts_and_exports_a_finite_model(nan_toy):
+    load, tmp = nan_toy
+    load("loss")
+    report = run_local_job(spec(tmp, model_def="toy.nan.custom_model",
+                                skip_nonfinite_steps=True))
+    assert report["status"] == "succeeded"
+    # ids 200..299 poison every minibatch they fall in: 16-record batches over 2 files
+    assert report["nonfinite_steps_skipped"] >= 100 // 16
+    state = torch.load(tmp / "out" / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state.values())
