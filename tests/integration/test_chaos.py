@@ -12,12 +12,22 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from elasticdl.common.ckpt_paths import complete_versions
-from tests.conftest import MODEL_ZOO
-from tests.integration.helpers import kill_job_tree, live_replicas, read_json, start_cli, wait_for
+from tests.conftest import FIXTURE_ZOO, MODEL_ZOO
+from tests.integration.helpers import (
+    cli_env,
+    kill_job_tree,
+    live_replicas,
+    read_json,
+    start_cli,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -98,3 +108,139 @@ def test_allreduce_job_survives_a_worker_kill(digits_data, tmp_path):
     master_log = open(os.path.join(job_dir, "logs", "master.log")).read()
     plans = re.findall(r"plan \d+ published: workers \[([\d, ]+)\]", master_log)
     assert any("3" in p.split(", ") for p in plans), plans  # the relaunched worker joined
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def all_pids(job_dir):
+    state = read_json(os.path.join(job_dir, "replicas.json")) or {}
+    pids = [r["pid"] for r in state.get("replicas", [])] + \
+        [r["pid"] for r in state.get("exited", [])]
+    master = read_json(os.path.join(job_dir, "master.json")) or {}
+    return pids + ([master["pid"]] if "pid" in master else [])
+
+
+def test_master_survives_repeated_worker_kills(digits_data, tmp_path):
+    """Issue 11: the master crashed in a relaunch (replicas.json written by two
+    threads through one temp file). Six kill -9s in quick succession, each
+    relaunch racing the reaper: the master stays up and the job succeeds."""
+    job_dir = str(tmp_path / "kills")
+    proc = start_cli(train_args(digits_data, job_dir, "chaos-kills", num_epochs=4,
+                                distribution_strategy="ParameterServerStrategy",
+                                num_workers=2, num_ps_pods=1, grads_to_wait=1),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    killed = []
+    try:
+        wait_for(lambda: records_done(job_dir) >= 200, 180, "training under way")
+        while len(killed) < 6:
+            workers = [r for r in live_replicas(job_dir) if r["replica"].startswith("worker-")
+                       and r["replica"] not in killed]
+            if workers:
+                victim = workers[len(killed) % len(workers)]
+                try:
+                    os.kill(victim["pid"], signal.SIGKILL)
+                    killed.append(victim["replica"])
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.3)
+        code = proc.wait(timeout=400)
+        assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, job_dir)
+    report = read_json(os.path.join(job_dir, "job_report.json"))
+    assert report["status"] == "succeeded", report.get("failure")
+    assert [e["records_completed"] for e in report["epochs"]] == [1437] * 4
+    relaunched = {r["replica"] for r in report["relaunches"]}
+    assert set(killed) <= relaunched, (killed, report["relaunches"])
+    master_log = open(os.path.join(job_dir, "logs", "master.log")).read()
+    assert "Traceback" not in master_log, master_log[-3000:]
+
+
+@pytest.fixture
+def toy_data(tmp_path):
+    sys.path.insert(0, FIXTURE_ZOO)
+    from toy import linear
+
+    linear.write_data(str(tmp_path / "train"), n=400)
+    linear.write_data(str(tmp_path / "val"), n=100, seed=1)
+    return tmp_path
+
+
+def toy_args(tmp, job, **flags):
+    args = ["train", f"--model_zoo={FIXTURE_ZOO}", f"--training_data={tmp}/train",
+            f"--validation_data={tmp}/val", f"--output={tmp}/out", f"--job_name={job}",
+            "--cluster=local", "--minibatch_size=16", "--num_minibatches_per_task=4"]
+    return args + [f"--{k}={v}" for k, v in flags.items()]
+
+
+@pytest.mark.parametrize("strategy", ["ParameterServerStrategy", "AllreduceStrategy"])
+def test_nan_loss_fails_the_job_naming_it(toy_data, strategy):
+    """Issue 11: a loss that turns NaN used to end `succeeded` with a NaN model."""
+    tmp = toy_data
+    proc = start_cli(toy_args(tmp, "chaos-nan", model_def="toy.nan.custom_model",
+                              distribution_strategy=strategy, num_workers=2, num_ps_pods=1,
+                              max_task_retries=2, num_epochs=2),
+                     str(tmp / "home"), str(tmp / "cli.log"), TOY_NAN_FROM_ID="250",
+                     TOY_NAN_MODE="loss")
+    try:
+        code = proc.wait(timeout=300)
+    finally:
+        kill_job_tree(proc, str(tmp / "out"))
+    log = (tmp / "cli.log").read_text()
+    assert code == 1, log[-4000:]
+    report = read_json(str(tmp / "out" / "job_report.json"))
+    assert report["status"] == "failed"
+    assert "non-finite loss" in report["failure"]["error"], report["failure"]
+    assert "non-finite loss" in log
+    assert not (tmp / "out" / "model.pt").exists()
+    wait_for(lambda: not any(_pid_alive(p) for p in all_pids(str(tmp / "out"))), 30,
+             "every process of the failed job to exit")
+
+
+def test_killed_master_fails_the_job_and_leaves_nothing_running(toy_data):
+    """Issue 11: the report stayed `running` and the PS were orphaned."""
+    tmp = toy_data
+    out = str(tmp / "out")
+    proc = start_cli(toy_args(tmp, "chaos-master", model_def="toy.linear.custom_model",
+                              distribution_strategy="ParameterServerStrategy", num_workers=2,
+                              num_ps_pods=1, num_epochs=50),
+                     str(tmp / "home"), str(tmp / "cli.log"), TOY_FEED_DELAY_S="0.02")
+    try:
+        wait_for(lambda: records_done(out) >= 400, 180, "training under way")
+        pids = all_pids(out)
+        master = read_json(os.path.join(out, "master.json"))["pid"]
+        os.kill(master, signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        assert code == 1, (tmp / "cli.log").read_text()[-3000:]
+        report = read_json(os.path.join(out, "job_report.json"))
+        assert report["status"] == "failed"
+        assert report["failure"]["replica"] == "master"
+        assert "exited with code -9" in report["failure"]["error"]
+        wait_for(lambda: not any(_pid_alive(p) for p in pids), 15, "replicas to be gone")
+    finally:
+        kill_job_tree(proc, out)
+
+
+def test_typo_flag_exits_2_fast_with_nothing_started(tmp_path):
+    """Issue 11: `--num_worker=3` trained the whole job, then complained."""
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "elasticdl_client.main",
+                        *toy_args(tmp_path, "typo", model_def="toy.linear.custom_model"),
+                        "--num_worker=3"], capture_output=True, text=True, timeout=60,
+                       env=cli_env(str(tmp_path / "home")))
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr
+    assert "unknown flag --num_worker; did you mean --num_workers?" in r.stderr
+    assert not out.exists() and not (tmp_path / "home").exists()
+    assert elapsed < 2.0 or os.getloadavg()[0] > 2, elapsed  # loaded machine: bound is loose

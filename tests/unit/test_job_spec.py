@@ -128,22 +128,12 @@ def test_cli_reference_is_current():
 @pytest.mark.parametrize("typo,suggestion", [
     ("--num_worker=3", "--num_workers"), ("--minibatch-sise=32", "--minibatch_size"),
     ("--evaluation_step", "--evaluation_steps")])
-def test_cli_typo_flag_exits_2_before_anything_starts(tmp_path, typo, suggestion):
-    """Issue 11: a typo used to train the whole job and complain afterwards."""
-    import time
+def test_typo_flag_names_the_closest_valid_one(typo, suggestion):
+    """Issue 11 (the CLI-level test is in tests/integration/test_chaos.py)."""
+    from elasticdl_client.main import UsageError, check_job_flags
 
-    out = tmp_path / "out"
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "elasticdl_client.main", "train",
-                        "--model_zoo=model_zoo", "--model_def=digits.digits_cnn.custom_model",
-                        "--training_data=x", f"--output={out}", "--cluster=local", typo],
-                       capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "ELASTICDL_HOME": str(tmp_path / "home")})
-    elapsed = time.monotonic() - t0
-    assert r.returncode == 2, r.stderr
-    assert "unknown flag" in r.stderr and f"did you mean {suggestion}?" in r.stderr
-    assert not out.exists() and not (tmp_path / "home").exists()  # nothing started
-    assert elapsed < 10  # under 2 s on an idle machine; the bound allows a loaded one
+    with pytest.raises(UsageError, match=f"did you mean {suggestion}\\?"):
+        check_job_flags("train", ["--model_def=a.b", typo])
 
 
 def test_check_job_flags_accepts_fire_forms():
