@@ -128,6 +128,8 @@ def run_worker(args: WorkerArgs) -> int:
     except Exception as e:  # sent to the master as the root cause, then exit 1
         tb = traceback.format_exc()
         logger.error("worker %d failed: %s", args.worker_id, tb)
+        if isinstance(e, ConnectionError):  # the master is gone: no one to tell
+            return 1
         try:
             client.report_failure(f"worker-{args.worker_id}", f"{type(e).__name__}: {e}", tb)
         except ConnectionError:

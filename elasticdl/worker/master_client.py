@@ -45,8 +45,11 @@ class MasterClient(TaskSource):
         deadline = time.monotonic() + self.unavailable_timeout_s
         delay = 0.1
         while True:
+            # no attempt runs past the deadline: a dead master costs at most
+            # unavailable_timeout_s per call, not that plus call_timeout_s
+            timeout = max(0.5, min(self.call_timeout_s, deadline - time.monotonic()))
             try:
-                return fn(request, timeout=self.call_timeout_s)
+                return fn(request, timeout=timeout)
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
                 if code not in RETRYABLE:

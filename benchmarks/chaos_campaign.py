@@ -1,0 +1,231 @@
+"""Chaos campaign through the real CLI: random faults at random times.
+
+Each trial runs digits as a local-cluster job (``--cluster=local``) and, once
+training is under way (a random point between 15% and 60% of the records),
+injects one fault:
+
+* ``ps`` mode (2 workers, 2 PS, sync, checkpoints every 10 versions): kill -9 of
+  a random worker or a random PS;
+* ``allreduce`` mode (3 workers): kill -9 of a random worker, or SIGSTOP (a hung
+  member, never continued: the framework must exclude and replace it).
+
+A trial passes when the CLI exits 0, the report says ``succeeded``, every
+epoch's ``records_completed`` (and ``records_applied`` where the report has it)
+equals the dataset size, and the final accuracy is at least ``--min_accuracy``.
+Recovery times come from timestamps the traced model module writes
+(``benchmarks/chaos_zoo/traced/digits.py``):
+
+* kill -> survivors' next step: the first optimizer step of any surviving
+  member after the fault (allreduce), or the first shard update of the
+  relaunched PS (PS kill);
+* kill -> replacement's first task: the first training minibatch fed by a
+  worker that did not exist before the fault.
+
+Run: python benchmarks/chaos_campaign.py --trials 20 [--modes ps,allreduce] [--seed 1]
+Prints one line per trial and a summary (pass count, percentiles) per mode, and
+writes everything to ``--output`` (default out/chaos_campaign.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tests.integration.helpers import kill_job_tree, live_replicas, read_json  # noqa: E402
+
+ZOO = os.path.join(ROOT, "benchmarks", "chaos_zoo")
+TRAINING_RECORDS = 1437
+
+
+def prepare_data(directory: str) -> str:
+    if not os.path.isdir(os.path.join(directory, "train")):
+        subprocess.run([sys.executable, os.path.join(ROOT, "model_zoo", "digits",
+                                                     "prepare_data.py"),
+                        f"--output={directory}"], check=True, capture_output=True, timeout=300)
+    return directory
+
+
+def job_flags(mode: str, epochs: int) -> dict[str, Any]:
+    if mode == "ps":
+        return {"distribution_strategy": "ParameterServerStrategy", "num_workers": 2,
+                "num_ps_pods": 2, "grads_to_wait": 2, "checkpoint_steps": 10,
+                "num_epochs": epochs}
+    return {"distribution_strategy": "AllreduceStrategy", "num_workers": 3,
+            "minibatch_size": 32, "collective_timeout_s": 10, "num_epochs": epochs}
+
+
+def records_done(job_dir: str) -> int:
+    report = read_json(os.path.join(job_dir, "job_report.json")) or {}
+    return sum(e.get("records_completed", 0) for e in report.get("epochs", []))
+
+
+def read_traces(trace_dir: str) -> dict[str, list[tuple[float, str]]]:
+    traces: dict[str, list[tuple[float, str]]] = {}
+    for path in glob.glob(os.path.join(trace_dir, "*.trace")):
+        name = os.path.basename(path)[:-len(".trace")].rsplit("-", 2)
+        key = "-".join(name[-2:])  # worker-3 / ps-1
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 2:
+                    traces.setdefault(key, []).append((float(parts[0]), parts[1]))
+    return traces
+
+
+def first_after(events: list[tuple[float, str]], kind: str, t: float) -> Optional[float]:
+    return min((ts for ts, ev in events if ev == kind and ts > t), default=None)
+
+
+def run_trial(mode: str, index: int, data: str, work: str, rng: random.Random,
+              epochs: int, timeout_s: float, min_accuracy: float) -> dict[str, Any]:
+    job = f"chaos-{mode}-{index}"
+    job_dir = os.path.join(work, job)
+    trace_dir = os.path.join(work, job + "-trace")
+    os.makedirs(trace_dir, exist_ok=True)
+    flags = {"model_zoo": ZOO, "model_def": "traced.digits.custom_model",
+             "training_data": f"{data}/train", "validation_data": f"{data}/val",
+             "output": job_dir, "job_name": job, "cluster": "local",
+             "checkpoint_dir": os.path.join(work, job + "-ckpt"), **job_flags(mode, epochs)}
+    if mode != "ps":
+        flags.pop("checkpoint_dir")
+    env = {**os.environ, "ELASTICDL_HOME": os.path.join(work, "home"),
+           "CHAOS_TRACE_DIR": trace_dir, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
+    log_path = os.path.join(work, job + ".cli.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "elasticdl_client.main", "train",
+                                 *[f"--{k}={v}" for k, v in flags.items()]],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+    total = TRAINING_RECORDS * epochs
+    at = int(total * rng.uniform(0.15, 0.6))
+    result: dict[str, Any] = {"mode": mode, "trial": index, "fault_at_records": at}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while records_done(job_dir) < at and proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("training never reached the fault point")
+            time.sleep(0.1)
+        live = {r["replica"]: r["pid"] for r in live_replicas(job_dir)}
+        candidates = sorted(n for n in live if n.startswith(("worker-", "ps-")))
+        if mode != "ps":
+            candidates = [n for n in candidates if n.startswith("worker-")]
+        if proc.poll() is not None or not candidates:
+            raise RuntimeError("job ended before the fault")
+        victim = rng.choice(candidates)
+        sig = signal.SIGKILL
+        if mode == "allreduce" and rng.random() < 0.5:
+            sig = signal.SIGSTOP
+        before = set(live)
+        t_fault = time.time()
+        os.kill(live[victim], sig)
+        result.update(victim=victim, signal=sig.name)
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        result["exit_code"] = code
+    except (TimeoutError, subprocess.TimeoutExpired, RuntimeError) as e:
+        result["error"] = str(e)
+        code = None
+    finally:
+        kill_job_tree(proc, job_dir)
+    report = read_json(os.path.join(job_dir, "job_report.json")) or {}
+    epochs_ok = [e.get("records_completed") == TRAINING_RECORDS and
+                 e.get("records_applied", TRAINING_RECORDS) == TRAINING_RECORDS
+                 for e in report.get("epochs", [])]
+    accuracy = (report.get("final_metrics") or {}).get("accuracy", 0.0)
+    result.update(status=report.get("status"), accuracy=accuracy,
+                  epochs=[{k: e.get(k) for k in ("records_completed", "records_redone",
+                                                  "records_applied") if k in e}
+                          for e in report.get("epochs", [])],
+                  relaunches=report.get("relaunches", []),
+                  failure=(report.get("failure") or {}).get("error"))
+    result["passed"] = (code == 0 and report.get("status") == "succeeded" and
+                        len(epochs_ok) == epochs and all(epochs_ok) and
+                        accuracy >= min_accuracy)
+    if "victim" in result:
+        traces = read_traces(trace_dir)
+        victim = result["victim"]
+        if victim.startswith("ps-"):
+            t = first_after(traces.get(victim, []), "step", t_fault)
+            result["survivor_next_step_s"] = None if t is None else t - t_fault
+        elif mode == "allreduce":
+            times = [first_after(ev, "step", t_fault) for name, ev in traces.items()
+                     if name.startswith("worker-") and name != victim and name in before]
+            times = [t for t in times if t is not None]
+            result["survivor_next_step_s"] = min(times) - t_fault if times else None
+        new = [first_after(ev, "feed", t_fault) for name, ev in traces.items()
+               if name.startswith("worker-") and name not in before]
+        new = [t for t in new if t is not None]
+        result["replacement_first_task_s"] = min(new) - t_fault if new else None
+    if not result["passed"]:
+        result["cli_log_tail"] = open(log_path, errors="replace").read()[-2000:]
+    return result
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    v = sorted(values)
+    return {"n": len(v), "p50": round(statistics.median(v), 3),
+            "p90": round(v[min(len(v) - 1, int(0.9 * len(v)))], 3), "max": round(v[-1], 3)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=4, help="trials per mode")
+    p.add_argument("--modes", default="ps,allreduce")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout_s", type=float, default=400)
+    p.add_argument("--min_accuracy", type=float, default=0.9)
+    p.add_argument("--data", default=os.path.join(ROOT, "data", "digits"))
+    p.add_argument("--output", default=os.path.join(ROOT, "out", "chaos_campaign.json"))
+    a = p.parse_args(argv)
+    rng = random.Random(a.seed)
+    data = prepare_data(a.data)
+    results: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="chaos-") as work:
+        for mode in a.modes.split(","):
+            for i in range(a.trials):
+                t0 = time.monotonic()
+                r = run_trial(mode, i, data, work, rng, a.epochs, a.timeout_s,
+                              a.min_accuracy)
+                r["wall_s"] = round(time.monotonic() - t0, 1)
+                results.append(r)
+                print(f"{mode:9s} trial {i:2d}: {'PASS' if r['passed'] else 'FAIL'} "
+                      f"{r.get('signal', '-')} {r.get('victim', '-'):9s} "
+                      f"acc {r['accuracy']:.3f} next step "
+                      f"{r.get('survivor_next_step_s')} replacement first task "
+                      f"{r.get('replacement_first_task_s')} ({r['wall_s']} s)"
+                      + ("" if r["passed"] else f" failure: {r.get('failure') or r.get('error')}"),
+                      flush=True)
+            mine = [r for r in results if r["mode"] == mode]
+            summary[mode] = {
+                "passed": sum(r["passed"] for r in mine), "trials": len(mine),
+                "survivor_next_step_s": percentiles(
+                    [r["survivor_next_step_s"] for r in mine
+                     if r.get("survivor_next_step_s") is not None]),
+                "replacement_first_task_s": percentiles(
+                    [r["replacement_first_task_s"] for r in mine
+                     if r.get("replacement_first_task_s") is not None])}
+            print(f"{mode}: {json.dumps(summary[mode])}", flush=True)
+    os.makedirs(os.path.dirname(a.output), exist_ok=True)
+    with open(a.output, "w") as f:
+        json.dump({"summary": summary, "trials": results}, f, indent=1)
+    return 0 if all(s["passed"] == s["trials"] for s in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
