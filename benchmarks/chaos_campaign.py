@@ -90,7 +90,8 @@ def first_after(events: list[tuple[float, str]], kind: str, t: float) -> Optiona
 
 
 def run_trial(mode: str, index: int, data: str, work: str, rng: random.Random,
-              epochs: int, timeout_s: float, min_accuracy: float) -> dict[str, Any]:
+              epochs: int, timeout_s: float, min_accuracy: float,
+              victims: tuple[str, ...] = ("worker", "ps")) -> dict[str, Any]:
     job = f"chaos-{mode}-{index}"
     job_dir = os.path.join(work, job)
     trace_dir = os.path.join(work, job + "-trace")
@@ -119,9 +120,8 @@ def run_trial(mode: str, index: int, data: str, work: str, rng: random.Random,
                 raise TimeoutError("training never reached the fault point")
             time.sleep(0.1)
         live = {r["replica"]: r["pid"] for r in live_replicas(job_dir)}
-        candidates = sorted(n for n in live if n.startswith(("worker-", "ps-")))
-        if mode != "ps":
-            candidates = [n for n in candidates if n.startswith("worker-")]
+        kinds = tuple(f"{v}-" for v in victims if mode == "ps" or v == "worker")
+        candidates = sorted(n for n in live if n.startswith(kinds))
         if proc.poll() is not None or not candidates:
             raise RuntimeError("job ended before the fault")
         victim = rng.choice(candidates)
@@ -187,6 +187,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--modes", default="ps,allreduce")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--victims", default="worker,ps", help="replica kinds to fault")
     p.add_argument("--timeout_s", type=float, default=400)
     p.add_argument("--min_accuracy", type=float, default=0.9)
     p.add_argument("--data", default=os.path.join(ROOT, "data", "digits"))
@@ -201,7 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for i in range(a.trials):
                 t0 = time.monotonic()
                 r = run_trial(mode, i, data, work, rng, a.epochs, a.timeout_s,
-                              a.min_accuracy)
+                              a.min_accuracy, tuple(a.victims.split(",")))
                 r["wall_s"] = round(time.monotonic() - t0, 1)
                 results.append(r)
                 print(f"{mode:9s} trial {i:2d}: {'PASS' if r['passed'] else 'FAIL'} "

@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Optional
 
-FORMAT = "[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"
+FORMAT = "[%(asctime)s.%(msecs)03d] [%(levelname)s] [%(name)s] %(message)s"
 
 
 def configure_logging(level: str = "INFO", role: Optional[str] = None) -> None:
