@@ -70,8 +70,12 @@ def free_port_base() -> int:
 
 
 def pytest_generate_tests(metafunc: Any) -> None:
+    """``server``: both servers; only the stand-in for tests that take ``apiserver``;
+    only the real one for tests marked ``k8s_real``."""
     if "server" in metafunc.fixturenames:
-        params: list[Any] = ["stand-in"]
+        params: list[Any] = []
+        if not metafunc.definition.get_closest_marker("k8s_real"):
+            params.append("stand-in")
         if "apiserver" not in metafunc.fixturenames:
             params.append(pytest.param("real", marks=pytest.mark.k8s_real))
         metafunc.parametrize("server", params, indirect=True)

@@ -190,12 +190,12 @@ def admin_client(kubeconfig: str) -> Any:
     return config.new_client_from_config(config_file=kubeconfig, persist_config=False)
 
 
-def ensure_priority_classes(api: Any) -> None:
-    """`high` and `low`, which `--*_pod_priority` names (docs/kubernetes.md)."""
+def ensure_priority_classes(api: Any, extra: tuple[str, ...] = ()) -> None:
+    """`high` and `low`, which `--*_pod_priority` names (docs/kubernetes.md), + ``extra``."""
     from kubernetes import client
 
     sched = client.SchedulingV1Api(api)
-    for name, value in (("high", 1000), ("low", 100)):
+    for name, value in (("high", 1000), ("low", 100), *((n, 10) for n in extra)):
         try:
             sched.create_priority_class({"metadata": {"name": name}, "value": value})
         except client.exceptions.ApiException as e:
