@@ -116,6 +116,17 @@ class Server:
         return str(pod["status"].get("phase", "")) if pod else ""
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line saying why the real-cluster tier was skipped (not one per test)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if "real Kubernetes tier:" in str(r.longrepr)]
+    if skipped:
+        reason = str(skipped[0].longrepr[2]) if isinstance(skipped[0].longrepr, tuple) \
+            else str(skipped[0].longrepr)
+        terminalreporter.write_line(f"{len(skipped)} k8s_real tests skipped: "
+                                    f"{reason.removeprefix('Skipped: ')}")
+
+
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory) -> Iterator[realcluster.ControlPlane]:
     """A genuine control plane, once per session (skips with the reason if it cannot)."""
