@@ -13,6 +13,13 @@ gets SIGTERM, then SIGKILL after ``grace_s``; the API server's garbage
 collector deletes owned pods, so deleting a master pod stops the whole job.
 :meth:`FakeKubelet.oom_kill` and :meth:`FakeKubelet.evict` fake the kernel's
 OOM killer and node-pressure eviction.
+
+Against a genuine API server (``node=`` set) it behaves as that node's
+kubelet: it runs only the pods the scheduler bound to it, reports their status
+as the node (Node authorizer, NodeRestriction), ends a pod whose
+``deletionTimestamp`` is set and then confirms the deletion with grace 0 (the
+server keeps the pod Terminating until then), and :meth:`serve_logs` answers
+the API server's ``pods/log`` requests over TLS.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ class _Proc:
 
 
 class FakeKubelet:
-    """One node running every pod of the stand-in API server."""
+    """One node: every pod of the stand-in, or the pods bound to ``node``."""
 
     def __init__(self, api_client: client.ApiClient, log_dir: str, work_dir: str,
                  extra_env: Optional[dict[str, str]] = None, grace_s: float = 2.0,
