@@ -12,7 +12,6 @@ there. Nothing here needs Docker or the network beyond 127.0.0.1.
 from __future__ import annotations
 
 import json
-import os
 import socket
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -204,10 +203,8 @@ def kubelet(server, port_base, tmp_path) -> Iterator[FakeKubelet]:
     k = FakeKubelet(api, server.log_dir, str(work), extra_env=env, grace_s=1.0,
                     node=NODE if server.real else None,
                     namespaces={server.namespace} if server.real else None)
-    if server.real and plane.own:
-        pki = os.path.join(plane.dir, "pki")
-        k.serve_logs(plane.kubelet_port, os.path.join(pki, f"kubelet-{NODE}.crt"),
-                     os.path.join(pki, f"kubelet-{NODE}.key"))
+    if server.real and plane.kubelet_cert:
+        k.serve_logs(plane.kubelet_port, *plane.kubelet_cert)
     yield k
     k.close()
     api.close()

@@ -31,7 +31,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from tests.conftest import ROOT
 
@@ -107,6 +107,7 @@ class ControlPlane:
     dir: str = ""  # ours only: up.sh's DIR
     etcd_endpoint: str = ""  # ours only: for compaction
     scripts: str = ""
+    kubelet_cert: Optional[tuple[str, str]] = None  # (cert, key) to serve pods/log with
 
     @property
     def own(self) -> bool:
@@ -132,9 +133,11 @@ def start(work_dir: str) -> ControlPlane:
         return _users_cluster(os.environ[KUBECONFIG_ENV])
     d = bin_dir()
     scripts = os.path.dirname(d)
+    # unpacked binaries are used where they are; the .xz are unpacked (by up.sh) into a
+    # cache of ours, never beside them: the shared directory is not ours to write
     unpacked = all(os.access(os.path.join(d, c), os.X_OK) for c in COMPONENTS)
-    cache = d if unpacked or os.access(d, os.W_OK) else os.path.join(
-        os.path.expanduser("~"), ".cache", "elasticdl-k8s-bin")  # up.sh unpacks the .xz there
+    cache = d if unpacked else os.path.join(os.path.expanduser("~"), ".cache",
+                                            "elasticdl-k8s-bin")
     os.makedirs(cache, exist_ok=True)
     env = dict(os.environ, K8S_BIN=cache, ETCD=find_etcd(), WATCH_CACHE_OFF="1")
     plane_dir = os.path.join(work_dir, "k8s")
@@ -151,9 +154,12 @@ def start(work_dir: str) -> ControlPlane:
         raise RuntimeError(f"{e.cmd[0]} failed: {e.stderr[-3000:]}") from None
     with open(os.path.join(plane_dir, "env")) as f:
         kv = dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+    pki = os.path.join(plane_dir, "pki")
     return ControlPlane(kv["K8S_ADMIN_KUBECONFIG"], kv["K8S_USER_KUBECONFIG"],
                         kv["K8S_NODE_KUBECONFIG"], kubelet_port, kv.get("K8S_VERSION", "?"),
-                        plane_dir, kv["K8S_ETCD_ENDPOINT"], scripts)
+                        plane_dir, kv["K8S_ETCD_ENDPOINT"], scripts,
+                        (os.path.join(pki, f"kubelet-{NODE}.crt"),
+                         os.path.join(pki, f"kubelet-{NODE}.key")))
 
 
 def _users_cluster(kubeconfig: str) -> ControlPlane:
@@ -179,9 +185,14 @@ def _users_cluster(kubeconfig: str) -> ControlPlane:
                 "addresses": [{"type": "InternalIP", "address": os.environ.get(
                     "ELASTICDL_K8S_NODE_IP", "127.0.0.1")}],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": port}}}})
+            # admission taints every new Node not-ready; no kubelet will ever clear it
+            core.patch_node(NODE, {"spec": {"taints": None}})
     finally:
         api.close()
-    return ControlPlane(kubeconfig, kubeconfig, kubeconfig, port, str(version))
+    cert = os.environ.get("ELASTICDL_K8S_KUBELET_CERT", "")
+    key = os.environ.get("ELASTICDL_K8S_KUBELET_KEY", "")
+    return ControlPlane(kubeconfig, kubeconfig, kubeconfig, port, str(version),
+                        kubelet_cert=(cert, key) if cert and key else None)
 
 
 def admin_client(kubeconfig: str) -> Any:

@@ -83,9 +83,11 @@ def pod_log(server: Any, name: str) -> str:
     return open(path).read() if os.path.exists(path) else f"(no log of {name})"
 
 
-def service_creates(server: Any) -> list[int]:
+def service_creates(server: Any) -> Optional[list[int]]:
     """HTTP codes of the Service creations (0: the stand-in logs no codes); from the
-    stand-in's request log, or the real server's audit log."""
+    stand-in's request log, or the real server's audit log (None: a user's cluster)."""
+    if server.real and not server.plane.own:
+        return None
     if server.fake is not None:
         return [0 for m, p in server.fake.requests if m == "POST" and p.endswith("/services")]
     with open(os.path.join(server.plane.dir, "logs", "audit.log")) as f:
@@ -163,9 +165,10 @@ def test_digits_ps_job_survives_deleted_worker_and_ps_pods(server, kubelet, port
     assert server.phase(new_pod) == "Succeeded", master_log()
     # one Service per PS; the relaunched ps-0 finds its Service still there (409) and keeps it
     codes = service_creates(server)
-    assert len(codes) == 3
-    if server.real:
-        assert sorted(codes) == [201, 201, 409]
+    if codes is not None:
+        assert len(codes) == 3
+        if server.real:
+            assert sorted(codes) == [201, 201, 409]
     assert server.list("services") == []  # the master's close() removed them again
     shown = io.StringIO()
     assert k8s.status(job, namespace=server.namespace, kubeconfig=server.kubeconfig,
