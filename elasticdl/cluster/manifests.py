@@ -211,6 +211,34 @@ def _volumes(job_spec: JobSpec) -> tuple[list[Manifest], list[Manifest]]:
     return volumes, mounts
 
 
+def overcommittable(resource: str) -> bool:
+    """cpu, memory, ephemeral-storage (any ``*kubernetes.io/`` name): a limit may exceed
+    the request. Extended resources (``nvidia.com/gpu``) and hugepages may not."""
+    if resource.startswith("hugepages-"):
+        return False
+    domain, slash, _ = resource.partition("/")
+    return not slash or domain == "kubernetes.io" or domain.endswith(".kubernetes.io")
+
+
+def extended_limits(requests: Mapping[str, str], limits: Mapping[str, str]) -> dict[str, str]:
+    """``limits`` plus every requested extended resource, at its request.
+
+    The API server rejects a pod that requests ``nvidia.com/gpu`` without a limit
+    (422 "Limit must be set for non overcommitable resources") or with a different
+    one, so ``--worker_resource_request=gpu=1`` alone sets the limit too. Raises
+    ValueError when a given limit differs from the request.
+    """
+    out = dict(limits)
+    for name, value in requests.items():
+        if overcommittable(name):
+            continue
+        if name in out and out[name] != value:
+            raise ValueError(f"{name}: request {value} and limit {out[name]} must be equal "
+                             "(extended resources cannot be overcommitted)")
+        out[name] = value
+    return out
+
+
 def pod_manifest(job_spec: JobSpec, *, type: ReplicaType, index: int,
                  command: list[str], env: Mapping[str, str],
                  requests: Mapping[str, str], limits: Mapping[str, str],
@@ -223,7 +251,8 @@ def pod_manifest(job_spec: JobSpec, *, type: ReplicaType, index: int,
         "imagePullPolicy": job_spec.image_pull_policy,
         "command": list(command),
         "env": _env_list({**res.parse_envs(job_spec.envs), **env}),
-        "resources": {k: dict(v) for k, v in (("requests", requests), ("limits", limits))
+        "resources": {k: dict(v) for k, v in (("requests", requests),
+                                              ("limits", extended_limits(requests, limits)))
                       if v},
     }
     if port:

@@ -13,6 +13,13 @@ gets SIGTERM, then SIGKILL after ``grace_s``; the API server's garbage
 collector deletes owned pods, so deleting a master pod stops the whole job.
 :meth:`FakeKubelet.oom_kill` and :meth:`FakeKubelet.evict` fake the kernel's
 OOM killer and node-pressure eviction.
+
+Against a genuine API server (``node=`` set) it behaves as that node's
+kubelet: it runs only the pods the scheduler bound to it, reports their status
+as the node (Node authorizer, NodeRestriction), ends a pod whose
+``deletionTimestamp`` is set and then confirms the deletion with grace 0 (the
+server keeps the pod Terminating until then), and :meth:`serve_logs` answers
+the API server's ``pods/log`` requests over TLS.
 """
 
 from __future__ import annotations
@@ -21,11 +28,14 @@ import json
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any, Optional
 
 import urllib3
@@ -60,12 +70,17 @@ class _Proc:
 
 
 class FakeKubelet:
-    """One node running every pod of the stand-in API server."""
+    """One node: every pod of the stand-in, or the pods bound to ``node``."""
 
     def __init__(self, api_client: client.ApiClient, log_dir: str, work_dir: str,
                  extra_env: Optional[dict[str, str]] = None, grace_s: float = 2.0,
-                 poll_s: float = 0.05):
+                 poll_s: float = 0.05, node: Optional[str] = None,
+                 namespaces: Optional[set[str]] = None):
+        """``node``: run only pods the scheduler bound to it (a real control plane;
+        the stand-in has no scheduler); ``namespaces``: ignore pods elsewhere."""
         self._core = client.CoreV1Api(api_client)
+        self.node = node
+        self.namespaces = namespaces
         self.log_dir = log_dir
         self.work_dir = work_dir
         self.extra_env = dict(extra_env or {})
@@ -74,8 +89,10 @@ class FakeKubelet:
         self._lock = threading.Lock()
         self._procs: dict[str, _Proc] = {}  # by pod uid
         self._seen: set[str] = set()
+        self._confirm: set[tuple[str, str, str]] = set()  # deleted pods to remove for good
         self._stop = threading.Event()
         self._watch: Optional[watch.Watch] = None
+        self._log_server: Optional[ThreadingHTTPServer] = None
         self._threads = [threading.Thread(target=self._watch_loop, name="kubelet-watch",
                                           daemon=True),
                          threading.Thread(target=self._reap_loop, name="kubelet-reap",
@@ -111,6 +128,61 @@ class FakeKubelet:
         p.evicted = True
         self._signal(p, signal.SIGKILL)
 
+    def serve_logs(self, port: int, certfile: str, keyfile: str) -> None:
+        """Serve ``/containerLogs/<ns>/<pod>/<container>`` over TLS, as a kubelet does
+        for a real API server's ``pods/log`` (``tailLines``, ``follow``)."""
+        kubelet = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                logger.debug("kubelet log server: " + format, *args)
+
+            def do_GET(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                parts = url.path.strip("/").split("/")
+                query = dict(urllib.parse.parse_qsl(url.query))
+                if len(parts) != 4 or parts[0] != "containerLogs":
+                    self.send_error(404)
+                    return
+                path = os.path.join(kubelet.log_dir, parts[1], f"{parts[2]}.log")
+                if not os.path.exists(path):
+                    self.send_error(404, f"no log of {parts[1]}/{parts[2]}")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                with open(path, "rb") as f:
+                    data = f.read()
+                    if "tailLines" in query:
+                        n = int(query["tailLines"])
+                        lines = data.splitlines(keepends=True)
+                        data = b"".join(lines[-n:]) if n > 0 else b""
+                    self.wfile.write(data)
+                    while query.get("follow") == "true" and not kubelet._stop.is_set():
+                        alive = any((p.ns, p.name) == (parts[1], parts[2])
+                                    for p in kubelet._procs_snapshot())
+                        chunk = f.read()
+                        if chunk:
+                            self.wfile.write(chunk)
+                            self.wfile.flush()
+                        elif not alive:
+                            break
+                        else:
+                            time.sleep(0.1)
+
+        server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        server.daemon_threads = True
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(certfile, keyfile)
+        server.socket = ctx.wrap_socket(server.socket, server_side=True)
+        self._log_server = server
+        threading.Thread(target=server.serve_forever, name="kubelet-logs", daemon=True).start()
+
+    def _procs_snapshot(self) -> list[_Proc]:
+        with self._lock:
+            return list(self._procs.values())
+
     def running(self) -> list[str]:
         with self._lock:
             return sorted(p.name for p in self._procs.values() if p.proc.poll() is None)
@@ -137,6 +209,9 @@ class FakeKubelet:
             p.log.close()
         for t in self._threads:
             t.join(timeout=15)
+        if self._log_server is not None:
+            self._log_server.shutdown()
+            self._log_server.server_close()
 
     # ------------------------------------------------------------ internals
     def _find(self, ns: str, name: str) -> _Proc:
@@ -182,14 +257,24 @@ class FakeKubelet:
                     self._stop.wait(0.1)
 
     def _on_pod(self, type: str, pod: dict[str, Any]) -> None:
-        uid = pod["metadata"]["uid"]
-        if type == "DELETED":
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        if self.namespaces is not None and meta["namespace"] not in self.namespaces:
+            return
+        bound = self.node is None or (pod.get("spec") or {}).get("nodeName") == self.node
+        if type == "DELETED" or (meta.get("deletionTimestamp") and bound):
             with self._lock:
                 p = self._procs.get(uid)
-            if p is not None and p.proc.poll() is None:
+                if p is None and type != "DELETED" and self.node is not None:
+                    self._confirm.add((meta["namespace"], meta["name"], uid))
+            if p is not None and p.proc.poll() is None and not p.deleted:
                 p.deleted = True
                 p.kill_at = time.monotonic() + self.grace_s
                 self._signal(p, signal.SIGTERM)
+            elif p is not None:
+                p.deleted = True
+            return
+        if not bound:
             return
         with self._lock:
             if uid in self._seen or pod["status"].get("phase") not in (None, "Pending"):
@@ -278,6 +363,28 @@ class FakeKubelet:
                 p.log.close()
                 if not p.deleted:
                     self._finished(p, code)
+                elif self.node is not None:
+                    with self._lock:
+                        self._confirm.add((p.ns, p.name, p.uid))
+            with self._lock:
+                confirm, self._confirm = self._confirm, set()
+            for ns, name, uid in confirm:
+                self._confirm_deleted(ns, name, uid)
+
+    def _confirm_deleted(self, ns: str, name: str, uid: str) -> None:
+        """What a kubelet does once a deleted pod's containers are gone: delete it with
+        grace 0 (a real API server keeps it Terminating until then)."""
+        try:
+            self._core.delete_namespaced_pod(
+                name, ns, grace_period_seconds=0, _preload_content=False,
+                body=client.V1DeleteOptions(grace_period_seconds=0,
+                                            preconditions=client.V1Preconditions(uid=uid)),
+                _request_timeout=(5, 10))
+        except ApiException as e:
+            if e.status not in (404, 409):  # gone already / a new pod of that name
+                logger.warning("kubelet could not remove %s/%s: %s", ns, name, e.reason)
+        except urllib3.exceptions.HTTPError as e:
+            logger.warning("kubelet could not remove %s/%s: %s", ns, name, e)
 
     def _finished(self, p: _Proc, code: int) -> None:
         exit_code = code if code >= 0 else 128 - code

@@ -53,6 +53,7 @@ def spec(**kw: Any) -> JobSpec:
 
 VARIANTS = {
     "defaults": {},
+    "gpu_request_only": dict(worker_resource_request="cpu=2,memory=4096Mi,gpu=1"),
     "gpus": dict(worker_resource_request="cpu=2,memory=4096Mi,gpu=1",
                  worker_resource_limit="cpu=4,memory=8Gi,gpu=1,ephemeral-storage=10Gi",
                  master_resource_limit="cpu=1,memory=2Gi"),
@@ -154,6 +155,21 @@ def test_replica_pod_details():
     assert pod["metadata"]["labels"] == {
         "app": "elasticdl", "elasticdl-job-name": "digits-1",
         "elasticdl-replica-type": "worker", "elasticdl-replica-index": "3"}
+
+
+def test_extended_resources_are_limited_at_their_request():
+    job = spec(worker_resource_request="cpu=2,memory=4096Mi,gpu=1,amd.com/gpu=2",
+               worker_resource_limit="cpu=4")
+    rs = ReplicaSpec("digits-1", ReplicaType.WORKER, 0, ("python", "-c", "pass"))
+    res = mf.replica_pod(job, rs)["spec"]["containers"][0]["resources"]
+    assert res["requests"] == {"cpu": "2", "memory": "4096Mi", "nvidia.com/gpu": "1",
+                               "amd.com/gpu": "2"}
+    assert res["limits"] == {"cpu": "4", "nvidia.com/gpu": "1", "amd.com/gpu": "2"}
+    assert mf.overcommittable("ephemeral-storage") and mf.overcommittable("kubernetes.io/x")
+    assert not mf.overcommittable("hugepages-2Mi")
+    with pytest.raises(ValueError, match="nvidia.com/gpu: request 1 and limit 2 must be equal"):
+        mf.replica_pod(spec(worker_resource_request="gpu=1", worker_resource_limit="gpu=2"),
+                       rs)
 
 
 def test_names_and_ports():
