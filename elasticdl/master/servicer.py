@@ -16,6 +16,7 @@ from typing import Any, Optional, Protocol
 
 import grpc
 
+from elasticdl.common import auth
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import Task, TaskManager, TaskType
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -170,17 +171,22 @@ class MasterServicer(pb_grpc.MasterServicer):
 
 
 def start_master_server(servicer: MasterServicer, port: int, host: str = "[::]",
-                        max_workers: int = 64) -> grpc.Server:
-    """Serve the master on ``host:port``; raises RuntimeError if the port is taken."""
+                        max_workers: int = 64,
+                        job_secrets: Optional[auth.JobSecrets] = None) -> grpc.Server:
+    """Serve the master on ``host:port``; raises RuntimeError if the port is taken.
+
+    With ``job_secrets`` every call must carry the job token (TLS when the
+    secrets hold a certificate)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="master-rpc"),
-                         options=GRPC_OPTIONS)
+                         options=GRPC_OPTIONS,
+                         interceptors=auth.server_interceptors(job_secrets))
     pb_grpc.add_MasterServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = auth.add_port(server, f"{host}:{port}", job_secrets)
     if bound == 0:
         raise RuntimeError(f"master cannot bind port {port}")
     server.start()
-    logger.info("master serving on port %d", bound)
+    logger.info("master serving on port %d (%s)", bound, auth.describe(job_secrets))
     return server
 
 

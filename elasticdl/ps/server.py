@@ -5,10 +5,11 @@ from __future__ import annotations
 import ctypes
 import logging
 from concurrent import futures
+from typing import Optional
 
 import grpc
 
-from elasticdl.common import chunk_wire
+from elasticdl.common import auth, chunk_wire
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.ps.servicer import PServicer
 
@@ -52,32 +53,37 @@ def add_pserver(servicer: PServicer, server: grpc.Server) -> None:
 
 
 def build_server(servicer: PServicer, port: int = 0, host: str = "0.0.0.0",
-                 max_workers: int = 64) -> tuple[grpc.Server, int]:
+                 max_workers: int = 64, job_secrets: Optional[auth.JobSecrets] = None
+                 ) -> tuple[grpc.Server, int]:
     """A started-ready (not started) server for ``servicer``; returns it and its port.
 
     ``max_workers`` bounds concurrent RPCs: sync pushes wait for their group,
     so it must exceed the number of workers (each holds one thread at most).
+    With ``job_secrets`` every call must carry the job token (TLS when the
+    secrets hold a certificate); without, the server is open (tests, benchmarks).
 
     Raises:
         RuntimeError: the port cannot be bound.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="ps-rpc"),
-                         options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_workers * 4)
+                         options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_workers * 4,
+                         interceptors=auth.server_interceptors(job_secrets))
     add_pserver(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = auth.add_port(server, f"{host}:{port}", job_secrets)
     if bound == 0:
         raise RuntimeError(f"cannot bind the PS server to {host}:{port}")
     return server, bound
 
 
 def start_server(servicer: PServicer, port: int = 0, host: str = "0.0.0.0",
-                 max_workers: int = 64) -> tuple[grpc.Server, int]:
+                 max_workers: int = 64, job_secrets: Optional[auth.JobSecrets] = None
+                 ) -> tuple[grpc.Server, int]:
     """Build and start the server; returns it and the bound port."""
-    server, bound = build_server(servicer, port, host, max_workers)
+    server, bound = build_server(servicer, port, host, max_workers, job_secrets)
     server.start()
-    logger.info("PS %d gRPC server listening on %s:%d", servicer.shard.config.ps_id, host,
-                bound)
+    logger.info("PS %d gRPC server listening on %s:%d (%s)", servicer.shard.config.ps_id, host,
+                bound, auth.describe(job_secrets))
     return server, bound
 
 

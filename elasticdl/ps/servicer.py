@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, TypeVar
@@ -18,7 +19,7 @@ import grpc
 import numpy as np
 import torch
 
-from elasticdl.common import chunk_wire
+from elasticdl.common import chunk_wire, ckpt_paths
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.checkpoint import CheckpointError
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -221,13 +222,14 @@ class PServicer(pb_grpc.PServerServicer):
     @_guard
     def save_checkpoint(self, request: pb.SaveCheckpointRequest,
                         context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:
-        if not request.directory:
-            raise ValueError("save_checkpoint: directory is required")
-        if request.keep_max < 0:
-            raise ValueError("save_checkpoint: keep_max must be >= 0")
-        path = ps_ckpt.save_shard(self.shard, request.directory, request.version,
-                                  request.keep_max)
-        version = request.version if request.version >= 0 else self.shard.version
+        """Write this shard's current version into the job's checkpoint directory
+        with the job's retention; the request carries nothing to choose."""
+        cfg = self.shard.config
+        if not cfg.checkpoint_dir:
+            raise NotInitializedError("save_checkpoint: the job has no --checkpoint_dir")
+        self._require_init()
+        path = ps_ckpt.save_shard(self.shard, cfg.checkpoint_dir, None, cfg.keep_checkpoint_max)
+        version = ckpt_paths.version_of(os.path.dirname(path))  # the version it wrote
         return pb.SaveCheckpointResponse(path=path, version=version)
 
     def status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.PSStatus:

@@ -15,6 +15,7 @@ from typing import Any, Optional, TypeVar
 
 import grpc
 
+from elasticdl.common import auth
 from elasticdl.master.servicer import GRPC_OPTIONS, task_from_proto
 from elasticdl.master.task_manager import Task, TaskType
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -34,7 +35,8 @@ class MasterClient(TaskSource):
         self.worker_id = worker_id
         self.call_timeout_s = call_timeout_s
         self.unavailable_timeout_s = unavailable_timeout_s
-        self._channel = grpc.insecure_channel(master_addr, options=GRPC_OPTIONS)
+        self._channel = auth.client_channel(master_addr, GRPC_OPTIONS,
+                                            replica=f"worker-{worker_id}")
         self._stub = pb_grpc.MasterStub(self._channel)
         self.export_model = False
 
