@@ -314,7 +314,8 @@ class PSClient:
         parts = self.partition(dest)
 
         def pull(i: int, stub: PSStub) -> tuple[bool, int, bool]:
-            req = pb.PullDenseRequest(version=versions[i], chunk_bytes=self.chunk_bytes)
+            req = pb.PullDenseRequest(version=versions[i],
+                                      chunk_bytes=chunk_wire.clamp_chunk_bytes(self.chunk_bytes))
             if not streaming[i]:
                 resp = stub.pull_dense(req, timeout=self.rpc_timeout_s)
                 for msg in list(resp.dense) + list(resp.buffers):
