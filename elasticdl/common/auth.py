@@ -23,6 +23,8 @@ import os
 import secrets as _secrets
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
@@ -197,8 +199,12 @@ class TokenInterceptor(grpc.ServerInterceptor):
     raw bytes, so nothing from an unauthenticated caller is parsed.
     """
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, log_every_s: float = 10.0):
         self._token = token.encode()
+        self._log_every_s = log_every_s
+        self._log_lock = threading.Lock()
+        self._last_log = -log_every_s
+        self._refused = 0
 
     def intercept_service(self, continuation: Callable[[Any], Any],
                           handler_call_details: Any) -> Any:
@@ -210,7 +216,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return handler
         method = handler_call_details.method
         reason = "no job token" if given is None else "wrong job token"
-        logger.warning("refused %s: %s", method, reason)
+        self._log_refusal(method, reason)
 
         def refuse(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -219,6 +225,18 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
         factory = _FACTORIES[(handler.request_streaming, handler.response_streaming)]
         return factory(refuse)
+
+
+    def _log_refusal(self, method: str, reason: str) -> None:
+        """At most one warning per ``log_every_s`` (a flood must not fill the log)."""
+        with self._log_lock:
+            self._refused += 1
+            now = time.monotonic()
+            if now - self._last_log < self._log_every_s:
+                return
+            self._last_log, count, self._refused = now, self._refused, 0
+        logger.warning("refused %s: %s (%d call(s) refused since the last warning)", method,
+                       reason, count)
 
 
 def server_interceptors(job_secrets: Optional[JobSecrets]) -> list[grpc.ServerInterceptor]:
