@@ -10,6 +10,7 @@ is listed in docs/kubernetes.md.
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import io
 import json
@@ -118,11 +119,22 @@ def test_digits_ps_job_survives_a_deleted_worker_pod(apiserver, kubelet, kubecon
     made = [p for m, p in apiserver.requests if m == "POST" and p.endswith("/services")]
     assert len(made) == 2  # one Service per PS; the master's close() removed them again
     assert apiserver.list("services") == []
+    # the job token travelled in a Secret owned by the master pod, read by env
+    [secret] = apiserver.list("secrets")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    owner = secret["metadata"]["ownerReferences"][0]
+    assert owner["name"] == master and owner["uid"] == apiserver.get(
+        "pods", "default", master)["metadata"]["uid"]
+    env = apiserver.get("pods", "default", new_pod)["spec"]["containers"][0]["env"]
+    assert {"name": "ELASTICDL_JOB_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": secret["metadata"]["name"], "key": "token"}}} in env
+    assert token not in json.dumps(apiserver.list("pods"))  # never a plain pod value
+    assert "job token" in master_log()
     shown = io.StringIO()
     assert k8s.status(JOB, kubeconfig=kubeconfig, out=shown) == 0
     assert "master        succeeded" in shown.getvalue()
     # stop: the master pod goes and takes every remaining replica and Service along
     assert k8s.stop(JOB, kubeconfig=kubeconfig, out=io.StringIO()) == 0
-    wait_for(lambda: not apiserver.list("pods") and not apiserver.list("services"), 10,
-             "owner-reference cascade")
+    wait_for(lambda: not apiserver.list("pods") and not apiserver.list("services")
+             and not apiserver.list("secrets"), 10, "owner-reference cascade")
     wait_for(lambda: not kubelet.running(), 10, "every pod process to stop")
