@@ -17,6 +17,7 @@ from typing import Any, Optional, Protocol
 import grpc
 
 from elasticdl.common import auth
+from elasticdl.common.rpc_service import Malformed, add_service
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import Task, TaskManager, TaskType
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -90,6 +91,8 @@ def _validated(method):
     master keeps serving either way."""
     def wrapper(self, request, context):
         try:
+            if isinstance(request, Malformed):
+                raise _Invalid(request.error)
             self._check_caller(request, context)
             return method(self, request, context)
         except _Invalid as e:
@@ -280,7 +283,7 @@ def start_master_server(servicer: MasterServicer, port: int, host: str = "[::]",
                                                     thread_name_prefix="master-rpc"),
                          options=GRPC_OPTIONS,
                          interceptors=auth.server_interceptors(job_secrets))
-    pb_grpc.add_MasterServicer_to_server(servicer, server)
+    add_service(servicer, server, "Master")
     bound = auth.add_port(server, f"{host}:{port}", job_secrets)
     if bound == 0:
         raise RuntimeError(f"master cannot bind port {port}")

@@ -9,8 +9,7 @@ from typing import Optional
 
 import grpc
 
-from elasticdl.common import auth, chunk_wire
-from elasticdl.proto import elasticdl_pb2 as pb
+from elasticdl.common import auth, chunk_wire, rpc_service
 from elasticdl.ps.servicer import PServicer
 
 logger = logging.getLogger(__name__)
@@ -28,28 +27,14 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
 
 # The bulk stream is parsed without protobuf copies (same wire format; see chunk_wire).
 _REQUEST_PARSERS = {"push_gradient_chunks": chunk_wire.parse_gradient_chunk_or_error}
-_HANDLER_FACTORIES = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
 
 
 def add_pserver(servicer: PServicer, server: grpc.Server) -> None:
     """Register every PServer method of ``servicer``: generated message classes for
-    requests, except the bulk push stream; responses may be pre-serialised bytes."""
-    service = pb.DESCRIPTOR.services_by_name["PServer"]
-    handlers = {}
-    for method in service.methods:
-        request_cls = getattr(pb, method.input_type.name)
-        factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = factory(
-            getattr(servicer, method.name),
-            request_deserializer=_REQUEST_PARSERS.get(method.name, request_cls.FromString),
-            response_serializer=chunk_wire.serialize)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    requests (a malformed one reaches the servicer as ``Malformed``), except the bulk
+    push stream; responses may be pre-serialised bytes."""
+    rpc_service.add_service(servicer, server, "PServer", _REQUEST_PARSERS,
+                            chunk_wire.serialize)
 
 
 def build_server(servicer: PServicer, port: int = 0, host: str = "0.0.0.0",

@@ -22,6 +22,7 @@ import torch
 from elasticdl.common import chunk_wire, ckpt_paths
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.checkpoint import CheckpointError
+from elasticdl.common.rpc_service import Malformed
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps import checkpoint as ps_ckpt
@@ -39,6 +40,8 @@ def _guard(method: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(method)
     def wrapper(self: PServicer, request: Any, context: grpc.ServicerContext) -> T:
         try:
+            if isinstance(request, Malformed):
+                raise ValueError(request.error)
             return method(self, request, context)
         except ValueError as e:
             logger.warning("%s: invalid request: %s", method.__name__, e)

@@ -129,7 +129,8 @@ def test_digits_ps_job_survives_a_deleted_worker_pod(apiserver, kubelet, kubecon
     assert {"name": "ELASTICDL_JOB_TOKEN", "valueFrom": {"secretKeyRef": {
         "name": secret["metadata"]["name"], "key": "token"}}} in env
     assert token not in json.dumps(apiserver.list("pods"))  # never a plain pod value
-    assert "job token" in master_log()
+    with open(os.path.join(apiserver.log_dir, "default", f"{master}.log")) as f:
+        assert "(job token, plaintext)" in f.read()
     shown = io.StringIO()
     assert k8s.status(JOB, kubeconfig=kubeconfig, out=shown) == 0
     assert "master        succeeded" in shown.getvalue()
