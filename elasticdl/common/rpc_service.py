@@ -58,3 +58,9 @@ def add_service(servicer: Any, server: grpc.Server, service: str,
             response_serializer=serializer or (lambda m: m.SerializeToString()))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name,
                                                                           handlers),))
+
+
+def short(text: str, limit: int = 2000) -> str:
+    """An error message fit for gRPC status details (a caller-supplied 70 KB name
+    echoed back would exceed the client's metadata limit)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"

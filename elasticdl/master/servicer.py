@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol
 import grpc
 
 from elasticdl.common import auth
-from elasticdl.common.rpc_service import Malformed, add_service
+from elasticdl.common.rpc_service import Malformed, add_service, short
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import Task, TaskManager, TaskType
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -96,10 +96,10 @@ def _validated(method):
             self._check_caller(request, context)
             return method(self, request, context)
         except _Invalid as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(e)))
         except _Denied as e:
-            logger.warning("%s refused: %s", method.__name__, e)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            logger.warning("%s refused: %s", method.__name__, short(str(e), 300))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, short(str(e)))
         except MemoryError:
             logger.error("%s: out of memory; request refused", method.__name__)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -107,7 +107,7 @@ def _validated(method):
         except Exception as e:  # noqa: BLE001 - a bug must not look like a bad request
             logger.exception("%s: internal error", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL,
-                          f"{method.__name__}: internal error {type(e).__name__}: {e}")
+                          short(f"{method.__name__}: internal error {type(e).__name__}: {e}"))
     wrapper.__name__ = method.__name__
     return wrapper
 

@@ -22,7 +22,7 @@ import torch
 from elasticdl.common import chunk_wire, ckpt_paths
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.checkpoint import CheckpointError
-from elasticdl.common.rpc_service import Malformed
+from elasticdl.common.rpc_service import Malformed, short
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps import checkpoint as ps_ckpt
@@ -44,13 +44,13 @@ def _guard(method: Callable[..., T]) -> Callable[..., T]:
                 raise ValueError(request.error)
             return method(self, request, context)
         except ValueError as e:
-            logger.warning("%s: invalid request: %s", method.__name__, e)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            logger.warning("%s: invalid request: %s", method.__name__, short(str(e), 300))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(e)))
         except NotInitializedError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, short(str(e)))
         except (CheckpointError, OSError) as e:
             logger.error("%s failed: %s", method.__name__, e)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            context.abort(grpc.StatusCode.INTERNAL, short(f"{type(e).__name__}: {e}"))
         except MemoryError:
             logger.error("%s: out of memory; request refused, PS keeps serving",
                          method.__name__)
@@ -59,7 +59,7 @@ def _guard(method: Callable[..., T]) -> Callable[..., T]:
         except Exception as e:  # noqa: BLE001 - a bug must not look like a bad request
             logger.exception("%s: internal error", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL,
-                          f"{method.__name__}: internal error {type(e).__name__}: {e}")
+                          short(f"{method.__name__}: internal error {type(e).__name__}: {e}"))
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     return wrapper
