@@ -259,3 +259,20 @@ def test_master_internal_errors_are_clear_statuses_and_it_keeps_serving():
         assert _code(stub.get_task, pb.GetTaskRequest(worker_id=0)) == \
             grpc.StatusCode.INTERNAL
         stub.echo(pb.Empty(), timeout=30)
+
+
+def test_a_reassigned_stragglers_first_holder_may_still_report_it():
+    now = [0.0]
+    tm = TaskManager(training_shards=[("t", 0, 10)], records_per_task=10, task_timeout_s=5,
+                     clock=lambda: now[0])
+    with master_server(tm, EvaluationAggregator()) as stub:
+        first = stub.get_task(pb.GetTaskRequest(worker_id=0), timeout=30)
+        now[0] = 10.0  # worker 0 straggles: the task goes to worker 1 as well
+        second = stub.get_task(pb.GetTaskRequest(worker_id=1), timeout=30)
+        assert second.task_id == first.task_id
+        assert tm.held_task(first.task_id)[1] == {0, 1}
+        assert _code(stub.report_task_result, pb.ReportTaskResultRequest(
+            task_id=first.task_id, worker_id=2)) == grpc.StatusCode.PERMISSION_DENIED
+        stub.report_task_result(pb.ReportTaskResultRequest(task_id=first.task_id,
+                                                           worker_id=0), timeout=30)
+        assert tm.counts()["completed"] == 1 and tm.finished()
