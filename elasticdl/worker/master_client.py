@@ -71,7 +71,7 @@ class MasterClient(TaskSource):
     def report_task(self, task: Task, error: str = "", traceback: str = "",
                     fatal: bool = False) -> None:
         self._call(self._stub.report_task_result, pb.ReportTaskResultRequest(
-            task_id=task.task_id, worker_id=self.worker_id, err_message=error,
+            task_id=task.task_id, worker_id=self.worker_id, err_message=error[:16000],
             err_traceback=traceback[-20000:], fatal=fatal))
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
@@ -85,7 +85,7 @@ class MasterClient(TaskSource):
 
     def report_failure(self, replica: str, message: str, traceback: str) -> None:
         self._call(self._stub.report_failure, pb.ReportFailureRequest(
-            worker_id=self.worker_id, replica=replica, err_message=message,
+            worker_id=self.worker_id, replica=replica, err_message=message[:16000],
             err_traceback=traceback[-20000:]))
 
     # rendezvous (AllreduceStrategy)
