@@ -19,6 +19,7 @@ import time
 from typing import Any, Optional
 
 from elasticdl.cluster.process import STATE_FILE, free_port, terminate
+from elasticdl.common import auth
 from elasticdl.common.job_dirs import named_job_dir, register_job_dir
 from elasticdl.common.job_report import REPORT_NAME
 from elasticdl.common.job_spec import JobSpec
@@ -57,6 +58,10 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
             os.unlink(os.path.join(job_dir, stale))
     with open(os.path.join(job_dir, "job_spec.json"), "w") as f:
         f.write(spec.to_json())
+    # the job's token (and TLS cert), new per submission: 0600 files in the job dir and
+    # the environment of the master, which passes it to every replica
+    job_secrets = auth.generate(spec.grpc_tls)
+    auth.write_job_secrets(job_dir, job_secrets)
     port = free_port()
     log_path = os.path.join(job_dir, "logs", "master.log")
     pos = os.path.getsize(log_path) if os.path.exists(log_path) else 0
@@ -65,7 +70,8 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, **job_secrets.env(),
+                                     "PYTHONUNBUFFERED": "1"})
     with open(os.path.join(job_dir, MASTER_FILE), "w") as f:
         json.dump({"pid": proc.pid, "port": port, "job_name": spec.job_name}, f)
     out.write(f"job {spec.job_name}: master pid {proc.pid}, directory {job_dir}\n")

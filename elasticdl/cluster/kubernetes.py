@@ -48,6 +48,7 @@ from elasticdl.cluster.k8s_api import (
     uid_of,
 )
 from elasticdl.cluster.pod_status import Pod, PodState, pod_state, replica_of
+from elasticdl.common import auth
 from elasticdl.common.job_spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,11 @@ class KubernetesCluster(Cluster):
     def __init__(self, job_spec: JobSpec, api_client: client.ApiClient, *,
                  owner: Optional[tuple[str, str]] = None, port_base: int = mf.DEFAULT_PORT_BASE,
                  service_host: str = "", pod_ip: str = "", watch_timeout_s: int = 60,
-                 log_tail_lines: int = 30, delete_wait_s: float = 60.0):
+                 log_tail_lines: int = 30, delete_wait_s: float = 60.0,
+                 job_secrets: Optional[auth.JobSecrets] = None):
         self.job_spec = job_spec
+        self._job_secrets = job_secrets
+        self._secret_keys: Optional[list[str]] = None  # set once the Secret exists
         self.namespace = job_spec.namespace
         self._api_client = api_client
         self._core = client.CoreV1Api(api_client)
@@ -126,6 +130,7 @@ class KubernetesCluster(Cluster):
         else:
             logger.warning("MY_POD_NAME is not set: replicas get no owner reference and "
                            "survive the master unless it closes the cluster")
+        kwargs.setdefault("job_secrets", auth.JobSecrets.from_env())
         return cls(job_spec, api_client, owner=owner, port_base=mf.port_base(),
                    service_host=os.environ.get(SERVICE_HOST_ENV, ""),
                    pod_ip=os.environ.get("MY_POD_IP", ""), **kwargs)
@@ -162,6 +167,8 @@ class KubernetesCluster(Cluster):
             manifest = mf.replica_pod(self.job_spec, spec, priority, self._owner)
         except ValueError as e:
             raise ClusterError(f"cannot build the pod of {spec.name}: {e}") from None
+        if self._job_secrets is not None:
+            mf.with_secret_env(manifest, self.job_spec.job_name, self._ensure_secret())
         if spec.type == ReplicaType.PS and spec.port:
             self._ensure_service(spec.index, spec.port)
         name = manifest["metadata"]["name"]
@@ -220,12 +227,48 @@ class KubernetesCluster(Cluster):
                 if not is_status(e, 404):
                     failed.append(svc)
                     logger.error("%s", api_error(e, f"delete service {svc}"))
+        if self._owner is None and self._secret_keys is not None:
+            try:  # owned by the master pod otherwise: it goes with the pod
+                self._delete_secret(mf.job_secret_name(self.job_spec.job_name))
+            except ClusterError as e:
+                failed.append(str(e))
         if failed:
             logger.error("could not delete %s; they go when the master pod is deleted",
                          ", ".join(failed))
         self._api_client.close()
 
     # ------------------------------------------------------------ API calls
+    def _ensure_secret(self) -> list[str]:
+        """Create the job's Secret (token, TLS) once, owned by the master pod; returns
+        its keys. A Secret left by an earlier job of the same name is replaced."""
+        with self._lock:
+            if self._secret_keys is not None:
+                return self._secret_keys
+            assert self._job_secrets is not None
+            data = self._job_secrets.data()
+            body = to_model(client.V1Secret, mf.job_secret(self.job_spec, data, self._owner))
+            name = mf.job_secret_name(self.job_spec.job_name)
+            for attempt in (1, 2):
+                try:
+                    self._core.create_namespaced_secret(self.namespace, body,
+                                                        _request_timeout=REQUEST_TIMEOUT)
+                    break
+                except API_ERRORS as e:
+                    if not is_status(e, 409) or attempt == 2:
+                        raise api_error(e, f"create secret {name}") from None
+                self._delete_secret(name)
+            logger.info("created secret %s (keys %s)", name, ", ".join(sorted(data)))
+            self._secret_keys = sorted(data)
+            return self._secret_keys
+
+    def _delete_secret(self, name: str) -> None:
+        try:
+            self._core.delete_namespaced_secret(name, self.namespace,
+                                                _request_timeout=REQUEST_TIMEOUT)
+        except API_ERRORS as e:
+            if not is_status(e, 404):
+                raise api_error(e, f"delete secret {name}") from None
+
     def _ensure_service(self, index: int, port: int) -> None:
         body = mf.ps_service(self.job_spec, index, port, self._owner)
         name = body["metadata"]["name"]

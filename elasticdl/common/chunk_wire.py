@@ -26,6 +26,26 @@ from elasticdl.proto import elasticdl_pb2 as pb
 
 Buffer = Union[bytes, memoryview]
 
+# Chunk sizes a puller may ask for. Each chunk costs a message and a cached
+# header on the PS, so tiny chunks multiply the PS's memory and lock time (1-byte
+# chunks of a 1 MiB tensor took ~600 MiB and held the shard lock for seconds);
+# huge ones defeat streaming. The PS answers INVALID_ARGUMENT outside the range.
+MIN_CHUNK_BYTES = 64 << 10
+MAX_CHUNK_BYTES = 64 << 20
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    """``chunk_bytes`` if within [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]; raises ValueError."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] "
+                         f"(0: the PS default), got {chunk_bytes}")
+    return chunk_bytes
+
+
+def clamp_chunk_bytes(chunk_bytes: int) -> int:
+    """The nearest chunk size a PS accepts (clients asking for pulls)."""
+    return min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, chunk_bytes))
+
 
 def _varint(value: int) -> bytes:
     if value < 0:

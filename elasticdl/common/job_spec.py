@@ -145,6 +145,9 @@ class JobSpec:
     cluster_spec: str = _f("", "JSON file (or JSON) patched into every pod spec", "cluster")
     yaml: str = _f("", "Write the job's manifests to this file instead of submitting",
                    "cluster")
+    grpc_tls: bool = _f(False, "Encrypt the job's gRPC traffic with TLS (a self-signed "
+                        "certificate made for the job, delivered with the job token; see "
+                        "docs/security.md)", "cluster")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from elasticdl.cluster.registry import create_cluster
-from elasticdl.common import ckpt_paths
+from elasticdl.common import auth, ckpt_paths
 from elasticdl.common.datasets import create_readers, shards_for
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec, JobSpecError
@@ -99,6 +99,10 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     spec = args.job_spec
     os.makedirs(args.job_dir, exist_ok=True)
     report_dir = spec.output or args.job_dir
+    # the job's token (and TLS cert): from the launcher, else made here; every
+    # replica gets it (local children inherit the environment, pods a Secret)
+    job_secrets = auth.ensure_job_secrets(args.job_dir, spec.grpc_tls)
+    os.environ.update(job_secrets.env())
     tm = build_task_manager(spec)
     report = JobReport(spec.job_name, spec.distribution_strategy, spec.cluster,
                        spec.num_workers,
@@ -117,8 +121,8 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     master_addr = cluster.master_address() or f"{args.host}:{args.port}"
     controller = JobController(spec, cluster, tm, report, master_addr, report_dir,
                                rendezvous=rendezvous)
-    server = start_master_server(MasterServicer(tm, aggregator, controller, rendezvous),
-                                 args.port)
+    servicer = MasterServicer(tm, aggregator, controller, rendezvous, require_identity=True)
+    server = start_master_server(servicer, args.port, job_secrets=job_secrets)
     stop = stop or threading.Event()
     try:
         controller.start()
@@ -147,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     try:
         return run_master(args, stop)
-    except (DataError, ckpt_paths.CheckpointError) as e:
+    except (DataError, ckpt_paths.CheckpointError, auth.AuthError) as e:
         logger.error("cannot start job: %s", e)
         JobReport(args.job_spec.job_name, args.job_spec.distribution_strategy,
                   args.job_spec.cluster, args.job_spec.num_workers, 0,

@@ -54,6 +54,10 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 
+class MemberConflict(Exception):
+    """A join names a live worker's id from another address."""
+
+
 @dataclass(frozen=True)
 class CommPlan:
     """One worker's view of the current plan (mirrors ``elasticdl.proto.CommPlan``).
@@ -125,10 +129,22 @@ class Rendezvous:
 
     # ------------------------------------------------------------ handlers
     def join(self, worker_id: int, host: str, port: int) -> CommPlan:
-        """A worker (new, relaunched, or left out of the last plan) asks to be a member."""
+        """A worker (new, relaunched, or left out of the last plan) asks to be a member.
+
+        Raises:
+            MemberConflict: ``worker_id`` is a live member joined from another
+                ``host:port`` (the same address again is an idempotent retry).
+        """
         with self._lock:
             now = self._clock()
             known = self._workers.get(worker_id)
+            if known is not None and known != (host, int(port)):
+                # rank 0's host becomes every member's TCPStore address: a second
+                # caller must not redirect a live worker's slot
+                raise MemberConflict(
+                    f"worker {worker_id} is a live member at {known[0]}:{known[1]}; a join "
+                    f"from {host}:{port} may not take its place (a worker left out of a "
+                    "plan, or removed, may join again)")
             self._workers[worker_id] = (host, int(port))
             in_round = self._round is not None and worker_id in self._round.checked_in
             if not (in_round and known == (host, int(port))):

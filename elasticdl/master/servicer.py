@@ -16,6 +16,8 @@ from typing import Any, Optional, Protocol
 
 import grpc
 
+from elasticdl.common import auth
+from elasticdl.common.rpc_service import Malformed, add_service, short
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import Task, TaskManager, TaskType
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -49,6 +51,17 @@ class _Invalid(Exception):
     pass
 
 
+class _Denied(Exception):
+    """The caller may not do this (not the task's holder, another worker's id)."""
+
+
+MAX_WORKER_ID = (1 << 31) - 1
+MAX_VERSION = (1 << 53) - 1
+MAX_TEXT = 64 << 10        # error messages, tracebacks, reasons
+MAX_ITEMS = 1000           # counters, metrics
+MAX_NAME = 256             # metric/counter names, hosts
+
+
 def task_to_proto(task: Task) -> pb.Task:
     return pb.Task(task_id=task.task_id, type=int(task.type),  # type: ignore[arg-type]
                    shard=pb.Shard(name=task.shard_name, start=task.start, end=task.end),
@@ -61,28 +74,77 @@ def task_from_proto(msg: pb.Task) -> Task:
 
 
 def _worker(worker_id: int) -> int:
-    if worker_id < 0:
-        raise _Invalid(f"worker_id must be >= 0, got {worker_id}")
+    if not 0 <= worker_id <= MAX_WORKER_ID:
+        raise _Invalid(f"worker_id must be in [0, {MAX_WORKER_ID}], got {worker_id}")
     return worker_id
 
 
+def _text(what: str, value: str, limit: int = MAX_TEXT) -> str:
+    if len(value) > limit:
+        raise _Invalid(f"{what} longer than {limit} characters ({len(value)})")
+    return value
+
+
+def _count(what: str, n: int) -> None:
+    if n > MAX_ITEMS:
+        raise _Invalid(f"more than {MAX_ITEMS} {what} ({n})")
+
+
 def _validated(method):
+    """Map validation failures and internal errors to gRPC status codes; the
+    master keeps serving either way."""
     def wrapper(self, request, context):
         try:
+            if isinstance(request, Malformed):
+                raise _Invalid(request.error)
+            self._check_caller(request, context)
             return method(self, request, context)
         except _Invalid as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(e)))
+        except _Denied as e:
+            logger.warning("%s refused: %s", method.__name__, short(str(e), 300))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, short(str(e)))
+        except MemoryError:
+            logger.error("%s: out of memory; request refused", method.__name__)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method.__name__}: the master ran out of memory serving it")
+        except Exception as e:  # noqa: BLE001 - a bug must not look like a bad request
+            logger.exception("%s: internal error", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL,
+                          short(f"{method.__name__}: internal error {type(e).__name__}: {e}"))
     wrapper.__name__ = method.__name__
     return wrapper
 
 
 class MasterServicer(pb_grpc.MasterServicer):
+    """Args:
+        require_identity: every worker call must name its replica
+            (``x-elasticdl-replica: worker-N``, set by the worker's channel) and
+            ``N`` must be the request's ``worker_id``. Without it a declared
+            replica is still checked.
+    """
+
     def __init__(self, task_manager: TaskManager, aggregator: EvaluationAggregator,
-                 hooks: JobHooks, rendezvous: Optional[Any] = None):
+                 hooks: JobHooks, rendezvous: Optional[Any] = None,
+                 require_identity: bool = False):
         self.task_manager = task_manager
         self.aggregator = aggregator
         self.hooks = hooks
         self.rendezvous = rendezvous
+        self.require_identity = require_identity
+
+    def _check_caller(self, request: Any, context: Any) -> None:
+        """A call about worker N must come from worker N's channel."""
+        worker_id = getattr(request, "worker_id", None)
+        if worker_id is None:
+            return
+        replica = auth.caller_replica(context)
+        if replica is None:
+            if self.require_identity:
+                raise _Denied("the call names no replica (x-elasticdl-replica)")
+            return
+        if replica != f"worker-{worker_id}":
+            raise _Denied(f"{replica} may not act as worker {worker_id}")
 
     @_validated
     def get_task(self, request: pb.GetTaskRequest, context: Any) -> pb.Task:
@@ -100,8 +162,14 @@ class MasterServicer(pb_grpc.MasterServicer):
     @_validated
     def report_task_result(self, request: pb.ReportTaskResultRequest, context: Any) -> pb.Empty:
         worker_id = _worker(request.worker_id)
-        if request.task_id < 0:
-            raise _Invalid(f"task_id must be >= 0, got {request.task_id}")
+        self._known_task(request.task_id)
+        _text("err_message", request.err_message)
+        _text("err_traceback", request.err_traceback)
+        _count("counters", len(request.counters))
+        task, holders = self.task_manager.held_task(request.task_id)
+        if task is not None and worker_id not in holders:
+            raise _Denied(f"worker {worker_id} does not hold task {request.task_id} "
+                          f"(held by {sorted(holders)})")
         ok = not request.err_message
         counters = {}
         for c in request.counters:
@@ -116,32 +184,60 @@ class MasterServicer(pb_grpc.MasterServicer):
     @_validated
     def report_evaluation_metrics(self, request: pb.ReportEvaluationMetricsRequest,
                                   context: Any) -> pb.Empty:
-        _worker(request.worker_id)
+        worker_id = _worker(request.worker_id)
+        self._known_task(request.task_id)
+        _count("metrics", len(request.metrics))
         metrics = []
         for m in request.metrics:
-            if not m.name:
-                raise _Invalid("metric without a name")
+            if not m.name or len(m.name) > MAX_NAME:
+                raise _Invalid(f"metric name must have 1..{MAX_NAME} characters")
             if not math.isfinite(m.value):
                 raise _Invalid(f"metric {m.name} is not finite: {m.value}")
             if m.weight < 0:
                 raise _Invalid(f"metric {m.name} has negative weight {m.weight}")
             metrics.append((m.name, m.value, m.weight))
+        task, holders = self.task_manager.held_task(request.task_id)
+        if task is None:  # finished (by a reassigned copy) or re-queued: nothing to add
+            logger.info("metrics for task %d, held by nobody now, from worker %d: ignored",
+                        request.task_id, worker_id)
+            return pb.Empty()
+        if worker_id not in holders:
+            raise _Denied(f"worker {worker_id} does not hold task {request.task_id} "
+                          f"(held by {sorted(holders)})")
+        if task.type != TaskType.EVALUATION:
+            raise _Invalid(f"task {request.task_id} is not an evaluation task")
+        if request.model_version != task.model_version:
+            raise _Invalid(f"metrics for model version {request.model_version}, but task "
+                           f"{request.task_id} evaluates version {task.model_version}")
         self.aggregator.add(request.model_version, request.task_id, metrics)
         return pb.Empty()
 
     @_validated
     def report_version(self, request: pb.ReportVersionRequest, context: Any) -> pb.Empty:
         worker_id = _worker(request.worker_id)
-        if request.model_version < 0:
-            raise _Invalid(f"model_version must be >= 0, got {request.model_version}")
+        if not 0 <= request.model_version <= MAX_VERSION:
+            raise _Invalid(f"model_version must be in [0, {MAX_VERSION}], got "
+                           f"{request.model_version}")
+        if not self.task_manager.has_worked(worker_id):
+            # a worker that never trained cannot have made a version; ignored, not an
+            # error (a worker may end without ever getting a task)
+            logger.warning("version %d from worker %d, which never had a task: ignored",
+                           request.model_version, worker_id)
+            return pb.Empty()
         self.hooks.on_version(worker_id, request.model_version)
         return pb.Empty()
 
     @_validated
     def report_failure(self, request: pb.ReportFailureRequest, context: Any) -> pb.Empty:
         worker_id = _worker(request.worker_id)
-        self.hooks.on_worker_failure(worker_id, request.err_message, request.err_traceback)
+        _text("replica", request.replica, MAX_NAME)
+        self.hooks.on_worker_failure(worker_id, _text("err_message", request.err_message),
+                                     _text("err_traceback", request.err_traceback))
         return pb.Empty()
+
+    def _known_task(self, task_id: int) -> None:
+        if not self.task_manager.task_exists(task_id):
+            raise _Invalid(f"unknown task_id {task_id}")
 
     def _rdzv(self) -> Any:
         if self.rendezvous is None:
@@ -158,10 +254,15 @@ class MasterServicer(pb_grpc.MasterServicer):
     @_validated
     def join(self, request: pb.JoinRequest, context: Any) -> pb.CommPlan:
         worker_id = _worker(request.worker_id)
-        if not request.host or not 0 <= request.port < 65536:
+        if not request.host or len(request.host) > MAX_NAME or not 0 <= request.port < 65536:
             raise _Invalid(f"join needs a host and a port in 0..65535 (0: none), got "
                            f"{request.host!r}:{request.port}")
-        return self._plan(self._rdzv().join(worker_id, request.host, request.port))
+        from elasticdl.master.rendezvous import MemberConflict
+
+        try:
+            return self._plan(self._rdzv().join(worker_id, request.host, request.port))
+        except MemberConflict as e:
+            raise _Denied(str(e)) from None
 
     @_validated
     def get_comm_plan(self, request: pb.CommPlanRequest, context: Any) -> pb.CommPlan:
@@ -172,25 +273,32 @@ class MasterServicer(pb_grpc.MasterServicer):
     def report_collective_failure(self, request: pb.CollectiveFailureRequest,
                                   context: Any) -> pb.CommPlan:
         worker_id = _worker(request.worker_id)
+        if not 0 <= request.plan_version <= MAX_VERSION:
+            raise _Invalid(f"plan_version must be in [0, {MAX_VERSION}]")
         return self._plan(self._rdzv().report_failure(worker_id, request.plan_version,
-                                                      request.reason))
+                                                      _text("reason", request.reason)))
 
     def echo(self, request: pb.Empty, context: Any) -> pb.Empty:
         return pb.Empty()
 
 
 def start_master_server(servicer: MasterServicer, port: int, host: str = "[::]",
-                        max_workers: int = 64) -> grpc.Server:
-    """Serve the master on ``host:port``; raises RuntimeError if the port is taken."""
+                        max_workers: int = 64,
+                        job_secrets: Optional[auth.JobSecrets] = None) -> grpc.Server:
+    """Serve the master on ``host:port``; raises RuntimeError if the port is taken.
+
+    With ``job_secrets`` every call must carry the job token (TLS when the
+    secrets hold a certificate)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="master-rpc"),
-                         options=GRPC_OPTIONS)
-    pb_grpc.add_MasterServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+                         options=GRPC_OPTIONS,
+                         interceptors=auth.server_interceptors(job_secrets))
+    add_service(servicer, server, "Master")
+    bound = auth.add_port(server, f"{host}:{port}", job_secrets)
     if bound == 0:
         raise RuntimeError(f"master cannot bind port {port}")
     server.start()
-    logger.info("master serving on port %d", bound)
+    logger.info("master serving on port %d (%s)", bound, auth.describe(job_secrets))
     return server
 
 

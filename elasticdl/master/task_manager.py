@@ -90,6 +90,12 @@ class _Doing:
     task: Task
     worker_id: int
     started: float
+    past: frozenset[int] = frozenset()  # earlier holders (reassigned stragglers)
+
+
+def _holder(encoded: int) -> int:
+    """A worker id from ``_Doing.worker_id`` (a reassigned straggler's is ``-1 - id``)."""
+    return encoded if encoded >= 0 else -1 - encoded
 
 
 @dataclass
@@ -158,6 +164,7 @@ class TaskManager:
         self._todo: deque[Task] = deque()
         self._eval_todo: deque[Task] = deque()
         self._doing: dict[int, _Doing] = {}
+        self._workers_seen: set[int] = set()
         self._completed: set[int] = set()
         self._attempts: dict[int, int] = {}
         self._durations: deque[float] = deque(maxlen=200)
@@ -225,8 +232,30 @@ class TaskManager:
             task = self._pop(task_type)
             if task is None:
                 return WAIT_TASK if not self._finished_locked() else NO_MORE_TASKS
-            self._doing[task.task_id] = _Doing(task, worker_id, self._clock())
+            prev = self._doing.get(task.task_id)
+            past = prev.past | {_holder(prev.worker_id)} if prev else frozenset()
+            self._doing[task.task_id] = _Doing(task, worker_id, self._clock(), past)
+            self._workers_seen.add(worker_id)
             return task
+
+    def held_task(self, task_id: int) -> tuple[Optional[Task], frozenset[int]]:
+        """The task ``task_id`` if some worker holds it now, and the workers that may
+        report it (its holder and earlier holders it was reassigned from)."""
+        with self._lock:
+            doing = self._doing.get(task_id)
+            if doing is None:
+                return None, frozenset()
+            return doing.task, doing.past | {_holder(doing.worker_id)}
+
+    def task_exists(self, task_id: int) -> bool:
+        """True for an id this manager handed out or created."""
+        with self._lock:
+            return 0 <= task_id < self._next_id
+
+    def has_worked(self, worker_id: int) -> bool:
+        """True once ``worker_id`` was given a task."""
+        with self._lock:
+            return worker_id in self._workers_seen
 
     def _pop(self, task_type: Optional[TaskType]) -> Optional[Task]:
         while True:

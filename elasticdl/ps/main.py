@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from elasticdl.api.model_spec import load_from_job_spec
+from elasticdl.common import auth
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.log_utils import configure_logging
 from elasticdl.ps import checkpoint as ps_ckpt
@@ -120,7 +121,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging(args.job_spec.log_level, role=f"ps-{args.ps_id}")
     tune_malloc()
     shard = build_shard(args)
-    server, port = start_server(PServicer(shard), args.port, args.host)
+    job_secrets = auth.JobSecrets.from_env()
+    if job_secrets is None:
+        logger.warning("no %s in the environment: this PS serves WITHOUT authentication "
+                       "(every replica the elasticdl launcher starts has one)", auth.TOKEN_ENV)
+    server, port = start_server(PServicer(shard), args.port, args.host,
+                                job_secrets=job_secrets)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

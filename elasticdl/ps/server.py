@@ -5,11 +5,11 @@ from __future__ import annotations
 import ctypes
 import logging
 from concurrent import futures
+from typing import Optional
 
 import grpc
 
-from elasticdl.common import chunk_wire
-from elasticdl.proto import elasticdl_pb2 as pb
+from elasticdl.common import auth, chunk_wire, rpc_service
 from elasticdl.ps.servicer import PServicer
 
 logger = logging.getLogger(__name__)
@@ -27,57 +27,48 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
 
 # The bulk stream is parsed without protobuf copies (same wire format; see chunk_wire).
 _REQUEST_PARSERS = {"push_gradient_chunks": chunk_wire.parse_gradient_chunk_or_error}
-_HANDLER_FACTORIES = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
 
 
 def add_pserver(servicer: PServicer, server: grpc.Server) -> None:
     """Register every PServer method of ``servicer``: generated message classes for
-    requests, except the bulk push stream; responses may be pre-serialised bytes."""
-    service = pb.DESCRIPTOR.services_by_name["PServer"]
-    handlers = {}
-    for method in service.methods:
-        request_cls = getattr(pb, method.input_type.name)
-        factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = factory(
-            getattr(servicer, method.name),
-            request_deserializer=_REQUEST_PARSERS.get(method.name, request_cls.FromString),
-            response_serializer=chunk_wire.serialize)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    requests (a malformed one reaches the servicer as ``Malformed``), except the bulk
+    push stream; responses may be pre-serialised bytes."""
+    rpc_service.add_service(servicer, server, "PServer", _REQUEST_PARSERS,
+                            chunk_wire.serialize)
 
 
 def build_server(servicer: PServicer, port: int = 0, host: str = "0.0.0.0",
-                 max_workers: int = 64) -> tuple[grpc.Server, int]:
+                 max_workers: int = 64, job_secrets: Optional[auth.JobSecrets] = None
+                 ) -> tuple[grpc.Server, int]:
     """A started-ready (not started) server for ``servicer``; returns it and its port.
 
     ``max_workers`` bounds concurrent RPCs: sync pushes wait for their group,
     so it must exceed the number of workers (each holds one thread at most).
+    With ``job_secrets`` every call must carry the job token (TLS when the
+    secrets hold a certificate); without, the server is open (tests, benchmarks).
 
     Raises:
         RuntimeError: the port cannot be bound.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="ps-rpc"),
-                         options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_workers * 4)
+                         options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_workers * 4,
+                         interceptors=auth.server_interceptors(job_secrets))
     add_pserver(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = auth.add_port(server, f"{host}:{port}", job_secrets)
     if bound == 0:
         raise RuntimeError(f"cannot bind the PS server to {host}:{port}")
     return server, bound
 
 
 def start_server(servicer: PServicer, port: int = 0, host: str = "0.0.0.0",
-                 max_workers: int = 64) -> tuple[grpc.Server, int]:
+                 max_workers: int = 64, job_secrets: Optional[auth.JobSecrets] = None
+                 ) -> tuple[grpc.Server, int]:
     """Build and start the server; returns it and the bound port."""
-    server, bound = build_server(servicer, port, host, max_workers)
+    server, bound = build_server(servicer, port, host, max_workers, job_secrets)
     server.start()
-    logger.info("PS %d gRPC server listening on %s:%d", servicer.shard.config.ps_id, host,
-                bound)
+    logger.info("PS %d gRPC server listening on %s:%d (%s)", servicer.shard.config.ps_id, host,
+                bound, auth.describe(job_secrets))
     return server, bound
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, TypeVar
@@ -18,9 +19,10 @@ import grpc
 import numpy as np
 import torch
 
-from elasticdl.common import chunk_wire
+from elasticdl.common import chunk_wire, ckpt_paths
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.checkpoint import CheckpointError
+from elasticdl.common.rpc_service import Malformed, short
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps import checkpoint as ps_ckpt
@@ -38,18 +40,59 @@ def _guard(method: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(method)
     def wrapper(self: PServicer, request: Any, context: grpc.ServicerContext) -> T:
         try:
+            if isinstance(request, Malformed):
+                raise ValueError(request.error)
             return method(self, request, context)
         except ValueError as e:
-            logger.warning("%s: invalid request: %s", method.__name__, e)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            logger.warning("%s: invalid request: %s", method.__name__, short(str(e), 300))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(e)))
         except NotInitializedError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, short(str(e)))
         except (CheckpointError, OSError) as e:
             logger.error("%s failed: %s", method.__name__, e)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            context.abort(grpc.StatusCode.INTERNAL, short(f"{type(e).__name__}: {e}"))
+        except MemoryError:
+            logger.error("%s: out of memory; request refused, PS keeps serving",
+                         method.__name__)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method.__name__}: the PS ran out of memory serving this request")
+        except Exception as e:  # noqa: BLE001 - a bug must not look like a bad request
+            logger.exception("%s: internal error", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL,
+                          short(f"{method.__name__}: internal error {type(e).__name__}: {e}"))
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     return wrapper
+
+
+MAX_ID = (1 << 31) - 1            # worker ids
+MAX_VERSION = (1 << 53) - 1       # model versions
+MAX_IDS_PER_PULL = 1 << 24        # embedding ids in one pull
+MAX_PULL_BYTES = 1 << 30          # rows one pull may allocate
+MAX_TABLE_DIM = 1 << 16
+MAX_TENSORS = 100_000             # tensors / tables in one message
+
+
+def check_range(what: str, value: float, low: float, high: float) -> None:
+    """Raise ValueError unless ``low <= value <= high`` (NaN fails)."""
+    if not low <= value <= high:
+        raise ValueError(f"{what} must be in [{low}, {high}], got {value}")
+
+
+def check_push_header(version: int, worker_id: int, learning_rate: float,
+                      current: int) -> bool:
+    """Validate a push's header: a sane worker id, a finite non-negative learning
+    rate, a version >= 0. Returns False for a version this PS never made (a PS
+    restored from an older checkpoint): the push is rejected like a stale one and
+    the worker pulls again."""
+    check_range("worker_id", worker_id, 0, MAX_ID)
+    check_range("learning_rate", learning_rate, 0.0, 1e6)
+    check_range("version", version, 0, MAX_VERSION)
+    if version > current:
+        logger.warning("rejected gradients of version %d from worker %d: this PS is at "
+                       "version %d", version, worker_id, current)
+        return False
+    return True
 
 
 def _ids_of(ids: Any, id_tensor: pb.Tensor, has_tensor: bool, what: str) -> np.ndarray:
@@ -83,6 +126,12 @@ class PServicer(pb_grpc.PServerServicer):
     def push_model(self, request: pb.Model, context: grpc.ServicerContext) -> pb.PushModelResponse:
         if self.shard.initialized:
             return pb.PushModelResponse(accepted=False, version=self.shard.version)
+        check_range("version", request.version, 0, MAX_VERSION)
+        n = len(request.dense) + len(request.buffers) + len(request.embedding_tables)
+        check_range("number of tensors and tables", n, 0, MAX_TENSORS)
+        for t in request.embedding_tables:
+            check_range(f"table {t.name!r} dim", t.dim, 1, MAX_TABLE_DIM)
+            check_range(f"table {t.name!r} num_embeddings", t.num_embeddings, 1, 1 << 48)
         dense = {t.name: codec.decode(t) for t in request.dense}
         buffers = {t.name: codec.decode(t) for t in request.buffers}
         if len(dense) != len(request.dense) or len(buffers) != len(request.buffers):
@@ -100,6 +149,7 @@ class PServicer(pb_grpc.PServerServicer):
     @_guard
     def pull_dense(self, request: pb.PullDenseRequest,
                    context: grpc.ServicerContext) -> pb.PullDenseResponse:
+        check_range("version", request.version, -1, MAX_VERSION)
         shard = self.shard
         with shard.lock:
             initialized, version, tensors = shard.snapshot_dense(request.version)
@@ -114,9 +164,10 @@ class PServicer(pb_grpc.PServerServicer):
     def pull_dense_chunks(self, request: pb.PullDenseRequest,
                           context: grpc.ServicerContext) -> Iterator[bytes]:
         """Serialised ``DenseChunk`` messages (encoded once per version and chunk size)."""
-        chunk_bytes = request.chunk_bytes or self.chunk_bytes
-        if chunk_bytes < 0:
-            raise ValueError(f"chunk_bytes must be >= 0, got {request.chunk_bytes}")
+        check_range("version", request.version, -1, MAX_VERSION)
+        chunk_bytes = self.chunk_bytes
+        if request.chunk_bytes:
+            chunk_bytes = chunk_wire.check_chunk_bytes(request.chunk_bytes)
         return iter(self._chunks(request.version, chunk_bytes))
 
     def _chunks(self, worker_version: int, chunk_bytes: int) -> list[bytes]:
@@ -146,6 +197,11 @@ class PServicer(pb_grpc.PServerServicer):
     def pull_embedding(self, request: pb.PullEmbeddingRequest,
                        context: grpc.ServicerContext) -> pb.Tensor:
         what = f"pull of table {request.table!r}"
+        spec = self.shard.params.table(request.table).spec
+        count = len(request.ids) or (request.id_tensor.shape[0]
+                                     if len(request.id_tensor.shape) == 1 else 0)
+        check_range(f"{what}: number of ids", count, 0, MAX_IDS_PER_PULL)
+        check_range(f"{what}: bytes of rows", count * spec.dim * 8, 0, MAX_PULL_BYTES)
         ids = _ids_of(request.ids, request.id_tensor, request.HasField("id_tensor"), what)
         rows = self.shard.pull_embedding(request.table, ids, create=not request.no_create)
         return codec.encode(rows, request.table)
@@ -168,6 +224,9 @@ class PServicer(pb_grpc.PServerServicer):
     def push_gradients(self, request: pb.PushGradientsRequest,
                        context: grpc.ServicerContext) -> pb.PushGradientsResponse:
         self._require_init()
+        if not check_push_header(request.version, request.worker_id, request.learning_rate,
+                                 self.shard.version):
+            return pb.PushGradientsResponse(accepted=False, version=self.shard.version)
         push = GradientPush(version=request.version, worker_id=request.worker_id,
                             learning_rate=request.learning_rate)
         for msg in request.dense:
@@ -191,6 +250,9 @@ class PServicer(pb_grpc.PServerServicer):
             if msg.error:
                 raise ValueError(f"push_gradient_chunks: {msg.error}")
             if push is None:
+                if not check_push_header(msg.version, msg.worker_id, msg.learning_rate,
+                                         shard.version):
+                    return pb.PushGradientsResponse(accepted=False, version=shard.version)
                 push = GradientPush(version=msg.version, worker_id=msg.worker_id,
                                     learning_rate=msg.learning_rate)
             if msg.dense is not None:
@@ -221,13 +283,14 @@ class PServicer(pb_grpc.PServerServicer):
     @_guard
     def save_checkpoint(self, request: pb.SaveCheckpointRequest,
                         context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:
-        if not request.directory:
-            raise ValueError("save_checkpoint: directory is required")
-        if request.keep_max < 0:
-            raise ValueError("save_checkpoint: keep_max must be >= 0")
-        path = ps_ckpt.save_shard(self.shard, request.directory, request.version,
-                                  request.keep_max)
-        version = request.version if request.version >= 0 else self.shard.version
+        """Write this shard's current version into the job's checkpoint directory
+        with the job's retention; the request carries nothing to choose."""
+        cfg = self.shard.config
+        if not cfg.checkpoint_dir:
+            raise NotInitializedError("save_checkpoint: the job has no --checkpoint_dir")
+        self._require_init()
+        path = ps_ckpt.save_shard(self.shard, cfg.checkpoint_dir, None, cfg.keep_checkpoint_max)
+        version = ckpt_paths.version_of(os.path.dirname(path))  # the version it wrote
         return pb.SaveCheckpointResponse(path=path, version=version)
 
     def status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.PSStatus:

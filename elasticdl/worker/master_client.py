@@ -15,6 +15,7 @@ from typing import Any, Optional, TypeVar
 
 import grpc
 
+from elasticdl.common import auth
 from elasticdl.master.servicer import GRPC_OPTIONS, task_from_proto
 from elasticdl.master.task_manager import Task, TaskType
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -34,7 +35,8 @@ class MasterClient(TaskSource):
         self.worker_id = worker_id
         self.call_timeout_s = call_timeout_s
         self.unavailable_timeout_s = unavailable_timeout_s
-        self._channel = grpc.insecure_channel(master_addr, options=GRPC_OPTIONS)
+        self._channel = auth.client_channel(master_addr, GRPC_OPTIONS,
+                                            replica=f"worker-{worker_id}")
         self._stub = pb_grpc.MasterStub(self._channel)
         self.export_model = False
 
@@ -72,7 +74,7 @@ class MasterClient(TaskSource):
     def report_task(self, task: Task, error: str = "", traceback: str = "",
                     fatal: bool = False, counters: Optional[dict[str, int]] = None) -> None:
         self._call(self._stub.report_task_result, pb.ReportTaskResultRequest(
-            task_id=task.task_id, worker_id=self.worker_id, err_message=error,
+            task_id=task.task_id, worker_id=self.worker_id, err_message=error[:16000],
             err_traceback=traceback[-20000:], fatal=fatal,
             counters=[pb.Counter(name=k, value=v) for k, v in (counters or {}).items()]))
 
@@ -87,7 +89,7 @@ class MasterClient(TaskSource):
 
     def report_failure(self, replica: str, message: str, traceback: str) -> None:
         self._call(self._stub.report_failure, pb.ReportFailureRequest(
-            worker_id=self.worker_id, replica=replica, err_message=message,
+            worker_id=self.worker_id, replica=replica, err_message=message[:16000],
             err_traceback=traceback[-20000:]))
 
     # rendezvous (AllreduceStrategy)

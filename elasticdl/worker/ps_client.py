@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,9 +24,8 @@ import grpc
 import numpy as np
 import torch
 
-from elasticdl.common import chunk_wire
+from elasticdl.common import auth, chunk_wire
 from elasticdl.common import tensor_codec as codec
-from elasticdl.common.checkpoint import version_dir
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps.parameters import TableSpec, dense_owner
@@ -189,7 +189,7 @@ class PSClient:
 
     @staticmethod
     def _channel(addr: str) -> grpc.Channel:
-        return grpc.insecure_channel(addr, options=GRPC_OPTIONS)
+        return auth.client_channel(addr, GRPC_OPTIONS)
 
     @property
     def num_ps(self) -> int:
@@ -314,7 +314,8 @@ class PSClient:
         parts = self.partition(dest)
 
         def pull(i: int, stub: PSStub) -> tuple[bool, int, bool]:
-            req = pb.PullDenseRequest(version=versions[i], chunk_bytes=self.chunk_bytes)
+            req = pb.PullDenseRequest(version=versions[i],
+                                      chunk_bytes=chunk_wire.clamp_chunk_bytes(self.chunk_bytes))
             if not streaming[i]:
                 resp = stub.pull_dense(req, timeout=self.rpc_timeout_s)
                 for msg in list(resp.dense) + list(resp.buffers):
@@ -391,17 +392,15 @@ class PSClient:
                          learning_rate: float = 0.0) -> PushStream:
         return PushStream(self, ps, version, worker_id, learning_rate)
 
-    def save_checkpoint(self, directory: str, version: int = -1, keep_max: int = 0) -> str:
-        """Every PS writes its shard of ``version`` (-1: each PS's current version)
-        under ``directory``; returns the version directory."""
+    def save_checkpoint(self) -> str:
+        """Every PS writes its shard of its current version into the job's checkpoint
+        directory (the PS's own configuration); returns the version directory."""
         resps = self._all(lambda i, s: s.save_checkpoint(
-            pb.SaveCheckpointRequest(directory=directory, version=version, keep_max=keep_max),
-            timeout=self.rpc_timeout_s), "save_checkpoint")
+            pb.SaveCheckpointRequest(), timeout=self.rpc_timeout_s), "save_checkpoint")
         versions = {r.version for r in resps}
         if len(versions) != 1:
-            raise PSError(f"PS saved different versions {sorted(versions)}; pass an explicit "
-                          "version")
-        return version_dir(directory, versions.pop())
+            raise PSError(f"PS saved different versions {sorted(versions)}")
+        return os.path.dirname(resps[0].path)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

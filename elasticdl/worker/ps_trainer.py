@@ -340,9 +340,10 @@ class PSTrainer(Trainer):
         model.load_state_dict(state, strict=True)
         return export_model(model, directory)
 
-    def save_checkpoint(self, directory: str, keep_max: int = 0) -> str:
-        """Every PS writes its shard of the current version; returns the version dir."""
-        return self.client.save_checkpoint(directory, self.model_version, keep_max)
+    def save_checkpoint(self) -> str:
+        """Every PS writes its shard of its current version into the job's checkpoint
+        directory; returns the version dir."""
+        return self.client.save_checkpoint()
 
     def close(self) -> None:
         self.client.close()

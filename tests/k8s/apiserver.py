@@ -32,9 +32,10 @@ from urllib.parse import parse_qs, urlparse
 logger = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
-KINDS = {"pods": "Pod", "services": "Service"}
-_NAMED = re.compile(r"^/api/v1/namespaces/([^/]+)/(pods|services)/([^/]+)(/status|/log)?$")
-_COLLECTION = re.compile(r"^/api/v1/(?:namespaces/([^/]+)/)?(pods|services)$")
+KINDS = {"pods": "Pod", "services": "Service", "secrets": "Secret"}
+_NAMED = re.compile(
+    r"^/api/v1/namespaces/([^/]+)/(pods|services|secrets)/([^/]+)(/status|/log)?$")
+_COLLECTION = re.compile(r"^/api/v1/(?:namespaces/([^/]+)/)?(pods|services|secrets)$")
 
 
 def now() -> str:
@@ -186,7 +187,7 @@ class FakeApiServer:
             body["kind"] = KINDS[kind]
             if kind == "pods":
                 body["status"] = {"phase": "Pending", "qosClass": "Burstable"}
-            else:
+            elif kind == "services":
                 body.setdefault("spec", {})["clusterIP"] = f"10.96.0.{self._next_ip}"
                 self._next_ip += 1
                 body["status"] = {"loadBalancer": {}}

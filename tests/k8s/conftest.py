@@ -96,7 +96,8 @@ class Server:
 
     def get(self, kind: str, name: str) -> Optional[dict[str, Any]]:
         core = client.CoreV1Api(self.admin)
-        read = core.read_namespaced_pod if kind == "pods" else core.read_namespaced_service
+        read = {"pods": core.read_namespaced_pod, "services": core.read_namespaced_service,
+                "secrets": core.read_namespaced_secret}[kind]
         try:
             resp = read(name, self.namespace, _preload_content=False)
         except client.exceptions.ApiException as e:
@@ -106,9 +107,15 @@ class Server:
         return json.loads(resp.data)
 
     def list(self, kind: str) -> list[dict[str, Any]]:
+        """Objects of ``kind`` in the namespace; for secrets only the jobs' own (a real
+        server also keeps service-account token secrets there)."""
         core = client.CoreV1Api(self.admin)
-        fn = core.list_namespaced_pod if kind == "pods" else core.list_namespaced_service
-        return list(json.loads(fn(self.namespace, _preload_content=False).data)["items"])
+        fn = {"pods": core.list_namespaced_pod, "services": core.list_namespaced_service,
+              "secrets": core.list_namespaced_secret}[kind]
+        items = json.loads(fn(self.namespace, _preload_content=False).data)["items"]
+        if kind == "secrets":
+            items = [i for i in items if i["metadata"]["name"].startswith("elasticdl-")]
+        return list(items)
 
     def phase(self, name: str) -> str:
         pod = self.get("pods", name)

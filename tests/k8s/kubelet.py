@@ -24,6 +24,7 @@ the API server's ``pods/log`` requests over TLS.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -291,9 +292,25 @@ class FakeKubelet:
         env.update(self.extra_env)
         env["PYTHONUNBUFFERED"] = "1"
         for item in container.get("env") or []:
-            ref = ((item.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
-            env[item["name"]] = fields.get(ref, "") if ref else str(item.get("value", ""))
+            source = item.get("valueFrom") or {}
+            ref = (source.get("fieldRef") or {}).get("fieldPath")
+            if source.get("secretKeyRef"):
+                env[item["name"]] = self._secret_value(meta["namespace"],
+                                                       source["secretKeyRef"])
+            else:
+                env[item["name"]] = fields.get(ref, "") if ref else str(item.get("value", ""))
         return env
+
+    def _secret_value(self, ns: str, ref: dict[str, Any]) -> str:
+        """A secretKeyRef as the real kubelet resolves it (OSError: the pod cannot start)."""
+        try:
+            secret = self._core.read_namespaced_secret(ref["name"], ns)
+        except client.ApiException as e:
+            raise OSError(f"secret {ref['name']!r}: {e.reason}") from None
+        value = (secret.data or {}).get(ref["key"])
+        if value is None:
+            raise OSError(f"secret {ref['name']!r} has no key {ref['key']!r}")
+        return base64.b64decode(value).decode()
 
     def _start(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]

@@ -14,6 +14,7 @@ in docs/kubernetes.md.
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import io
 import json
@@ -104,7 +105,8 @@ def stop_and_wait_for_cascade(server: Any, kubelet: Any, job: str) -> None:
 
     assert k8s.stop(job, namespace=server.namespace, kubeconfig=server.kubeconfig,
                     out=io.StringIO()) == 0
-    wait_for(lambda: not server.list("pods") and not server.list("services"), 60,
+    wait_for(lambda: not server.list("pods") and not server.list("services")
+             and not server.list("secrets"), 60,
              "owner-reference cascade", lambda: [p["metadata"]["name"]
                                                  for p in server.list("pods")])
     wait_for(lambda: not kubelet.running(), 30, "every pod process to stop")
@@ -170,6 +172,17 @@ def test_digits_ps_job_survives_deleted_worker_and_ps_pods(server, kubelet, port
         if server.real:
             assert sorted(codes) == [201, 201, 409]
     assert server.list("services") == []  # the master's close() removed them again
+    # the job token travelled in a Secret owned by the master pod, read by env
+    [secret] = server.list("secrets")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    owner = secret["metadata"]["ownerReferences"][0]
+    assert owner["name"] == master and owner["uid"] == server.get(
+        "pods", master)["metadata"]["uid"]
+    env = server.get("pods", new_pod)["spec"]["containers"][0]["env"]
+    assert {"name": "ELASTICDL_JOB_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": secret["metadata"]["name"], "key": "token"}}} in env
+    assert token not in json.dumps(server.list("pods"))  # never a plain pod value
+    assert "(job token, plaintext)" in pod_log(server, master)
     shown = io.StringIO()
     assert k8s.status(job, namespace=server.namespace, kubeconfig=server.kubeconfig,
                       out=shown) == 0

@@ -110,7 +110,8 @@ def test_rbac_validates_and_is_minimal(namespace):
         assert doc["metadata"]["namespace"] == namespace
     rules = {r["resources"][0]: set(r["verbs"]) for r in docs[1]["rules"]}
     assert rules == {"pods": {"create", "delete", "get", "list", "watch"},
-                     "pods/log": {"get"}, "services": {"create", "delete"}}
+                     "pods/log": {"get"}, "services": {"create", "delete"},
+                     "secrets": {"create", "delete"}}  # the job token's Secret; no read
     assert docs[2]["subjects"][0]["namespace"] == namespace
     assert "namespace: " + namespace in mf.rbac_yaml(namespace)
 
@@ -221,3 +222,26 @@ def test_yaml_round_trip():
 
     objs = [mf.master_pod(spec())] + mf.rbac_manifests()
     assert list(yaml.safe_load_all(mf.to_yaml(objs))) == objs
+
+
+def test_job_secret_and_the_pods_reading_it():
+    from elasticdl.common import auth
+
+    job = spec()
+    secrets = auth.JobSecrets("k" * 43, b"CERT", b"KEY")
+    owner = mf.owner_reference("elasticdl-j-master", "uid-1")
+    secret = mf.job_secret(job, secrets.data(), owner)
+    validate(secret)
+    assert secret["metadata"]["ownerReferences"] == [owner]
+    assert sorted(secret["data"]) == ["tls.crt", "tls.key", "token"]
+    pod = mf.replica_pod(job, ReplicaSpec(job.job_name, ReplicaType.WORKER, 0,
+                                          ("python", "-m", "x"),
+                                          env={auth.TOKEN_ENV: "plain, from --envs"}))
+    mf.with_secret_env(pod, job.job_name, sorted(secret["data"]))
+    validate(pod)
+    env = pod["spec"]["containers"][0]["env"]
+    token_env = [e for e in env if e["name"] == auth.TOKEN_ENV]
+    assert token_env == [{"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+        "name": mf.job_secret_name(job.job_name), "key": "token"}}}]
+    assert {e["name"] for e in env} >= {auth.TLS_CERT_ENV, auth.TLS_KEY_ENV}
+    assert "k" * 43 not in json.dumps(pod)

@@ -70,13 +70,14 @@ def test_save_with_two_restore_with_one_and_three_then_export(tmp_path):
     mod = _spec().module
     batches = mod.make_batches(3, 16, seed=1)
     ckpt_dir = str(tmp_path / "ckpt")
-    with local_ps(2, _spec().optimizer) as cluster:
+    with local_ps(2, _spec().optimizer, checkpoint_dir=ckpt_dir,
+                  keep_checkpoint_max=2) as cluster:
         trainer = _trainer(cluster.addrs)
         try:
             for features, labels in batches:
                 trainer.train_minibatch(features, labels)
             assert trainer.model_version == 3
-            vdir = trainer.save_checkpoint(ckpt_dir, keep_max=2)
+            vdir = trainer.save_checkpoint()
             sizes = [s.params.tables["emb.weight"].size for s in cluster.shards]
             expected_outputs = trainer.forward(batches[0][0])
             [exported] = [p for p in trainer.export_model(str(tmp_path / "final"))

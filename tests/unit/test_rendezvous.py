@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from elasticdl.master.rendezvous import CommPlan, Rendezvous
+from elasticdl.master.rendezvous import CommPlan, MemberConflict, Rendezvous
 
 
 class FakeClock:
@@ -185,6 +185,12 @@ def test_rejoin_with_same_address_during_a_round_is_idempotent(clock):
 
 def test_member_rejoining_means_a_new_incarnation(clock):
     rdzv = _formed(clock, 2)
+    # a live member's id cannot be taken from another address (issue 12) ...
+    with pytest.raises(MemberConflict, match="live member"):
+        rdzv.join(1, "h1-new", 0)
+    assert rdzv.get_comm_plan(1, 1).ready and rdzv.members() == [0, 1]
+    # ... once the old incarnation is removed, the id may join from a new address
+    rdzv.remove_worker(1)
     assert not rdzv.join(1, "h1-new", 0).ready
     clock.advance(1.0)
     rdzv.get_comm_plan(0, 1)
