@@ -86,7 +86,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         if request.task_type not in (pb.NONE, pb.TRAINING, pb.EVALUATION, pb.PREDICTION):
             raise _Invalid(f"cannot ask for task type {request.task_type}")
         wanted = None if request.task_type == pb.NONE else TaskType(request.task_type)
-        task = self.task_manager.get(worker_id, wanted)
+        task = self.task_manager.get(worker_id, wanted, request_id=request.request_id)
         msg = task_to_proto(task)
         if task.type == TaskType.NONE and self.task_manager.finished() and \
                 self.hooks.claim_export(worker_id):
@@ -100,7 +100,8 @@ class MasterServicer(pb_grpc.MasterServicer):
             raise _Invalid(f"task_id must be >= 0, got {request.task_id}")
         ok = not request.err_message
         self.task_manager.report(request.task_id, worker_id, ok, request.err_message,
-                                 request.err_traceback, request.fatal)
+                                 request.err_traceback, request.fatal,
+                                 counters={c.name: c.value for c in request.counters})
         return pb.Empty()
 
     @_validated

@@ -47,6 +47,7 @@ class PSArgs:
     sync_wait_s: float = 30.0
     sync_wait_min_s: float = 1.0
     grace_s: float = 2.0
+    await_rollback: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.ps_id < self.num_ps:
@@ -68,6 +69,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PSArgs:
                    help="sync mode: longest wait of a push for its group to be applied")
     p.add_argument("--sync_wait_min_s", type=float, default=1.0,
                    help="sync mode: shortest such wait (the wait adapts in between)")
+    p.add_argument("--await_rollback", action="store_true",
+                   help="a relaunched PS: serve training only after the master rolled every "
+                        "PS back to one checkpoint version")
     a = p.parse_args(argv)
     text = a.job_spec
     if text.startswith("@"):
@@ -75,7 +79,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PSArgs:
             text = f.read()
     return PSArgs(ps_id=a.ps_id, num_ps=a.num_ps, port=a.port, job_spec=JobSpec.from_json(text),
                   master_addr=a.master_addr, checkpoint_dir_for_init=a.checkpoint_dir_for_init,
-                  host=a.host, sync_wait_s=a.sync_wait_s, sync_wait_min_s=a.sync_wait_min_s)
+                  host=a.host, sync_wait_s=a.sync_wait_s, sync_wait_min_s=a.sync_wait_min_s,
+                  await_rollback=a.await_rollback)
 
 
 def shard_config(args: PSArgs) -> ShardConfig:
@@ -112,6 +117,7 @@ def build_shard(args: PSArgs) -> PSShard:
     source = restore_source(args)
     if source:
         ps_ckpt.restore_shard(shard, source)
+    shard.awaiting_rollback = args.await_rollback
     return shard
 
 

@@ -132,7 +132,8 @@ class TaskLoop:
         except Exception as e:  # reported with its traceback, then re-raised
             self.source.report_task(task, f"{type(e).__name__}: {e}", traceback.format_exc())
             raise
-        self.source.report_task(task)
+        counters = self.trainer.finish_task(task) if task.type == TaskType.TRAINING else {}
+        self.source.report_task(task, counters=counters)
         self.stats.tasks += 1
         for cb in self.after_task:
             cb(task)
@@ -152,7 +153,13 @@ class TaskLoop:
             yield i + len(chunk), features, labels
 
     def _train(self, task: Task, records: Sequence[Any]) -> None:
-        for done, features, labels in self._minibatches(task, records):
+        applied = self.trainer.start_task(task)  # pushed by an earlier holder: skipped
+        previous = 0
+        for k, (done, features, labels) in enumerate(self._minibatches(task, records), 1):
+            size, previous = done - previous, done
+            if k in applied:
+                continue
+            self.trainer.set_position(task.task_id, k, size)
             loss = self.trainer.train_minibatch(features, labels)
             self.stats.steps += 1
             for cb in self.after_train_step:
