@@ -13,6 +13,7 @@ writes its shard every ``--checkpoint_steps`` versions.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -143,7 +144,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pass
     server.stop(args.grace_s).wait(args.grace_s + 1)
     logger.info("PS %d stopped at version %d", args.ps_id, shard.version)
+    write_ledger(shard, args.job_spec.output)
     return 0
+
+
+def write_ledger(shard: PSShard, output: str) -> None:
+    """``output/ps-<i>-ledger.json``: the applied-identity ledger at the end (audits)."""
+    if not output:
+        return
+    version, entries = shard.applied()
+    os.makedirs(output, exist_ok=True)
+    path = os.path.join(output, f"ps-{shard.config.ps_id}-ledger.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"version": version, "duplicates_ignored": shard.duplicates_ignored,
+                   "applied": [list(e) for e in entries]}, f)
+    logger.info("PS %d wrote its ledger (%d applied pushes) to %s", shard.config.ps_id,
+                len(entries), path)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ and the step is redone for it.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +52,19 @@ def _stage(t: torch.Tensor) -> Staged:
     event = torch.cuda.Event()
     event.record()
     return cpu, event.synchronize
+
+
+KILL_AFTER_STEPS_ENV = "ELASTICDL_TEST_KILL_AFTER_STEPS"
+
+
+def _kill_hook(worker_id: int) -> int:
+    """Chaos tests: ``ELASTICDL_TEST_KILL_AFTER_STEPS=W:N`` makes worker W SIGKILL
+    itself right after its N-th step was pushed and applied (before any report)."""
+    value = os.environ.get(KILL_AFTER_STEPS_ENV, "")
+    if not value:
+        return -1
+    worker, _, steps = value.partition(":")
+    return int(steps) if int(worker) == worker_id else -1
 
 
 class _PushSession:
@@ -141,6 +156,7 @@ class PSTrainer(Trainer):
         self.device = device
         self.push_retry_timeout_s = push_retry_timeout_s
         self.identity: Identity = (0, 0, 0)  # of the minibatch being trained
+        self._kill_after_steps = _kill_hook(worker_id)
         self.client = client or PSClient(ps_addrs)
         with tables_on_ps():
             self.model = model_spec.build_model().to(device)
@@ -310,6 +326,10 @@ class PSTrainer(Trainer):
                     retry.append(ps)
             if not retry:
                 self.steps += 1
+                if self.steps == self._kill_after_steps:  # test hook: die before the report
+                    logger.warning("worker %d: %s: SIGKILL after step %d", self.worker_id,
+                                   KILL_AFTER_STEPS_ENV, self.steps)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 return loss
             if self.ps_versions != before:
                 deadline = time.monotonic() + self.push_retry_timeout_s
@@ -319,7 +339,7 @@ class PSTrainer(Trainer):
             logger.info("worker %d: step redone for PS %s (attempt %d)", self.worker_id,
                         retry, attempt)
             if attempt > 3:
-                time.sleep(min(1.0, 0.05 * attempt))
+                time.sleep(min(0.1, 0.005 * attempt))
             targets = retry
 
     def _step(self, features: Any, labels: Any,
