@@ -308,7 +308,7 @@ class TaskManager:
             if task.type == TaskType.TRAINING and self._short(task, applied, counters):
                 if doing.worker_id == worker_id:
                     del self._doing[task_id]
-                    self._requeue(task)
+                    self._requeue(task, redone=max(task.num_records - applied, 0))
                 return
             del self._doing[task_id]
             self._completed.add(task_id)
@@ -359,7 +359,7 @@ class TaskManager:
                 self._epoch_open_tasks[task.epoch] = self._epoch_open_tasks.get(task.epoch, 0) + 1
                 self._completed.discard(task_id)
                 del self._applied_by_task[task_id]
-                self._requeue(task)
+                self._requeue(task, redone=counted - applied.get(task_id, 0))
                 lost.append(task_id)
             logger.warning("PS rollback (versions continue at %d): %d done task(s) re-queued: %s",
                            new_version, len(lost), lost)
@@ -402,8 +402,8 @@ class TaskManager:
                        task.task_id, worker_id, attempts, self.max_task_retries, error)
         self._requeue(task)
 
-    def _requeue(self, task: Task) -> None:
-        self._ledger_for(task).records_redone += task.num_records
+    def _requeue(self, task: Task, redone: Optional[int] = None) -> None:
+        self._ledger_for(task).records_redone += task.num_records if redone is None else redone
         if task.type == TaskType.EVALUATION:
             self._eval_todo.appendleft(task)
         else:

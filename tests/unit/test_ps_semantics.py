@@ -326,3 +326,19 @@ def test_item12_get_task_retry_after_lost_reply_orphans_nothing():
             client.close()
     finally:
         server.stop(0).wait(5)
+
+
+def test_item11_ps_process_rss_with_a_2_31_row_table_stays_under_200mb():
+    """A real PS process (gRPC): a 2^31-row table, 10^5 rows pulled and pushed (Adam
+    row state); its resident memory grows by far less than 200 MB."""
+    import importlib
+    import sys
+
+    from tests.conftest import ROOT
+
+    bench = f"{ROOT}/benchmarks"
+    if bench not in sys.path:
+        sys.path.append(bench)  # spawned children inherit sys.path: ps_memory.ps_server
+    m = importlib.import_module("ps_memory").measure(1 << 31, 100_000, 8)
+    assert m["rows"] > 99_000
+    assert m["touched_mb"] - m["before_mb"] < 200, m
