@@ -36,16 +36,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-from elasticdl.common.tensor_codec import dtype_name
 from elasticdl.ps.embedding_optimizer import RowOptimizer, row_optimizer_for
 from elasticdl.ps.ledger import AppliedLedger
 from elasticdl.ps.parameters import Parameters, TableSpec
+from elasticdl.ps.push import GradientPush, Group, PushResult, coalesce, validate
 
 logger = logging.getLogger(__name__)
 
@@ -85,54 +85,6 @@ class ShardConfig:
                              "0 <= sync_wait_min_s <= sync_wait_s are required")
 
 
-@dataclass
-class GradientPush:
-    """One worker's gradients for this shard (already decoded). Dense gradients
-    may be read-only views of received bytes: the shard never writes into them.
-
-    ``minibatch`` is 1-based; 0 means the push carries no identity."""
-
-    version: int
-    worker_id: int = 0
-    learning_rate: float = 0.0
-    dense: dict[str, torch.Tensor] = field(default_factory=dict)
-    sparse: list[tuple[str, np.ndarray, torch.Tensor]] = field(default_factory=list)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    task_id: int = 0
-    minibatch: int = 0
-    num_records: int = 0
-
-    @property
-    def identity(self) -> Optional[tuple[int, int]]:
-        return (self.task_id, self.minibatch) if self.minibatch > 0 else None
-
-
-@dataclass(frozen=True)
-class PushResult:
-    accepted: bool
-    version: int
-    duplicate: bool = False
-
-
-@dataclass
-class _Group:
-    """Gradients summed for the next sync version, in units of the first push's
-    weight: ``dense = g0 + (n1/n0) g1 + ...`` (no copy for a group of one)."""
-
-    dense: dict[str, torch.Tensor] = field(default_factory=dict)
-    sparse: dict[str, list[tuple[np.ndarray, torch.Tensor, float]]] = \
-        field(default_factory=dict)
-    count: int = 0
-    weight0: float = 0.0
-    total: float = 0.0
-    workers: set[int] = field(default_factory=set)
-    identities: dict[tuple[int, int], int] = field(default_factory=dict)
-    started: float = 0.0
-    done: bool = False
-    dropped: bool = False  # discarded by a rollback: its pushes were not applied
-    owned: set[str] = field(default_factory=set)  # dense sums that are our own tensors
-
-
 class PSShard:
     """One PS: parameters, optimizers, aggregation, versioning and the ledger.
 
@@ -149,7 +101,7 @@ class PSShard:
         self.row_optimizer: Optional[RowOptimizer] = None
         self.ledger = AppliedLedger()
         self.duplicates_ignored = 0
-        self._group = _Group()
+        self._group = Group()
         self._peers_absent = False
         self._absent_seen: set[int] = set()
         self._spread: Optional[float] = None  # EMA of first-to-last push time of a group
@@ -261,51 +213,11 @@ class PSShard:
             return self.version, list(self.ledger.entries(task_ids))
 
     # ------------------------------------------------------------- pushes
-    def validate(self, push: GradientPush) -> None:
-        """Check a push against this shard: names, shapes, dtypes, finite values.
-
-        Raises:
-            NotInitializedError: no model yet.
-            ValueError: the first problem found.
-        """
-        self._require_init()
-        p = self.params
-        if push.learning_rate:
-            raise ValueError(f"push sets learning_rate={push.learning_rate}: the learning "
-                             "rate is the optimizer's (the model's optimizer()); a client "
-                             "may not change it")
-        if push.minibatch < 0 or push.num_records < 0:
-            raise ValueError(f"minibatch ({push.minibatch}) and num_records "
-                             f"({push.num_records}) must be >= 0")
-        for name, grad in push.dense.items():
-            param = p.dense.get(name)
-            if param is None:
-                raise ValueError(f"gradient for unknown parameter {name!r} on PS {p.ps_id}")
-            if not param.requires_grad:
-                raise ValueError(f"parameter {name!r} is not trainable ({param.dtype})")
-            _check_like(f"gradient of {name!r}", grad, param)
-            _check_finite(f"gradient of parameter {name!r}", grad, push)
-        for name, value in push.buffers.items():
-            buf = p.buffers.get(name)
-            if buf is None:
-                raise ValueError(f"unknown buffer {name!r} on PS {p.ps_id}")
-            _check_like(f"buffer {name!r}", value, buf)
-        for table_name, ids, grad in push.sparse:
-            table = p.table(table_name)
-            what = f"gradient of table {table_name!r}"
-            if ids.ndim != 1:
-                raise ValueError(f"{what}: ids must be 1-D")
-            expected = (ids.shape[0], table.spec.dim)
-            if tuple(grad.shape) != expected or grad.dtype != table.spec.dtype:
-                raise ValueError(f"{what}: values {dtype_name(grad.dtype)}{list(grad.shape)}, "
-                                 f"expected {dtype_name(table.spec.dtype)}{list(expected)}")
-            table.check_ids(ids, what)
-            _check_finite(what, grad, push)
-
     def push_gradients(self, push: GradientPush) -> PushResult:
         """Validate and aggregate/apply a push."""
         with self._cond:
-            self.validate(push)
+            self._require_init()
+            validate(self.params, push)
             ident = push.identity
             if ident is not None and self.ledger.seen(*ident):
                 self.duplicates_ignored += 1
@@ -320,8 +232,8 @@ class PSShard:
                 lr = None
                 if self.config.lr_staleness_modulation and staleness > 1:
                     lr = self._base_lr() / staleness
-                g = _Group()
-                self._add(g, push)
+                g = Group()
+                g.add(push)
                 self._apply_group(g, lr)
                 return PushResult(True, self.version)
             self._note_peer(push.worker_id)
@@ -333,7 +245,7 @@ class PSShard:
             if ident is not None and ident in g.identities:  # a repeat of a pending push
                 self.duplicates_ignored += 1
                 return self._wait(g, push.worker_id, duplicate=True)
-            self._add(g, push)
+            g.add(push)
             if g.count >= self.config.grads_to_wait or self._peers_absent:
                 self._complete(g)
                 return PushResult(True, self.version)
@@ -348,33 +260,7 @@ class PSShard:
                             self.config.ps_id)
                 self._peers_absent = False
 
-    def _add(self, g: _Group, push: GradientPush) -> None:
-        weight = float(push.num_records or 1)
-        if g.count == 0:
-            g.weight0 = weight
-            g.started = time.monotonic()
-        rel = weight / g.weight0
-        for name, grad in push.dense.items():
-            acc = g.dense.get(name)
-            if acc is None:
-                # may be a read-only view of the received bytes: never written into
-                g.dense[name] = grad if rel == 1.0 else grad * rel
-                if rel != 1.0:
-                    g.owned.add(name)
-            elif name not in g.owned:
-                g.dense[name] = torch.add(acc, grad, alpha=rel)  # ours from now on
-                g.owned.add(name)
-            else:
-                acc.add_(grad, alpha=rel)
-        for table, ids, grad in push.sparse:
-            g.sparse.setdefault(table, []).append((ids, grad, rel))
-        g.count += 1
-        g.total += weight
-        g.workers.add(push.worker_id)
-        if push.identity is not None:
-            g.identities[push.identity] = push.num_records
-
-    def _wait(self, g: _Group, worker_id: int, duplicate: bool = False) -> PushResult:
+    def _wait(self, g: Group, worker_id: int, duplicate: bool = False) -> PushResult:
         """Wait until group ``g`` was applied; apply it as it is when the wait expires."""
         cfg = self.config
         wait_s = cfg.sync_wait_s if self._spread is None else \
@@ -396,13 +282,13 @@ class PSShard:
             self._cond.wait(left)
         return PushResult(not g.dropped, self.version, duplicate)
 
-    def _complete(self, g: _Group) -> None:
+    def _complete(self, g: Group) -> None:
         """Apply the pending group ``g`` (lock held)."""
         if len(g.workers) > 1 and g.count >= self.config.grads_to_wait:
             spread = time.monotonic() - g.started
             self._spread = spread if self._spread is None else 0.8 * self._spread + 0.2 * spread
             self._wait_scale = 1.0
-        self._group = _Group()
+        self._group = Group()
         self._apply_group(g, None)
 
     def _drop_group(self) -> None:
@@ -412,7 +298,7 @@ class PSShard:
         if g.count:
             logger.warning("PS %d: %d pending push(es) discarded", self.config.ps_id, g.count)
         g.done = g.dropped = True
-        self._group = _Group()
+        self._group = Group()
         self._cond.notify_all()
 
     def _base_lr(self) -> float:
@@ -422,7 +308,7 @@ class PSShard:
             return self.row_optimizer.lr
         return 0.0
 
-    def _apply_group(self, g: _Group, lr: Optional[float]) -> None:
+    def _apply_group(self, g: Group, lr: Optional[float]) -> None:
         """Step the optimizers with the record-weighted average of ``g``, bump the
         version, record its identities (lock held)."""
         scale = g.weight0 / g.total if g.total else 1.0
@@ -450,7 +336,7 @@ class PSShard:
                                    "row optimizer")
             for table_name, parts in g.sparse.items():
                 table = self.params.tables[table_name]
-                ids, grad = _coalesce(parts)
+                ids, grad = coalesce(parts)
                 slots = table.slots(ids)
                 self.row_optimizer.apply(table, slots, grad.mul_(scale), lr)
         self.params.version += 1
@@ -499,41 +385,3 @@ class PSShard:
                 "tables": {n: t.state_dict() for n, t in p.tables.items()},
                 "ledger": self.ledger.state_dict(),
             }
-
-
-def _check_like(what: str, value: torch.Tensor, ref: torch.Tensor) -> None:
-    if value.dtype != ref.dtype:
-        raise ValueError(f"{what}: dtype {dtype_name(value.dtype)} does not match "
-                         f"{dtype_name(ref.dtype)}")
-    if value.shape != ref.shape:
-        raise ValueError(f"{what}: shape {list(value.shape)} does not match {list(ref.shape)}")
-
-
-def _check_finite(what: str, value: torch.Tensor, push: GradientPush) -> None:
-    if value.dtype.is_floating_point and not bool(torch.isfinite(value).all()):
-        kind = "NaN" if bool(torch.isnan(value).any()) else "Inf"
-        where = f" (task {push.task_id}, minibatch {push.minibatch})" if push.minibatch else ""
-        raise ValueError(f"{what} contains {kind} values{where}, from worker "
-                         f"{push.worker_id}; gradients must be finite")
-
-
-def _coalesce(parts: list[tuple[np.ndarray, torch.Tensor, float]]
-              ) -> tuple[np.ndarray, torch.Tensor]:
-    """Sum the (weighted) gradients of repeated ids; returns unique ids and their rows."""
-    if len(parts) == 1:
-        ids, grad, w = parts[0]
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        if w != 1.0:
-            grad = grad * w
-            w = 1.0
-        if uniq.shape[0] == ids.shape[0]:
-            order = np.argsort(ids, kind="stable")
-            out = grad.index_select(0, torch.from_numpy(order))
-            return ids[order], out
-    else:
-        ids = np.concatenate([p[0] for p in parts])
-        grad = torch.cat([p[1] * p[2] if p[2] != 1.0 else p[1] for p in parts])
-        uniq, inverse = np.unique(ids, return_inverse=True)
-    out = torch.zeros((uniq.shape[0], grad.shape[1]), dtype=grad.dtype)
-    out.index_add_(0, torch.from_numpy(inverse.reshape(-1)), grad)
-    return uniq, out
