@@ -342,3 +342,26 @@ def test_item11_ps_process_rss_with_a_2_31_row_table_stays_under_200mb():
     m = importlib.import_module("ps_memory").measure(1 << 31, 100_000, 8)
     assert m["rows"] > 99_000
     assert m["touched_mb"] - m["before_mb"] < 200, m
+
+
+def test_item4_identity_and_records_travel_on_unary_and_streamed_pushes():
+    with local_ps(1, sgd(0.1)) as cluster:
+        client = PSClient(cluster.addrs, rpc_timeout_s=10, reconnect_timeout_s=2,
+                          chunk_bytes=8)
+        try:
+            client.push_model(0, {"w": W}, {}, [])
+            g = torch.ones(2, 3)
+            assert client.push_gradients(0, 0, {"w": g}, identity=(5, 1, 3)).result() == \
+                (True, 1)
+            stream = client.open_push_stream(0, 1, identity=(5, 2, 4))
+            stream.put_dense("w", g)
+            assert stream.finish() == (True, 2)
+            stream = client.open_push_stream(0, 2, identity=(5, 2, 4))  # a repeat
+            stream.put_dense("w", g)
+            assert stream.finish() == (True, 2)
+            assert [(t, mb, n) for t, mb, n, _ in cluster.shards[0].ledger.entries()] == \
+                [(5, 1, 3), (5, 2, 4)]
+            assert torch.allclose(cluster.shards[0].params.dense["w"].detach(), W - 0.2)
+            assert client.applied_minibatches(5) == ({1: 3, 2: 4}, 2)
+        finally:
+            client.close()
