@@ -5,6 +5,7 @@ See :mod:`elasticdl.ps.shard` for how they are used.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -142,7 +143,12 @@ def _check_like(what: str, value: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _check_finite(what: str, value: torch.Tensor, push: GradientPush) -> None:
-    if value.dtype.is_floating_point and not bool(torch.isfinite(value).all()):
+    """Raise ValueError for NaN/Inf values. A sum (no temporary tensor) finds them;
+    only a non-finite sum - NaN/Inf inside, or an overflow of huge finite values -
+    is checked element-wise."""
+    if not value.dtype.is_floating_point or math.isfinite(float(value.sum())):
+        return
+    if not bool(torch.isfinite(value).all()):
         kind = "NaN" if bool(torch.isnan(value).any()) else "Inf"
         where = f" (task {push.task_id}, minibatch {push.minibatch})" if push.minibatch else ""
         raise ValueError(f"{what} contains {kind} values{where}, from worker "
