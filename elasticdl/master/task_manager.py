@@ -505,6 +505,7 @@ class TaskManager:
                 done = partial.get(task.task_id, 0)
                 if done:
                     ledger[task.epoch]["records_completed"] += done
+                    ledger[task.epoch]["records_applied"] += done
                 if task.start + done < task.end:
                     pending.append([task.shard_name, task.start + done, task.end, task.epoch])
             return {"epochs_created": self._epochs_created, "pending": pending,
@@ -518,7 +519,9 @@ class TaskManager:
                 raise RuntimeError("load_state_dict on a task manager already in use")
             self._todo = deque(t for t in self._todo if t.type != TaskType.TRAINING)
             self._epochs_created = int(state["epochs_created"])
-            self.ledger = {int(e): EpochLedger(**v) for e, v in state["ledger"].items()}
+            # a data position saved before records_applied existed: what was done was applied
+            self.ledger = {int(e): EpochLedger(**{"records_applied": v["records_completed"],
+                                                  **v}) for e, v in state["ledger"].items()}
             self._epoch_open_tasks = {e: 0 for e in self.ledger}
             for name, start, end, epoch in state["pending"]:
                 self._todo.append(self._new_task(TaskType.TRAINING, name, int(start), int(end),
