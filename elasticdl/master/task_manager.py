@@ -331,10 +331,11 @@ class TaskManager:
             logger.warning("task %d: applied records read at PS version %d, before the "
                            "rollback to %d; re-queued", task.task_id, at, self.rollback_version)
             return True
-        if applied < task.num_records:
+        expected = min(task.num_records, counters.get("records_read", task.num_records))
+        if applied < expected:
             logger.warning("task %d reported done but the PS applied %d of its %d records; "
                            "re-queued (it resumes after the applied minibatches)",
-                           task.task_id, applied, task.num_records)
+                           task.task_id, applied, expected)
             return True
         return False
 

@@ -115,10 +115,12 @@ class TaskLoop:
             self.run_task(task)
 
     def run_task(self, task: Task) -> None:
+        counters: dict[str, int] = {}
         try:
             records = self._read(task)
             if task.type == TaskType.TRAINING:
                 self._train(task, records)
+                counters = self.trainer.finish_task(task)  # e.g. what the PS applied
             elif task.type == TaskType.EVALUATION:
                 self.source.report_evaluation(task, self._evaluate(task, records))
             elif task.type == TaskType.PREDICTION:
@@ -132,7 +134,8 @@ class TaskLoop:
         except Exception as e:  # reported with its traceback, then re-raised
             self.source.report_task(task, f"{type(e).__name__}: {e}", traceback.format_exc())
             raise
-        counters = self.trainer.finish_task(task) if task.type == TaskType.TRAINING else {}
+        if counters:
+            counters["records_read"] = len(records)  # a reader may return fewer
         self.source.report_task(task, counters=counters)
         self.stats.tasks += 1
         for cb in self.after_task:

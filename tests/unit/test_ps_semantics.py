@@ -365,3 +365,11 @@ def test_item4_identity_and_records_travel_on_unary_and_streamed_pushes():
             assert client.applied_minibatches(5) == ({1: 3, 2: 4}, 2)
         finally:
             client.close()
+
+
+def test_item4_task_whose_reader_returned_fewer_records_counts_what_was_read():
+    tm = TaskManager([("a", 0, 8)], records_per_task=8)
+    t = tm.get(1)
+    tm.report(t.task_id, 1, True, counters={"records_applied": 6, "records_read": 6})
+    assert tm.finished()  # not re-queued forever
+    assert tm.epochs_report()[0]["records_applied"] == 6
