@@ -63,8 +63,9 @@ def ps_worker(rank: int, addr: str, steps: int, batch: int, q) -> None:
     trainer = PSTrainer(load_model_spec(ZOO, MODEL_DEF), [addr], job, rank,
                         torch.device("cpu"))
     times = []
-    for features, labels in _batches(steps, batch, rank):
+    for step, (features, labels) in enumerate(_batches(steps, batch, rank)):
         start = time.perf_counter()
+        trainer.set_position(rank + 1, step + 1, batch)  # exactly-once identity, as a task
         trainer.train_minibatch(features, labels)
         times.append(time.perf_counter() - start)
     trainer.close()

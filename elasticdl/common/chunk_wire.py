@@ -179,10 +179,12 @@ def dense_chunk_bytes(initialized: bool, version: int, is_buffer: bool,
 
 
 def gradient_chunk_bytes(chunk_parts: list[Buffer], version: int = 0, worker_id: int = 0,
-                         learning_rate: float = 0.0) -> bytes:
+                         learning_rate: float = 0.0, task_id: int = 0, minibatch: int = 0,
+                         num_records: int = 0) -> bytes:
     """A serialised ``GradientChunk`` holding a dense ``TensorChunk`` (one copy)."""
-    head = pb.GradientChunk(version=version, worker_id=worker_id,
-                            learning_rate=learning_rate).SerializeToString()
+    head = pb.GradientChunk(version=version, worker_id=worker_id, learning_rate=learning_rate,
+                            task_id=task_id, minibatch=minibatch,
+                            num_records=num_records).SerializeToString()
     return b"".join([head, *_wrap(b"\x22", chunk_parts)])
 
 
@@ -217,6 +219,9 @@ class GradientChunkView:
     dense: Optional[ChunkView] = None
     sparse: Optional[pb.EmbeddingRows] = None
     buffer: Optional[pb.Tensor] = None
+    task_id: int = 0
+    minibatch: int = 0
+    num_records: int = 0
     error: str = ""  # set by parse_gradient_chunk_or_error instead of raising
 
 
@@ -240,6 +245,12 @@ def parse_gradient_chunk(data: bytes) -> GradientChunkView:
             out.sparse = _sub(pb.EmbeddingRows, value)
         elif number == 6 and wire == 2:
             out.buffer = _sub(pb.Tensor, value)
+        elif number == 7 and wire == 0:
+            out.task_id = _signed(value)
+        elif number == 8 and wire == 0:
+            out.minibatch = _signed(value)
+        elif number == 9 and wire == 0:
+            out.num_records = _signed(value)
     return out
 
 

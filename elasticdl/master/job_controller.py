@@ -16,6 +16,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import grpc
+
 from elasticdl.cluster.api import (
     Cluster,
     ClusterError,
@@ -27,6 +29,7 @@ from elasticdl.cluster.api import (
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
+from elasticdl.master import ps_rollback
 from elasticdl.master.policy import Action, RelaunchPolicy
 from elasticdl.master.task_manager import TaskManager
 
@@ -94,11 +97,39 @@ class JobController:
                            env=parse_envs(s.envs), resource_requests=parse_resources(req),
                            resource_limits=parse_resources(lim), priority=prio, port=port)
 
-    def _launch_ps(self, index: int) -> None:
+    def _launch_ps(self, index: int, extra: tuple[str, ...] = ()) -> None:
         port = self._ps_ports[index]
         cmd = ["python", "-m", "elasticdl.ps.main", f"--ps_id={index}",
-               f"--num_ps={self.spec.num_ps_pods}", f"--port={port}"] + self._common_flags()
+               f"--num_ps={self.spec.num_ps_pods}", f"--port={port}", *extra] + \
+            self._common_flags()
         self.cluster.create_replica(self._replica(ReplicaType.PS, index, cmd, port))
+
+    def _relaunch_ps(self, index: int) -> None:
+        """Relaunch a dead PS; with a complete checkpoint, roll every PS back to it
+        (no mixed versions) and re-queue the work after it (see ps_rollback)."""
+        version = ps_rollback.newest_version(self.spec.checkpoint_dir)
+        if version is None:
+            logger.warning("PS %d relaunched without a checkpoint: it takes a worker's "
+                           "current model; updates it held are lost", index)
+            self._launch_ps(index)
+            return
+        self._launch_ps(index, ("--await_rollback",))
+        threading.Thread(target=self._rollback_ps, args=(version,), daemon=True,
+                         name=f"ps-rollback-{version}").start()
+
+    def _rollback_ps(self, version: int) -> None:
+        try:
+            new_version, applied = ps_rollback.rollback_all(self.ps_addrs, version)
+        except (grpc.RpcError, TimeoutError) as e:
+            logger.error("PS rollback to checkpoint version %d failed: %s", version, e)
+            self._fail("master", f"PS rollback to checkpoint version {version} failed: {e}",
+                       "")
+            return
+        self.tm.rollback(applied, new_version)
+        with self._lock:
+            self._max_version = max(self._max_version, new_version)
+        self.report.extra.setdefault("ps_rollbacks", []).append(
+            {"checkpoint_version": version, "new_version": new_version})
 
     def _launch_worker(self, lineage: Optional[int] = None) -> int:
         with self._lock:
@@ -207,7 +238,7 @@ class JobController:
                 new_id = self._launch_worker(lineage=self._lineage.get(event.index, event.index))
                 new_name = f"worker-{new_id}"
             else:
-                self._launch_ps(event.index)
+                self._relaunch_ps(event.index)
                 new_name = event.name
         except ClusterError as e:
             logger.error("relaunch of %s failed: %s", event.name, e)

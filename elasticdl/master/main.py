@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Optional
@@ -82,7 +83,10 @@ def build_task_manager(spec: JobSpec) -> TaskManager:
     return TaskManager(records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
                        shuffle=spec.shuffle, seed=spec.seed,
                        max_task_retries=spec.max_task_retries,
-                       task_timeout_s=spec.task_timeout_s, **shards_for(readers, spec))
+                       task_timeout_s=spec.task_timeout_s,
+                       # a new id range per run: no task matches a PS ledger of an earlier run
+                       first_task_id=int(time.time() * 1000) << 16,
+                       **shards_for(readers, spec))
 
 
 def _rendezvous(spec: JobSpec, host: str) -> Optional[object]:

@@ -43,8 +43,10 @@ class JobHooks(Protocol):
 
 
 
-COUNTERS = frozenset({"nonfinite_steps_skipped"})   # what report_task_result may carry
-MAX_COUNTER = 1 << 40
+# what report_task_result may carry (see TaskManager.report)
+COUNTERS = frozenset({"records_applied", "applied_at_version", "records_read",
+                      "records_skipped", "nonfinite_steps_skipped"})
+MAX_COUNTER = (1 << 53) - 1
 
 
 class _Invalid(Exception):
@@ -152,7 +154,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         if request.task_type not in (pb.NONE, pb.TRAINING, pb.EVALUATION, pb.PREDICTION):
             raise _Invalid(f"cannot ask for task type {request.task_type}")
         wanted = None if request.task_type == pb.NONE else TaskType(request.task_type)
-        task = self.task_manager.get(worker_id, wanted)
+        task = self.task_manager.get(worker_id, wanted, request_id=request.request_id)
         msg = task_to_proto(task)
         if task.type == TaskType.NONE and self.task_manager.finished() and \
                 self.hooks.claim_export(worker_id):

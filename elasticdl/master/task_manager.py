@@ -13,7 +13,15 @@ Ledger rules (they make ``job_report.json`` trustworthy):
 * records of a task handed out again after a failure, a dead worker or a
   timeout are added to ``records_redone`` of the task's epoch;
 * a task that fails ``max_task_retries`` times (or once with ``fatal``) fails
-  the job with that task and its last error as the root cause.
+  the job with that task and its last error as the root cause;
+* ParameterServerStrategy: a worker reports with a task how many of its
+  records the PS applied (``records_applied``, read back from the PS's
+  applied-identity ledgers); a task counts only when all its records were
+  applied, else it is re-queued and the next holder resumes after the
+  minibatches already applied. ``records_applied`` of a finished epoch is then
+  the dataset size, each record applied exactly once. After a PS rollback
+  (:meth:`rollback`) tasks whose records are no longer all applied are
+  re-queued.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -83,6 +91,12 @@ class EpochLedger:
     records_completed: int = 0
     records_redone: int = 0
     tasks_completed: int = 0
+    records_applied: int = 0
+
+
+# Counters of tasks that count as done, summed into TaskManager.counters (the
+# others, e.g. records_applied, are per-task figures the ledger uses directly).
+SUMMED_COUNTERS = frozenset({"nonfinite_steps_skipped", "records_skipped"})
 
 
 @dataclass
@@ -127,7 +141,10 @@ class TaskManager:
         max_task_retries: attempts of one task before the job fails.
         task_timeout_s: reassign a task held longer than this; 0 means three
             times the median task duration seen so far, at least
-            ``min_task_timeout_s``.
+            ``min_task_timeout_s`` (``initial_task_timeout_s`` until three
+            tasks were done, so a hung worker never blocks the job forever).
+        first_task_id: ids start here (the master starts each run at a new
+            value: a PS ledger from an earlier run never matches a new task).
     """
 
     def __init__(
@@ -143,6 +160,8 @@ class TaskManager:
         task_timeout_s: float = 0.0,
         min_task_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        initial_task_timeout_s: float = 600.0,
+        first_task_id: int = 0,
     ):
         if records_per_task < 1:
             raise ValueError(f"records_per_task must be >= 1, got {records_per_task}")
@@ -160,7 +179,12 @@ class TaskManager:
         self.max_task_retries = max_task_retries
         self._task_timeout_s = task_timeout_s
         self._min_task_timeout_s = min_task_timeout_s
-        self._next_id = 0
+        self._initial_task_timeout_s = initial_task_timeout_s
+        self._next_id = first_task_id
+        self._last_get: dict[int, tuple[int, Task]] = {}  # worker -> (request id, task)
+        self._applied_by_task: dict[int, int] = {}  # records_applied counted per task
+        self.rollback_version = -1
+        self._done_tasks: dict[int, Task] = {}
         self._todo: deque[Task] = deque()
         self._eval_todo: deque[Task] = deque()
         self._doing: dict[int, _Doing] = {}
@@ -220,14 +244,25 @@ class TaskManager:
             return True
 
     # ------------------------------------------------------------ dispatch
-    def get(self, worker_id: int, task_type: Optional[TaskType] = None) -> Task:
+    def get(self, worker_id: int, task_type: Optional[TaskType] = None,
+            request_id: int = 0) -> Task:
         """Next task for ``worker_id``: a real task, ``WAIT_TASK`` or ``NO_MORE_TASKS``.
 
-        Evaluation tasks go first. ``task_type`` restricts the kind served.
+        Evaluation tasks go first. ``task_type`` restricts the kind served. A
+        repeated non-zero ``request_id`` (a client's retry after a lost reply)
+        gets the task handed out for it the first time, if still held.
         """
         with self._lock:
             if self.failure is not None:
                 return NO_MORE_TASKS
+            if request_id:
+                last = self._last_get.get(worker_id)
+                if last is not None and last[0] == request_id:
+                    doing = self._doing.get(last[1].task_id)
+                    if doing is not None and doing.worker_id == worker_id:
+                        logger.info("worker %d retried get_task %d: task %d again",
+                                    worker_id, request_id, last[1].task_id)
+                        return last[1]
             self._reassign_stragglers()
             task = self._pop(task_type)
             if task is None:
@@ -236,6 +271,8 @@ class TaskManager:
             past = prev.past | {_holder(prev.worker_id)} if prev else frozenset()
             self._doing[task.task_id] = _Doing(task, worker_id, self._clock(), past)
             self._workers_seen.add(worker_id)
+            if request_id:
+                self._last_get[worker_id] = (request_id, task)
             return task
 
     def held_task(self, task_id: int) -> tuple[Optional[Task], frozenset[int]]:
@@ -274,9 +311,14 @@ class TaskManager:
 
     def report(self, task_id: int, worker_id: int, success: bool, error: str = "",
                traceback: str = "", fatal: bool = False,
-               counters: Optional[dict[str, int]] = None) -> None:
-        """Record the outcome of a task. Unknown or already-counted ids are ignored;
-        ``counters`` of a task that counts as done are added to :attr:`counters`."""
+               counters: Optional[Mapping[str, int]] = None) -> None:
+        """Record the outcome of a task. Unknown or already-counted ids are ignored.
+
+        ``counters``: ``records_applied`` (what the PS applied of the task; absent:
+        all of it, as for strategies without PS) and ``applied_at_version`` (the
+        PS version that figure was read at; older than the last rollback: stale).
+        """
+        counters = counters or {}
         epoch_done: Optional[int] = None
         eval_done: Optional[int] = None
         with self._lock:
@@ -297,11 +339,20 @@ class TaskManager:
                 del self._doing[task_id]
                 self._handle_failure(task, worker_id, error, traceback, fatal)
                 return
+            applied = counters.get("records_applied", task.num_records)
+            if task.type == TaskType.TRAINING and self._short(task, applied, counters):
+                if doing.worker_id == worker_id:
+                    del self._doing[task_id]
+                    self._requeue(task, redone=max(task.num_records - applied, 0))
+                return
             del self._doing[task_id]
             self._completed.add(task_id)
-            for name, value in (counters or {}).items():
-                self.counters[name] = self.counters.get(name, 0) + int(value)
+            for name in SUMMED_COUNTERS & counters.keys():
+                self.counters[name] = self.counters.get(name, 0) + int(counters[name])
             self._durations.append(self._clock() - doing.started)
+            if task.type == TaskType.TRAINING:
+                self.ledger[task.epoch].records_applied += applied
+                self._applied_by_task[task_id] = applied
             epoch_done, eval_done = self._count_done(task)
         if epoch_done is not None:
             for cb in self.epoch_end_callbacks:
@@ -310,8 +361,55 @@ class TaskManager:
             for cb in self.evaluation_done_callbacks:
                 cb(eval_done)
 
+    def _short(self, task: Task, applied: int, counters: Mapping[str, int]) -> bool:
+        """Whether a task reported done still has records the PS did not apply."""
+        at = counters.get("applied_at_version")
+        if at is not None and at < self.rollback_version:
+            logger.warning("task %d: applied records read at PS version %d, before the "
+                           "rollback to %d; re-queued", task.task_id, at, self.rollback_version)
+            return True
+        expected = min(task.num_records, counters.get("records_read", task.num_records))
+        expected -= counters.get("records_skipped", 0)  # --skip_nonfinite_steps
+        if applied < expected:
+            logger.warning("task %d reported done but the PS applied %d of its %d records; "
+                           "re-queued (it resumes after the applied minibatches)",
+                           task.task_id, applied, expected)
+            return True
+        return False
+
+    def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
+        """The PS rolled back to a checkpoint whose ledgers hold ``applied``
+        (task -> records applied on every PS): done training tasks not fully in
+        it are re-queued (their records leave the epoch's counts). Returns them."""
+        with self._lock:
+            self.rollback_version = new_version
+            lost = []
+            for task_id in sorted(self._completed):
+                counted = self._applied_by_task.get(task_id)
+                if counted is None or applied.get(task_id, 0) >= counted:
+                    continue
+                task = self._find_done(task_id)
+                led = self.ledger[task.epoch]
+                led.records_completed -= task.num_records
+                led.records_applied -= counted
+                led.tasks_completed -= 1
+                if self._epoch_open_tasks.get(task.epoch, 0) == 0:
+                    logger.warning("epoch %d was complete; reopened by the rollback", task.epoch)
+                self._epoch_open_tasks[task.epoch] = self._epoch_open_tasks.get(task.epoch, 0) + 1
+                self._completed.discard(task_id)
+                del self._applied_by_task[task_id]
+                self._requeue(task, redone=counted - applied.get(task_id, 0))
+                lost.append(task_id)
+            logger.warning("PS rollback (versions continue at %d): %d done task(s) re-queued: %s",
+                           new_version, len(lost), lost)
+            return lost
+
+    def _find_done(self, task_id: int) -> Task:
+        return self._done_tasks[task_id]
+
     def _count_done(self, task: Task) -> tuple[Optional[int], Optional[int]]:
         if task.type == TaskType.TRAINING:
+            self._done_tasks[task.task_id] = task
             led = self.ledger[task.epoch]
             led.records_completed += task.num_records
             led.tasks_completed += 1
@@ -343,8 +441,8 @@ class TaskManager:
                        task.task_id, worker_id, attempts, self.max_task_retries, error)
         self._requeue(task)
 
-    def _requeue(self, task: Task) -> None:
-        self._ledger_for(task).records_redone += task.num_records
+    def _requeue(self, task: Task, redone: Optional[int] = None) -> None:
+        self._ledger_for(task).records_redone += task.num_records if redone is None else redone
         if task.type == TaskType.EVALUATION:
             self._eval_todo.appendleft(task)
         else:
@@ -373,7 +471,7 @@ class TaskManager:
         if self._task_timeout_s > 0:
             return self._task_timeout_s
         if len(self._durations) < 3:
-            return float("inf")
+            return max(self._initial_task_timeout_s, 3 * max(self._durations, default=0.0))
         return max(self._min_task_timeout_s, 3 * statistics.median(self._durations))
 
     def _reassign_stragglers(self) -> None:
@@ -410,7 +508,8 @@ class TaskManager:
     def epochs_report(self) -> list[dict[str, int]]:
         with self._lock:
             return [{"epoch": e, "records_completed": led.records_completed,
-                     "records_redone": led.records_redone}
+                     "records_redone": led.records_redone,
+                     "records_applied": led.records_applied}
                     for e, led in sorted(self.ledger.items())]
 
     def training_records_left(self) -> int:
@@ -445,6 +544,7 @@ class TaskManager:
                 done = partial.get(task.task_id, 0)
                 if done:
                     ledger[task.epoch]["records_completed"] += done
+                    ledger[task.epoch]["records_applied"] += done
                 if task.start + done < task.end:
                     pending.append([task.shard_name, task.start + done, task.end, task.epoch])
             return {"epochs_created": self._epochs_created, "pending": pending,
@@ -458,7 +558,9 @@ class TaskManager:
                 raise RuntimeError("load_state_dict on a task manager already in use")
             self._todo = deque(t for t in self._todo if t.type != TaskType.TRAINING)
             self._epochs_created = int(state["epochs_created"])
-            self.ledger = {int(e): EpochLedger(**v) for e, v in state["ledger"].items()}
+            # a data position saved before records_applied existed: what was done was applied
+            self.ledger = {int(e): EpochLedger(**{"records_applied": v["records_completed"],
+                                                  **v}) for e, v in state["ledger"].items()}
             self._epoch_open_tasks = {e: 0 for e in self.ledger}
             for name, start, end, epoch in state["pending"]:
                 self._todo.append(self._new_task(TaskType.TRAINING, name, int(start), int(end),

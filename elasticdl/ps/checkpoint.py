@@ -134,8 +134,13 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
     opt_state = shards[cfg.ps_id]["optimizer"] if same_layout else \
         _regroup_optimizer(shards, dense)
     tables = _tables_of(shards)
-    shard.initialize(version, dense, buffers, [t["spec"] for t in tables.values()],
-                     optimizer_state=opt_state)
+    # the ledger says which pushes these parameters contain; with a different
+    # number of PS a push is in the restored state only if every old shard has it
+    ledger = shards[cfg.ps_id].get("ledger") if same_layout else _common_ledger(shards)
+    if not shard.initialize(version, dense, buffers, [t["spec"] for t in tables.values()],
+                            optimizer_state=opt_state, ledger=ledger):
+        raise ckpt.CheckpointError(f"PS {cfg.ps_id} is already initialised; cannot restore "
+                                   f"{version_dir}")
     with shard.lock:
         for name, t in tables.items():
             mine = t["ids"] % cfg.num_ps == cfg.ps_id
@@ -146,6 +151,28 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
     logger.info("PS %d restored version %d from %s (%d shards -> %d PS)", cfg.ps_id, version,
                 version_dir, len(shards), cfg.num_ps)
     return version
+
+
+def _common_ledger(shards: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    logs = [s["ledger"] for s in shards if s.get("ledger") is not None]
+    if len(logs) != len(shards):
+        return None
+    common = set.intersection(*({(int(r[0]), int(r[1])) for r in log["log"].tolist()}
+                                for log in logs))
+    rows = [r for r in logs[0]["log"].tolist() if (r[0], r[1]) in common]
+    return {"log": torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)}
+
+
+def version_dir_of(checkpoint_dir: str, version: int) -> str:
+    """The directory of complete version ``version``.
+
+    Raises:
+        CheckpointError: that version is not complete in ``checkpoint_dir``.
+    """
+    if version not in ckpt.complete_versions(checkpoint_dir):
+        raise ckpt.CheckpointError(f"no complete checkpoint version {version} in "
+                                   f"{checkpoint_dir}")
+    return ckpt.version_dir(checkpoint_dir, version)
 
 
 def _regroup_optimizer(shards: list[dict[str, Any]],

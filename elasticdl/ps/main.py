@@ -13,6 +13,7 @@ writes its shard every ``--checkpoint_steps`` versions.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -48,6 +49,7 @@ class PSArgs:
     sync_wait_s: float = 30.0
     sync_wait_min_s: float = 1.0
     grace_s: float = 2.0
+    await_rollback: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.ps_id < self.num_ps:
@@ -69,6 +71,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PSArgs:
                    help="sync mode: longest wait of a push for its group to be applied")
     p.add_argument("--sync_wait_min_s", type=float, default=1.0,
                    help="sync mode: shortest such wait (the wait adapts in between)")
+    p.add_argument("--await_rollback", action="store_true",
+                   help="a relaunched PS: serve training only after the master rolled every "
+                        "PS back to one checkpoint version")
     a = p.parse_args(argv)
     text = a.job_spec
     if text.startswith("@"):
@@ -76,7 +81,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PSArgs:
             text = f.read()
     return PSArgs(ps_id=a.ps_id, num_ps=a.num_ps, port=a.port, job_spec=JobSpec.from_json(text),
                   master_addr=a.master_addr, checkpoint_dir_for_init=a.checkpoint_dir_for_init,
-                  host=a.host, sync_wait_s=a.sync_wait_s, sync_wait_min_s=a.sync_wait_min_s)
+                  host=a.host, sync_wait_s=a.sync_wait_s, sync_wait_min_s=a.sync_wait_min_s,
+                  await_rollback=a.await_rollback)
 
 
 def shard_config(args: PSArgs) -> ShardConfig:
@@ -113,6 +119,7 @@ def build_shard(args: PSArgs) -> PSShard:
     source = restore_source(args)
     if source:
         ps_ckpt.restore_shard(shard, source)
+    shard.awaiting_rollback = args.await_rollback
     return shard
 
 
@@ -143,7 +150,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pass
     server.stop(args.grace_s).wait(args.grace_s + 1)
     logger.info("PS %d stopped at version %d", args.ps_id, shard.version)
+    write_ledger(shard, args.job_spec.output)
     return 0
+
+
+def write_ledger(shard: PSShard, output: str) -> None:
+    """``output/ps-<i>-ledger.json``: the applied-identity ledger at the end (audits)."""
+    if not output:
+        return
+    version, entries = shard.applied()
+    os.makedirs(output, exist_ok=True)
+    path = os.path.join(output, f"ps-{shard.config.ps_id}-ledger.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"version": version, "duplicates_ignored": shard.duplicates_ignored,
+                   "applied": [list(e) for e in entries]}, f)
+    logger.info("PS %d wrote its ledger (%d applied pushes) to %s", shard.config.ps_id,
+                len(entries), path)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,13 @@ the same initial value whichever PS creates it, in whatever order, and the
 same as the local table of :class:`elasticdl.api.layers.Embedding`; a table
 can be exported whole without ever creating all of its rows on a PS.
 
-Rows are found by a vectorised slot array (local index ``id // num_ps`` ->
-slot in one big weight tensor), so a pull of a million ids is a couple of
-numpy/torch gathers.
+Rows are found by a vectorised index (local index ``id // num_ps`` -> slot
+in one big weight tensor), so a pull of a million ids is a couple of
+numpy/torch gathers. The index is lazy like the rows: for up to
+``DIRECT_INDEX_MAX`` local ids a direct array (at most 32 MiB, allocated
+when the first row is created); beyond, a sorted id array searched with
+``np.searchsorted``, whose size grows with the rows created (16 bytes per
+row), so a 2^31-id table costs nothing until rows are touched.
 """
 
 from __future__ import annotations
@@ -100,6 +104,50 @@ def initial_rows(spec: str, seed: int, ids: np.ndarray, dim: int,
 
 
 # ------------------------------------------------------------------ tables
+DIRECT_INDEX_MAX = 1 << 22
+
+
+class SlotIndex:
+    """Local id -> slot of the rows present (-1: absent), vectorised."""
+
+    def __init__(self, local_size: int):
+        self.direct = local_size <= DIRECT_INDEX_MAX
+        self._local_size = max(local_size, 0)
+        self._array: Optional[np.ndarray] = None  # direct mode
+        self._keys = np.empty(0, dtype=np.int64)  # sorted mode
+        self._values = np.empty(0, dtype=np.int64)
+
+    def find(self, local: np.ndarray) -> np.ndarray:
+        if self.direct:
+            if self._array is None:
+                return np.full(local.shape[0], -1, dtype=np.int64)
+            return self._array[local]
+        if self._keys.shape[0] == 0:
+            return np.full(local.shape[0], -1, dtype=np.int64)
+        pos = np.searchsorted(self._keys, local)
+        np.minimum(pos, self._keys.shape[0] - 1, out=pos)
+        return np.where(self._keys[pos] == local, self._values[pos], -1)
+
+    def insert(self, local: np.ndarray, slots: np.ndarray) -> None:
+        """Add ids not present yet."""
+        if self.direct:
+            if self._array is None:
+                self._array = np.full(self._local_size, -1, dtype=np.int64)
+            self._array[local] = slots
+            return
+        order = np.argsort(local, kind="stable")
+        local, slots = local[order], slots[order]
+        pos = np.searchsorted(self._keys, local)
+        self._keys = np.insert(self._keys, pos, local)
+        self._values = np.insert(self._values, pos, slots)
+
+    @property
+    def nbytes(self) -> int:
+        if self.direct:
+            return 0 if self._array is None else self._array.nbytes
+        return self._keys.nbytes + self._values.nbytes
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """An embedding table as its layer declares it."""
@@ -153,7 +201,8 @@ class EmbeddingTable:
         self.ps_id = ps_id
         self.num_ps = num_ps
         local = (spec.num_embeddings - ps_id + num_ps - 1) // num_ps
-        self._slot = np.full(max(local, 0), -1, dtype=np.int64)
+        self._index = SlotIndex(local)
+        capacity = min(capacity, max(local, 1))
         self.weights = torch.empty((capacity, spec.dim), dtype=spec.dtype)
         self.row_ids = np.empty(capacity, dtype=np.int64)
         self.state: dict[str, torch.Tensor] = {}
@@ -189,7 +238,7 @@ class EmbeddingTable:
         """Slot of each id (validated), creating missing rows when ``create``."""
         self.check_ids(ids)
         local = ids // self.num_ps
-        slots = self._slot[local]
+        slots = self._index.find(local)
         missing = slots < 0
         if missing.any():
             if not create:
@@ -197,7 +246,7 @@ class EmbeddingTable:
                                  "were never created")
             new_ids = np.unique(ids[missing])
             self._add_rows(new_ids, self.spec.initial_rows(new_ids))
-            slots = self._slot[local]
+            slots = self._index.find(local)
         return torch.from_numpy(slots)
 
     def _grow(self, need: int) -> None:
@@ -224,7 +273,7 @@ class EmbeddingTable:
         self._grow(start + n)
         self.weights[start:start + n] = values
         self.row_ids[start:start + n] = ids
-        self._slot[ids // self.num_ps] = np.arange(start, start + n, dtype=np.int64)
+        self._index.insert(ids // self.num_ps, np.arange(start, start + n, dtype=np.int64))
         for name, rows in (state or {}).items():
             if name in self.state:
                 self.state[name][start:start + n] = rows
@@ -237,7 +286,7 @@ class EmbeddingTable:
             slots = self.slots(ids)  # first: creating rows may replace self.weights
             return self.weights.index_select(0, slots)
         self.check_ids(ids)
-        slots_np = self._slot[ids // self.num_ps]
+        slots_np = self._index.find(ids // self.num_ps)
         present = slots_np >= 0
         if present.all():
             return self.weights.index_select(0, torch.from_numpy(slots_np))

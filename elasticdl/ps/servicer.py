@@ -27,7 +27,13 @@ from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps import checkpoint as ps_ckpt
 from elasticdl.ps.parameters import TableSpec
-from elasticdl.ps.shard import GradientPush, NotInitializedError, PSShard
+from elasticdl.ps.shard import (
+    GradientPush,
+    NotInitializedError,
+    PSShard,
+    PushResult,
+    RollbackPendingError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +54,8 @@ def _guard(method: Callable[..., T]) -> Callable[..., T]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(e)))
         except NotInitializedError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, short(str(e)))
+        except RollbackPendingError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, short(str(e)))
         except (CheckpointError, OSError) as e:
             logger.error("%s failed: %s", method.__name__, e)
             context.abort(grpc.StatusCode.INTERNAL, short(f"{type(e).__name__}: {e}"))
@@ -93,6 +101,11 @@ def check_push_header(version: int, worker_id: int, learning_rate: float,
                        "version %d", version, worker_id, current)
         return False
     return True
+
+
+def _push_response(result: PushResult) -> pb.PushGradientsResponse:
+    return pb.PushGradientsResponse(accepted=result.accepted, version=result.version,
+                                    duplicate=result.duplicate)
 
 
 def _ids_of(ids: Any, id_tensor: pb.Tensor, has_tensor: bool, what: str) -> np.ndarray:
@@ -228,15 +241,15 @@ class PServicer(pb_grpc.PServerServicer):
                                  self.shard.version):
             return pb.PushGradientsResponse(accepted=False, version=self.shard.version)
         push = GradientPush(version=request.version, worker_id=request.worker_id,
-                            learning_rate=request.learning_rate)
+                            learning_rate=request.learning_rate, task_id=request.task_id,
+                            minibatch=request.minibatch, num_records=request.num_records)
         for msg in request.dense:
             if msg.name in push.dense:
                 raise ValueError(f"gradient of {msg.name!r} given twice")
             push.dense[msg.name] = self._dense_grad(msg)
         push.buffers = {b.name: self._buffer(b) for b in request.buffers}
         push.sparse = [decode_rows(rows, self.shard) for rows in request.sparse]
-        accepted, version = self.shard.push_gradients(push)
-        return pb.PushGradientsResponse(accepted=accepted, version=version)
+        return _push_response(self.shard.push_gradients(push))
 
     @_guard
     def push_gradient_chunks(self, request_iterator: Iterator[chunk_wire.GradientChunkView],
@@ -254,7 +267,8 @@ class PServicer(pb_grpc.PServerServicer):
                                          shard.version):
                     return pb.PushGradientsResponse(accepted=False, version=shard.version)
                 push = GradientPush(version=msg.version, worker_id=msg.worker_id,
-                                    learning_rate=msg.learning_rate)
+                                    learning_rate=msg.learning_rate, task_id=msg.task_id,
+                                    minibatch=msg.minibatch, num_records=msg.num_records)
             if msg.dense is not None:
                 whole = codec.whole_chunk_view(msg.dense, expected)  # no copy
                 done = msg.dense.name if whole is not None else assembler.add(msg.dense)
@@ -271,8 +285,7 @@ class PServicer(pb_grpc.PServerServicer):
         missing = assembler.incomplete()
         if missing:
             raise ValueError(f"gradients incomplete at end of stream: {', '.join(missing)}")
-        accepted, version = shard.push_gradients(push)
-        return pb.PushGradientsResponse(accepted=accepted, version=version)
+        return _push_response(shard.push_gradients(push))
 
     def _require_init(self) -> None:
         if not self.shard.initialized:
@@ -296,7 +309,32 @@ class PServicer(pb_grpc.PServerServicer):
     def status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.PSStatus:
         cfg = self.shard.config
         return pb.PSStatus(ps_id=cfg.ps_id, num_ps=cfg.num_ps,
-                           initialized=self.shard.initialized, version=self.shard.version)
+                           initialized=self.shard.initialized, version=self.shard.version,
+                           applied_pushes=len(self.shard.ledger),
+                           duplicates_ignored=self.shard.duplicates_ignored)
+
+    def applied(self, request: pb.AppliedRequest,
+                context: grpc.ServicerContext) -> pb.AppliedResponse:
+        version, entries = self.shard.applied(list(request.task_ids) or None)
+        return pb.AppliedResponse(version=version, pushes=[
+            pb.AppliedPush(task_id=t, minibatch=mb, num_records=n, version=v)
+            for t, mb, n, v in entries])
+
+    @_guard
+    def rollback(self, request: pb.RollbackRequest,
+                 context: grpc.ServicerContext) -> pb.AppliedResponse:
+        """Restore checkpoint version ``checkpoint_version`` of this job's checkpoint
+        directory (never a path from the request) and continue at ``new_version``;
+        answers the restored ledger."""
+        ckpt_dir = self.shard.config.checkpoint_dir
+        if not ckpt_dir:
+            raise ValueError("rollback: this PS has no checkpoint directory")
+        vdir = ps_ckpt.version_dir_of(ckpt_dir, request.checkpoint_version)
+        entries = self.shard.rollback(lambda shard: ps_ckpt.restore_shard(shard, vdir),
+                                      request.new_version)
+        return pb.AppliedResponse(version=request.new_version, pushes=[
+            pb.AppliedPush(task_id=t, minibatch=mb, num_records=n, version=v)
+            for t, mb, n, v in entries])
 
     def echo(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
         return pb.Empty()

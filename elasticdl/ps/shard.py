@@ -4,19 +4,26 @@
 them with the model module's optimizer:
 
 * **sync** (default): gradients computed on a version older than
-  ``version - sync_version_tolerance`` are rejected; accepted pushes are summed
-  until ``grads_to_wait`` of them arrived, then averaged and applied, and the
-  version is bumped. A push waits until the group it joined is applied, so
-  workers step in lockstep and sync training equals single-process training
-  on the union of their batches. The wait adapts: 10x the usual spread
-  between a group's first and last push, clamped to
-  ``[sync_wait_min_s, sync_wait_s]`` (the cap until a first group completed).
-  If it times out (a peer died, or ran out of data at the end of an epoch),
-  pushes stop waiting until a group with two different workers completes
-  again; a lone worker then fills groups by itself.
+  ``version - sync_version_tolerance`` are rejected (the worker recomputes on
+  fresh parameters); accepted pushes are summed, weighted by their record
+  counts, until ``grads_to_wait`` of them arrived, then applied as the
+  per-record average (what one process gets on the union batch), and the
+  version is bumped. A push returns only once the group it joined was
+  applied, so "accepted" means applied. The wait adapts: 10x the usual
+  spread between a group's first and last push, clamped to
+  ``[sync_wait_min_s, sync_wait_s]`` (the cap until a first group completed)
+  and doubled after each wait that expired. When it expires (a peer died, or
+  the epoch's remaining work cannot fill the group) the incomplete group is
+  applied as it is - never dropped - and later pushes are applied at once
+  until two different workers push again.
 * **async** (``use_async``): every push is applied at once; with
   ``lr_staleness_modulation`` the learning rate is divided by the staleness
   ``version - push.version`` (when > 1).
+
+Exactly once: a push's identity ``(task_id, minibatch)`` is applied at most
+once (:mod:`~elasticdl.ps.ledger`); a repeat is answered ``duplicate``.
+Gradients must be finite, and the learning rate is the optimizer's: a push
+that tries to set it is rejected.
 
 Dense parameters use any ``torch.optim`` optimizer built by the model's
 ``optimizer(params)`` over this shard's parameters; embedding rows use the
@@ -29,15 +36,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-from elasticdl.common.tensor_codec import dtype_name
-from elasticdl.ps.embedding_optimizer import RowOptimizer, check_finite_lr, row_optimizer_for
+from elasticdl.ps.embedding_optimizer import RowOptimizer, row_optimizer_for
+from elasticdl.ps.ledger import AppliedLedger
 from elasticdl.ps.parameters import Parameters, TableSpec
+from elasticdl.ps.push import GradientPush, Group, PushResult, coalesce, validate
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +54,10 @@ OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 class NotInitializedError(RuntimeError):
     """The PS has no model yet: a worker must push_model first."""
+
+
+class RollbackPendingError(RuntimeError):
+    """A relaunched PS waits for the master's rollback before it serves training."""
 
 
 @dataclass(frozen=True)
@@ -73,33 +85,8 @@ class ShardConfig:
                              "0 <= sync_wait_min_s <= sync_wait_s are required")
 
 
-@dataclass
-class GradientPush:
-    """One worker's gradients for this shard (already decoded). Dense gradients
-    may be read-only views of received bytes: the shard never writes into them."""
-
-    version: int
-    worker_id: int = 0
-    learning_rate: float = 0.0
-    dense: dict[str, torch.Tensor] = field(default_factory=dict)
-    sparse: list[tuple[str, np.ndarray, torch.Tensor]] = field(default_factory=list)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class _Group:
-    """Gradients summed for the next sync version."""
-
-    dense: dict[str, torch.Tensor] = field(default_factory=dict)
-    sparse: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = field(default_factory=dict)
-    count: int = 0
-    workers: set[int] = field(default_factory=set)
-    lr: float = 0.0
-    started: float = 0.0
-
-
 class PSShard:
-    """One PS: parameters, optimizers, aggregation and versioning.
+    """One PS: parameters, optimizers, aggregation, versioning and the ledger.
 
     Every public method is thread-safe. Validation failures raise
     ``ValueError`` (the servicer answers INVALID_ARGUMENT) and change nothing.
@@ -112,11 +99,16 @@ class PSShard:
         self._optimizer_factory = optimizer_factory
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.row_optimizer: Optional[RowOptimizer] = None
-        self._group = _Group()
+        self.ledger = AppliedLedger()
+        self.duplicates_ignored = 0
+        self._group = Group()
         self._peers_absent = False
+        self._absent_seen: set[int] = set()
         self._spread: Optional[float] = None  # EMA of first-to-last push time of a group
+        self._wait_scale = 1.0
         self._cond = threading.Condition(threading.RLock())
         self._on_version = on_version
+        self.awaiting_rollback = False  # set by a relaunched PS until the master rolls back
 
     # ------------------------------------------------------------ state
     @property
@@ -133,34 +125,62 @@ class PSShard:
 
     def initialize(self, version: int, dense: Mapping[str, torch.Tensor],
                    buffers: Mapping[str, torch.Tensor], tables: Iterable[TableSpec],
-                   optimizer_state: Optional[dict] = None) -> bool:
-        """Take a model; returns False (and changes nothing) when already initialised."""
+                   optimizer_state: Optional[dict] = None,
+                   ledger: Optional[dict] = None) -> bool:
+        """Take a model; returns False (and changes nothing) when already initialised.
+
+        All or nothing: the parameters are taken only once the optimizers were
+        built for them.
+
+        Raises:
+            ValueError: misplaced or duplicate names, or no optimizer can be built
+                (the message names the optimizer and the table).
+        """
         with self._cond:
             if self.params.initialized:
                 return False
-            self.params.initialize(version, dense, buffers, tables)
-            self._build_optimizers()
-            if optimizer_state is not None and self.optimizer is not None:
-                self.optimizer.load_state_dict(optimizer_state)
-            self._group = _Group()
+            params = Parameters(self.config.ps_id, self.config.num_ps)
+            params.initialize(version, dense, buffers, tables)
+            optimizer, row_optimizer = self._build_optimizers(params)
+            if optimizer_state is not None and optimizer is not None:
+                optimizer.load_state_dict(optimizer_state)
+            self.params, self.optimizer, self.row_optimizer = params, optimizer, row_optimizer
+            self.ledger.load_state_dict(ledger)
+            self._drop_group()
             self._cond.notify_all()
+            logger.info("PS %d initialised at version %d: %d dense, %d tables, %d applied "
+                        "pushes in the ledger", self.config.ps_id, params.version,
+                        len(params.dense), len(params.tables), len(self.ledger))
             return True
 
-    def _build_optimizers(self) -> None:
-        trainable = [p for p in self.params.dense.values() if p.requires_grad]
+    def _build_optimizers(self, params: Parameters
+                          ) -> tuple[Optional[torch.optim.Optimizer], Optional[RowOptimizer]]:
+        trainable = [p for p in params.dense.values() if p.requires_grad]
         # a shard may hold no dense parameter; the optimizer's hyperparameters are
         # still needed for the embedding rows, so build one over a placeholder
-        probe = self._optimizer_factory(trainable or [torch.nn.Parameter(torch.zeros(1))])
+        try:
+            probe = self._optimizer_factory(trainable or [torch.nn.Parameter(torch.zeros(1))])
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"PS {self.config.ps_id}: the model's optimizer(params) failed: "
+                             f"{type(e).__name__}: {e}") from e
         if not isinstance(probe, torch.optim.Optimizer):
-            raise TypeError(f"optimizer(params) returned {type(probe).__name__}, not a "
-                            "torch.optim.Optimizer")
-        self.optimizer = probe if trainable else None
-        self.row_optimizer = row_optimizer_for(probe) if self.params.tables else None
-        if self.row_optimizer is not None:
-            for table in self.params.tables.values():
-                self.row_optimizer.prepare(table)
+            raise ValueError(f"PS {self.config.ps_id}: the model's optimizer(params) returned "
+                             f"{type(probe).__name__}, not a torch.optim.Optimizer")
+        row_optimizer = None
+        if params.tables:
+            try:
+                row_optimizer = row_optimizer_for(probe)
+            except ValueError as e:
+                raise ValueError(f"embedding table(s) {sorted(params.tables)}: optimizer "
+                                 f"{type(probe).__name__} has no row-wise version ({e})") from e
+            for table in params.tables.values():
+                row_optimizer.prepare(table)
+        return (probe if trainable else None), row_optimizer
 
     def _require_init(self) -> None:
+        if self.awaiting_rollback:
+            raise RollbackPendingError(f"PS {self.config.ps_id} is waiting for the master's "
+                                       "rollback")
         if not self.params.initialized:
             raise NotInitializedError(f"PS {self.config.ps_id} has no model yet (push_model)")
 
@@ -174,6 +194,7 @@ class PSShard:
         with self._cond:
             if not self.params.initialized:
                 return False, self.version, None
+            self._require_init()
             if worker_version == self.version:
                 return True, self.version, None
             return True, self.version, {**self.params.dense, **self.params.buffers}
@@ -185,110 +206,100 @@ class PSShard:
             self._require_init()
             return self.params.table(table).lookup(ids, create)
 
-    # ------------------------------------------------------------- pushes
-    def validate(self, push: GradientPush) -> None:
-        """Check names, shapes and dtypes of a push against this shard.
-
-        Raises:
-            NotInitializedError: no model yet.
-            ValueError: the first problem found.
-        """
-        self._require_init()
-        p = self.params
-        check_finite_lr(push.learning_rate)
-        for name, grad in push.dense.items():
-            param = p.dense.get(name)
-            if param is None:
-                raise ValueError(f"gradient for unknown parameter {name!r} on PS {p.ps_id}")
-            if not param.requires_grad:
-                raise ValueError(f"parameter {name!r} is not trainable ({param.dtype})")
-            _check_like(f"gradient of {name!r}", grad, param)
-        for name, value in push.buffers.items():
-            buf = p.buffers.get(name)
-            if buf is None:
-                raise ValueError(f"unknown buffer {name!r} on PS {p.ps_id}")
-            _check_like(f"buffer {name!r}", value, buf)
-        for table_name, ids, grad in push.sparse:
-            table = p.table(table_name)
-            what = f"gradient of table {table_name!r}"
-            if ids.ndim != 1:
-                raise ValueError(f"{what}: ids must be 1-D")
-            expected = (ids.shape[0], table.spec.dim)
-            if tuple(grad.shape) != expected or grad.dtype != table.spec.dtype:
-                raise ValueError(f"{what}: values {dtype_name(grad.dtype)}{list(grad.shape)}, "
-                                 f"expected {dtype_name(table.spec.dtype)}{list(expected)}")
-            table.check_ids(ids, what)
-
-    def push_gradients(self, push: GradientPush) -> tuple[bool, int]:
-        """Validate and aggregate/apply a push; returns ``(accepted, version)``."""
+    def applied(self, task_ids: Optional[Iterable[int]] = None
+                ) -> tuple[int, list[tuple[int, int, int, int]]]:
+        """``(version, ledger entries)`` of some tasks (None: all), in order."""
         with self._cond:
-            self.validate(push)
+            return self.version, list(self.ledger.entries(task_ids))
+
+    # ------------------------------------------------------------- pushes
+    def push_gradients(self, push: GradientPush) -> PushResult:
+        """Validate and aggregate/apply a push."""
+        with self._cond:
+            self._require_init()
+            validate(self.params, push)
+            ident = push.identity
+            if ident is not None and self.ledger.seen(*ident):
+                self.duplicates_ignored += 1
+                logger.info("PS %d: push (task %d, minibatch %d) from worker %d was applied "
+                            "before; ignored", self.config.ps_id, ident[0], ident[1],
+                            push.worker_id)
+                return PushResult(True, self.version, True)
             for name, value in push.buffers.items():
                 self.params.buffers[name].copy_(value)
             if self.config.use_async:
                 staleness = self.version - push.version
-                lr = push.learning_rate or None
+                lr = None
                 if self.config.lr_staleness_modulation and staleness > 1:
-                    lr = (lr or self._base_lr()) / staleness
-                sparse: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = {}
-                for table, ids, grad in push.sparse:
-                    sparse.setdefault(table, []).append((ids, grad))
-                self._apply(dict(push.dense), sparse, 1, lr)
-                return True, self.version
+                    lr = self._base_lr() / staleness
+                g = Group()
+                g.add(push)
+                self._apply_group(g, lr)
+                return PushResult(True, self.version)
+            self._note_peer(push.worker_id)
             if push.version < self.version - self.config.sync_version_tolerance:
                 logger.debug("rejected gradients of version %d from worker %d (now %d)",
                              push.version, push.worker_id, self.version)
-                return False, self.version
-            target = self._accumulate(push)
-            if target is None:
-                return True, self.version
-            return True, self._wait_for(target, push.worker_id)
+                return PushResult(False, self.version)
+            g = self._group
+            if ident is not None and ident in g.identities:  # a repeat of a pending push
+                self.duplicates_ignored += 1
+                return self._wait(g, push.worker_id, duplicate=True)
+            g.add(push)
+            if g.count >= self.config.grads_to_wait or self._peers_absent:
+                self._complete(g)
+                return PushResult(True, self.version)
+            return self._wait(g, push.worker_id)
 
-    def _accumulate(self, push: GradientPush) -> Optional[int]:
-        """Add a push to the group; None if it completed the group (applied now)."""
-        g = self._group
-        for name, grad in push.dense.items():
-            acc = g.dense.get(name)
-            if acc is None:
-                g.dense[name] = grad  # may be a read-only view of the received bytes
-            elif g.count == 1:
-                g.dense[name] = acc + grad  # a tensor of our own from now on
-            else:
-                acc.add_(grad)
-        for table, ids, grad in push.sparse:
-            g.sparse.setdefault(table, []).append((ids, grad))
-        if g.count == 0:
-            g.started = time.monotonic()
-        g.count += 1
-        g.workers.add(push.worker_id)
-        g.lr = push.learning_rate or g.lr
-        if g.count < self.config.grads_to_wait:
-            return self.version + 1
-        if len(g.workers) > 1:
-            self._peers_absent = False
-            spread = time.monotonic() - g.started
-            self._spread = spread if self._spread is None else 0.8 * self._spread + 0.2 * spread
-        self._group = _Group()
-        self._apply(g.dense, g.sparse, g.count, g.lr or None)
-        return None
+    def _note_peer(self, worker_id: int) -> None:
+        """In "peers absent" mode, two different workers pushing end it."""
+        if self._peers_absent:
+            self._absent_seen.add(worker_id)
+            if len(self._absent_seen) > 1:
+                logger.info("PS %d: several workers push again; waiting for full groups",
+                            self.config.ps_id)
+                self._peers_absent = False
 
-    def _wait_for(self, target: int, worker_id: int) -> int:
+    def _wait(self, g: Group, worker_id: int, duplicate: bool = False) -> PushResult:
+        """Wait until group ``g`` was applied; apply it as it is when the wait expires."""
         cfg = self.config
-        if self._peers_absent or cfg.sync_wait_s == 0:
-            return self.version
         wait_s = cfg.sync_wait_s if self._spread is None else \
             min(cfg.sync_wait_s, max(cfg.sync_wait_min_s, 10 * self._spread))
+        wait_s = min(cfg.sync_wait_s, wait_s * self._wait_scale)
         deadline = time.monotonic() + wait_s
-        while self.version < target:
+        while not g.done:
             left = deadline - time.monotonic()
             if left <= 0:
-                logger.warning("worker %d waited %.1f s for version %d on PS %d; not "
-                               "waiting for peers until a group completes again",
-                               worker_id, wait_s, target, cfg.ps_id)
+                logger.warning("worker %d waited %.1f s for a group of %d on PS %d; applying "
+                               "the %d push(es) there are, and not waiting for peers until "
+                               "two workers push again", worker_id, wait_s,
+                               cfg.grads_to_wait, cfg.ps_id, g.count)
                 self._peers_absent = True
+                self._absent_seen = set()
+                self._wait_scale = min(8.0, self._wait_scale * 2)
+                self._complete(g)
                 break
             self._cond.wait(left)
-        return self.version
+        return PushResult(not g.dropped, self.version, duplicate)
+
+    def _complete(self, g: Group) -> None:
+        """Apply the pending group ``g`` (lock held)."""
+        if len(g.workers) > 1 and g.count >= self.config.grads_to_wait:
+            spread = time.monotonic() - g.started
+            self._spread = spread if self._spread is None else 0.8 * self._spread + 0.2 * spread
+            self._wait_scale = 1.0
+        self._group = Group()
+        self._apply_group(g, None)
+
+    def _drop_group(self) -> None:
+        """Discard the pending group (rollback, re-initialisation); its pushes answer
+        not accepted, so their workers push them again."""
+        g = self._group
+        if g.count:
+            logger.warning("PS %d: %d pending push(es) discarded", self.config.ps_id, g.count)
+        g.done = g.dropped = True
+        self._group = Group()
+        self._cond.notify_all()
 
     def _base_lr(self) -> float:
         if self.optimizer is not None:
@@ -297,36 +308,67 @@ class PSShard:
             return self.row_optimizer.lr
         return 0.0
 
-    def _apply(self, dense: Mapping[str, torch.Tensor],
-               sparse: Mapping[str, list[tuple[np.ndarray, torch.Tensor]]], count: int,
-               lr: Optional[float]) -> None:
-        """Average by ``count``, step the optimizers, bump the version (lock held)."""
-        scale = 1.0 / count
-        if dense and self.optimizer is not None:
-            saved = [g["lr"] for g in self.optimizer.param_groups]
+    def _apply_group(self, g: Group, lr: Optional[float]) -> None:
+        """Step the optimizers with the record-weighted average of ``g``, bump the
+        version, record its identities (lock held)."""
+        scale = g.weight0 / g.total if g.total else 1.0
+        if g.dense:
+            if self.optimizer is None:
+                raise RuntimeError(f"PS {self.config.ps_id} has dense gradients but no "
+                                   "optimizer")
+            saved = [grp["lr"] for grp in self.optimizer.param_groups]
             if lr is not None:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-            for name, grad in dense.items():
+                for grp in self.optimizer.param_groups:
+                    grp["lr"] = lr
+            for name, grad in g.dense.items():
                 param = self.params.dense[name]
-                param.grad = grad * scale if count > 1 else grad  # never in place
+                param.grad = grad * scale if scale != 1.0 else grad  # never in place
             try:
                 self.optimizer.step()
             finally:
-                for group, value in zip(self.optimizer.param_groups, saved):
-                    group["lr"] = value
+                for grp, value in zip(self.optimizer.param_groups, saved):
+                    grp["lr"] = value
                 for param in self.params.dense.values():
                     param.grad = None
-        if sparse and self.row_optimizer is not None:
-            for table_name, parts in sparse.items():
+        if g.sparse:
+            if self.row_optimizer is None:
+                raise RuntimeError(f"PS {self.config.ps_id} has embedding gradients but no "
+                                   "row optimizer")
+            for table_name, parts in g.sparse.items():
                 table = self.params.tables[table_name]
-                ids, grad = _coalesce(parts)
+                ids, grad = coalesce(parts)
                 slots = table.slots(ids)
                 self.row_optimizer.apply(table, slots, grad.mul_(scale), lr)
         self.params.version += 1
+        for (task, minibatch), records in g.identities.items():
+            self.ledger.add(task, minibatch, records, self.params.version)
+        g.done = True
         self._cond.notify_all()
         if self._on_version is not None:
             self._on_version(self)
+
+    def rollback(self, restore: Callable[[PSShard], int], new_version: int
+                 ) -> list[tuple[int, int, int, int]]:
+        """Replace the state by ``restore(self)`` (e.g. a checkpoint) and continue
+        numbering versions at ``new_version``; returns the restored ledger."""
+        with self._cond:
+            if new_version <= self.version:
+                raise ValueError(f"new_version {new_version} must exceed PS "
+                                 f"{self.config.ps_id}'s current version {self.version} "
+                                 "(versions never repeat)")
+            self._drop_group()
+            self.awaiting_rollback = False
+            self.params = Parameters(self.config.ps_id, self.config.num_ps)
+            self.optimizer = self.row_optimizer = None
+            restored = restore(self)
+            if new_version <= restored:
+                raise ValueError(f"new_version {new_version} must exceed the restored "
+                                 f"version {restored} (versions never repeat)")
+            self.params.version = new_version
+            self._cond.notify_all()
+            logger.warning("PS %d rolled back to checkpoint version %d; versions continue "
+                           "at %d", self.config.ps_id, restored, new_version)
+            return list(self.ledger.entries())
 
     # --------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
@@ -341,29 +383,5 @@ class PSShard:
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "dense_order": list(p.dense),
                 "tables": {n: t.state_dict() for n, t in p.tables.items()},
+                "ledger": self.ledger.state_dict(),
             }
-
-
-def _check_like(what: str, value: torch.Tensor, ref: torch.Tensor) -> None:
-    if value.dtype != ref.dtype:
-        raise ValueError(f"{what}: dtype {dtype_name(value.dtype)} does not match "
-                         f"{dtype_name(ref.dtype)}")
-    if value.shape != ref.shape:
-        raise ValueError(f"{what}: shape {list(value.shape)} does not match {list(ref.shape)}")
-
-
-def _coalesce(parts: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[np.ndarray, torch.Tensor]:
-    """Sum the gradients of repeated ids; returns unique ids and their summed rows."""
-    if len(parts) == 1:
-        ids, grad = parts[0]
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        if uniq.shape[0] == ids.shape[0]:
-            order = np.argsort(ids, kind="stable")
-            return ids[order], grad.index_select(0, torch.from_numpy(order)).clone()
-    else:
-        ids = np.concatenate([p[0] for p in parts])
-        grad = torch.cat([p[1] for p in parts])
-        uniq, inverse = np.unique(ids, return_inverse=True)
-    out = torch.zeros((uniq.shape[0], grad.shape[1]), dtype=grad.dtype)
-    out.index_add_(0, torch.from_numpy(inverse.reshape(-1)), grad)
-    return uniq, out

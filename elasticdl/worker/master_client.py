@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, TypeVar
 
 import grpc
@@ -39,6 +39,7 @@ class MasterClient(TaskSource):
                                             replica=f"worker-{worker_id}")
         self._stub = pb_grpc.MasterStub(self._channel)
         self.export_model = False
+        self._request_id = 0
 
     def close(self) -> None:
         self._channel.close()
@@ -64,19 +65,24 @@ class MasterClient(TaskSource):
                 delay = min(delay * 2, 2.0)
 
     def get_task(self, task_type: Optional[TaskType] = None) -> Task:
+        """The next task. A retry (lost reply, deadline) resends the same
+        ``request_id``, so the master hands out the same task again and none is
+        orphaned."""
         wanted: Any = int(task_type) if task_type is not None else pb.NONE
-        req = pb.GetTaskRequest(worker_id=self.worker_id, task_type=wanted)
+        self._request_id += 1
+        req = pb.GetTaskRequest(worker_id=self.worker_id, task_type=wanted,
+                                request_id=self._request_id)
         msg = self._call(self._stub.get_task, req)
         if msg.extended_config.get("export_model") == "true":
             self.export_model = True
         return task_from_proto(msg)
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False, counters: Optional[dict[str, int]] = None) -> None:
+                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None) -> None:
         self._call(self._stub.report_task_result, pb.ReportTaskResultRequest(
             task_id=task.task_id, worker_id=self.worker_id, err_message=error[:16000],
             err_traceback=traceback[-20000:], fatal=fatal,
-            counters=[pb.Counter(name=k, value=v) for k, v in (counters or {}).items()]))
+            counters=[pb.Counter(name=n, value=int(v)) for n, v in (counters or {}).items()]))
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
         self._call(self._stub.report_evaluation_metrics, pb.ReportEvaluationMetricsRequest(

@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Ready = Optional[Callable[[], None]]
+ROLLBACK_PENDING = "waiting for the master's rollback"  # in a PS's UNAVAILABLE details
+Identity = tuple[int, int, int]  # task id, minibatch (1-based; 0: none), records
 
 
 class PSStub(pb_grpc.PServerStub):
@@ -74,11 +76,12 @@ class PushStream:
     """
 
     def __init__(self, client: PSClient, ps: int, version: int, worker_id: int,
-                 learning_rate: float = 0.0):
+                 identity: Identity = (0, 0, 0)):
         self._client = client
         self.ps = ps
-        self._header = {"version": version, "worker_id": worker_id,
-                        "learning_rate": learning_rate}
+        task_id, minibatch, num_records = identity
+        self._header = {"version": version, "worker_id": worker_id, "task_id": task_id,
+                        "minibatch": minibatch, "num_records": num_records}
         self._items: list[tuple[str, str, Any, Ready]] = []
         self._closed = False
         self._aborted = False
@@ -238,6 +241,13 @@ class PSClient:
                                    "it to serve again", where, what, details,
                                    self.reconnect_timeout_s)
                     deadline = time.monotonic() + self.reconnect_timeout_s
+                if ROLLBACK_PENDING in (details or ""):
+                    # the PS serves but waits for the master's rollback: no reconnect
+                    if time.monotonic() > deadline:
+                        raise ConnectionError(f"{where} still waiting for its rollback after "
+                                              f"{self.reconnect_timeout_s:.0f} s") from None
+                    time.sleep(0.2)
+                    continue
                 self._reconnect(ps, generation, deadline)
 
     def _reconnect(self, ps: int, generation: int, deadline: float) -> None:
@@ -374,11 +384,14 @@ class PSClient:
     def push_gradients(self, ps: int, version: int, dense: Mapping[str, torch.Tensor],
                        sparse: Sequence[tuple[str, np.ndarray, torch.Tensor]] = (),
                        buffers: Optional[Mapping[str, torch.Tensor]] = None,
-                       worker_id: int = 0, learning_rate: float = 0.0) -> Future:
+                       worker_id: int = 0, identity: Identity = (0, 0, 0)) -> Future:
         """One unary push to PS ``ps``; the future gives ``(accepted, version)``."""
+        task_id, minibatch, num_records = identity
+
         def push(stub: PSStub) -> tuple[bool, int]:
             req = pb.PushGradientsRequest(
-                version=version, worker_id=worker_id, learning_rate=learning_rate,
+                version=version, worker_id=worker_id, task_id=task_id, minibatch=minibatch,
+                num_records=num_records,
                 dense=[codec.encode(g, n) for n, g in dense.items()],
                 sparse=[pb.EmbeddingRows(table=t, id_tensor=codec.encode_ids(ids),
                                          values=codec.encode(g)) for t, ids, g in sparse],
@@ -389,8 +402,25 @@ class PSClient:
         return self.submit(ps, push, "push_gradients")
 
     def open_push_stream(self, ps: int, version: int, worker_id: int = 0,
-                         learning_rate: float = 0.0) -> PushStream:
-        return PushStream(self, ps, version, worker_id, learning_rate)
+                         identity: Identity = (0, 0, 0)) -> PushStream:
+        return PushStream(self, ps, version, worker_id, identity)
+
+    def applied(self, task_ids: Sequence[int] = ()) -> list[pb.AppliedResponse]:
+        """Each PS's applied-identity ledger (of ``task_ids``; empty: all)."""
+        req = pb.AppliedRequest(task_ids=list(task_ids))
+        return self._all(lambda i, s: s.applied(req, timeout=self.rpc_timeout_s), "applied")
+
+    def applied_minibatches(self, task_id: int) -> tuple[dict[int, int], int]:
+        """Minibatches of a task applied on *every* PS (``minibatch -> records``),
+        and the oldest version among the PS answers."""
+        common: Optional[dict[int, int]] = None
+        oldest = None
+        for resp in self.applied([task_id]):
+            mine = {p.minibatch: p.num_records for p in resp.pushes}
+            common = mine if common is None else \
+                {mb: n for mb, n in common.items() if mb in mine}
+            oldest = resp.version if oldest is None else min(oldest, resp.version)
+        return common or {}, -1 if oldest is None else oldest
 
     def save_checkpoint(self) -> str:
         """Every PS writes its shard of its current version into the job's checkpoint

@@ -19,6 +19,8 @@ and the step is redone for it.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -31,8 +33,9 @@ import torch.nn.functional as F
 from elasticdl.api.layers import Embedding, tables_on_ps
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.master.task_manager import Task
 from elasticdl.ps.server import tune_malloc
-from elasticdl.worker.ps_client import PSClient, PSNotInitializedError
+from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
 from elasticdl.worker.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,19 @@ def _stage(t: torch.Tensor) -> Staged:
     return cpu, event.synchronize
 
 
+KILL_AFTER_STEPS_ENV = "ELASTICDL_TEST_KILL_AFTER_STEPS"
+
+
+def _kill_hook(worker_id: int) -> int:
+    """Chaos tests: ``ELASTICDL_TEST_KILL_AFTER_STEPS=W:N`` makes worker W SIGKILL
+    itself right after its N-th step was pushed and applied (before any report)."""
+    value = os.environ.get(KILL_AFTER_STEPS_ENV, "")
+    if not value:
+        return -1
+    worker, _, steps = value.partition(":")
+    return int(steps) if int(worker) == worker_id else -1
+
+
 class _PushSession:
     """One step's gradient pushes to the PS in ``targets``."""
 
@@ -58,7 +74,7 @@ class _PushSession:
         self.t = trainer
         self.targets = set(targets)
         self.streams = {i: trainer.client.open_push_stream(i, trainer.versions[i],
-                                                           trainer.worker_id)
+                                                           trainer.worker_id, trainer.identity)
                         for i in targets if trainer.streaming[i]}
         self.dense: dict[int, dict[str, torch.Tensor]] = {i: {} for i in targets}
         self.sparse: dict[int, list[tuple[str, np.ndarray, torch.Tensor]]] = \
@@ -115,7 +131,7 @@ class _PushSession:
             else:
                 futures[ps] = self.t.client.push_gradients(
                     ps, self.t.versions[ps], self.dense[ps], self.sparse[ps], parts[ps],
-                    self.t.worker_id)
+                    self.t.worker_id, self.t.identity)
         out: dict[int, Any] = {}
         for ps in self.targets:
             try:
@@ -131,14 +147,16 @@ class PSTrainer(Trainer):
 
     def __init__(self, model_spec: ModelSpec, ps_addrs: list[str], job_spec: JobSpec,
                  worker_id: int, device: torch.device, client: Optional[PSClient] = None,
-                 init_timeout_s: float = 120.0, max_push_attempts: int = 32):
+                 init_timeout_s: float = 120.0, push_retry_timeout_s: float = 600.0):
         torch.manual_seed(job_spec.seed)
         tune_malloc()  # tensor-sized transfer buffers: reuse heap memory (see the PS server)
         self.spec = model_spec
         self.job_spec = job_spec
         self.worker_id = worker_id
         self.device = device
-        self.max_push_attempts = max_push_attempts
+        self.push_retry_timeout_s = push_retry_timeout_s
+        self.identity: Identity = (0, 0, 0)  # of the minibatch being trained
+        self._kill_after_steps = _kill_hook(worker_id)
         self.client = client or PSClient(ps_addrs)
         with tables_on_ps():
             self.model = model_spec.build_model().to(device)
@@ -258,10 +276,37 @@ class PSTrainer(Trainer):
         if self._session is not None and param.grad is not None:
             self._session.on_dense(name, param.grad)
 
+    # ------------------------------------------------------- exactly once
+    def start_task(self, task: Task) -> frozenset[int]:
+        """Minibatches of ``task`` every PS already applied (an earlier holder of
+        the task pushed them): the task resumes after them."""
+        done, _ = self.client.applied_minibatches(task.task_id)
+        if done:
+            logger.info("worker %d: task %d resumes; minibatches %s already applied",
+                        self.worker_id, task.task_id, sorted(done))
+        return frozenset(done)
+
+    def set_position(self, task_id: int, minibatch: int, num_records: int) -> None:
+        self.identity = (task_id, minibatch, num_records)
+
+    def finish_task(self, task: Task) -> dict[str, int]:
+        """What the PS applied of ``task``, read back from their ledgers."""
+        self.identity = (0, 0, 0)
+        done, version = self.client.applied_minibatches(task.task_id)
+        return {"records_applied": sum(done.values()), "applied_at_version": version}
+
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
+        """One step; a push a PS rejects as stale is recomputed on fresh parameters
+        and re-sent to that PS, for as long as the PS make progress (a rejection
+        is others moving ahead, not a failure): it fails only after
+        ``push_retry_timeout_s`` without any PS version advancing."""
         targets = list(range(self.client.num_ps))
         pull = not self.job_spec.use_async or self.steps % self.job_spec.get_model_steps == 0
-        for attempt in range(1, self.max_push_attempts + 1):
+        deadline = time.monotonic() + self.push_retry_timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            before = list(self.ps_versions)
             if pull or attempt > 1:
                 self._pull_or_reinit()
             try:
@@ -281,13 +326,21 @@ class PSTrainer(Trainer):
                     retry.append(ps)
             if not retry:
                 self.steps += 1
+                if self.steps == self._kill_after_steps:  # test hook: die before the report
+                    logger.warning("worker %d: %s: SIGKILL after step %d", self.worker_id,
+                                   KILL_AFTER_STEPS_ENV, self.steps)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 return loss
+            if self.ps_versions != before:
+                deadline = time.monotonic() + self.push_retry_timeout_s
+            elif time.monotonic() > deadline:
+                raise RuntimeError(f"step not accepted by PS {retry} and no PS made progress "
+                                   f"for {self.push_retry_timeout_s:.0f} s")
             logger.info("worker %d: step redone for PS %s (attempt %d)", self.worker_id,
                         retry, attempt)
+            if attempt > 3:
+                time.sleep(min(0.1, 0.005 * attempt))
             targets = retry
-        raise RuntimeError(f"step not accepted after {self.max_push_attempts} attempts "
-                           "(rejected as stale, or PS restarting); is "
-                           "--sync_version_tolerance too small for this many workers?")
 
     def _step(self, features: Any, labels: Any,
               targets: list[int]) -> tuple[torch.Tensor, dict[int, Any]]:

@@ -119,11 +119,13 @@ class TaskLoop:
             self.run_task(task)
 
     def run_task(self, task: Task) -> None:
-        self._skipped_in_task = 0
+        self._skipped_in_task = self._records_skipped = 0
+        counters: dict[str, int] = {}
         try:
             records = self._read(task)
             if task.type == TaskType.TRAINING:
                 self._train(task, records)
+                counters = self.trainer.finish_task(task)  # e.g. what the PS applied
             elif task.type == TaskType.EVALUATION:
                 self.source.report_evaluation(task, self._evaluate(task, records))
             elif task.type == TaskType.PREDICTION:
@@ -144,9 +146,12 @@ class TaskLoop:
         except Exception as e:  # reported with its traceback, then re-raised
             self.source.report_task(task, f"{type(e).__name__}: {e}", traceback.format_exc())
             raise
-        counters = {"nonfinite_steps_skipped": self._skipped_in_task} \
-            if self._skipped_in_task else None
-        self.source.report_task(task, counters=counters)
+        if counters:
+            counters["records_read"] = len(records)  # a reader may return fewer
+        if self._skipped_in_task:
+            counters["nonfinite_steps_skipped"] = self._skipped_in_task
+            counters["records_skipped"] = self._records_skipped
+        self.source.report_task(task, counters=counters or None)
         self.stats.tasks += 1
         for cb in self.after_task:
             cb(task)
@@ -166,18 +171,24 @@ class TaskLoop:
             yield i + len(chunk), features, labels
 
     def _train(self, task: Task, records: Sequence[Any]) -> None:
-        for done, features, labels in self._minibatches(task, records):
+        applied = self.trainer.start_task(task)  # pushed by an earlier holder: skipped
+        previous = 0
+        for k, (done, features, labels) in enumerate(self._minibatches(task, records), 1):
+            size, previous = done - previous, done
+            if k in applied:
+                continue
+            self.trainer.set_position(task.task_id, k, size)
             try:
                 loss = self.trainer.train_minibatch(features, labels)
             except NonFiniteError as e:
-                first = task.start + done - batch_size_of(labels, features)
                 e.locate(f"step {self.stats.steps + 1} (task {task.task_id}, epoch "
-                         f"{task.epoch}, records {first}-{task.start + done} of "
-                         f"{task.shard_name})")
+                         f"{task.epoch}, records {task.start + done - size}-"
+                         f"{task.start + done} of {task.shard_name})")
                 if not self.skip_nonfinite_steps:
                     raise
                 self.stats.nonfinite_skipped += 1
                 self._skipped_in_task += 1
+                self._records_skipped += size
                 logger.warning("skipped: %s (--skip_nonfinite_steps; %d skipped so far)", e,
                                self.stats.nonfinite_skipped)
                 continue

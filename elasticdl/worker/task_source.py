@@ -5,7 +5,7 @@ worker's task loop is one piece of code for every strategy."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 from elasticdl.master.evaluation import EvaluationAggregator
@@ -27,10 +27,9 @@ class TaskSource(ABC):
 
     @abstractmethod
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False, counters: Optional[dict[str, int]] = None) -> None:
-        """Report a task done (empty ``error``) or failed; ``counters`` (e.g.
-        ``nonfinite_steps_skipped``) are added to the job's totals once, when the
-        task counts as done."""
+                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None) -> None:
+        """Report a task done (empty ``error``) or failed, with ``counters`` such as
+        ``records_applied`` (what the PS applied of it) or ``nonfinite_steps_skipped``."""
 
     @abstractmethod
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
@@ -53,9 +52,9 @@ class LocalTaskSource(TaskSource):
         return self.task_manager.get(self.worker_id, task_type)
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False, counters: Optional[dict[str, int]] = None) -> None:
+                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None) -> None:
         self.task_manager.report(task.task_id, self.worker_id, not error, error, traceback,
-                                 fatal, counters)
+                                 fatal, counters=counters)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
         self.aggregator.add(task.model_version, task.task_id, metrics)

@@ -118,6 +118,19 @@ class Trainer(ABC):
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
         """One optimisation step; returns the loss (a detached tensor)."""
 
+    # exactly-once hooks (ParameterServerStrategy overrides them)
+    def start_task(self, task: Any) -> frozenset[int]:
+        """1-based minibatches of a training task already applied (skipped)."""
+        return frozenset()
+
+    def set_position(self, task_id: int, minibatch: int,  # noqa: B027 - optional hook
+                     num_records: int) -> None:
+        """The identity of the next :meth:`train_minibatch`."""
+
+    def finish_task(self, task: Any) -> dict[str, int]:
+        """Counters reported with a training task (e.g. ``records_applied``)."""
+        return {}
+
     def forward(self, features: Any) -> Any:
         """Outputs for evaluation or prediction, without gradients."""
         self.model.eval()

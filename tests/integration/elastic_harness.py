@@ -87,9 +87,9 @@ class FakeSource(TaskSource):
         return self.tm.get(self.worker_id, task_type)
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False, counters: Optional[dict[str, int]] = None) -> None:
+                    fatal: bool = False, counters: Any = None) -> None:
         self.tm.report(task.task_id, self.worker_id, not error, error, traceback, fatal,
-                       counters)
+                       counters=counters)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
         if self.agg is not None:

@@ -108,10 +108,11 @@ def test_sync_lone_worker_stops_waiting_after_timeout():
         try:
             _init(client)
             g = {"w": torch.ones(2, 3)}
-            assert _push(client, g) == (True, 0)   # waited 0.3 s, still pending
-            assert _push(client, g) == (True, 1)   # completes the group
+            # waited 0.3 s, then the incomplete group was applied (issue 10 item 2:
+            # it used to stay pending, acknowledged but never applied)
+            assert _push(client, g) == (True, 1)
             start = time.monotonic()
-            assert _push(client, g, version=1) == (True, 1)  # peers absent: no waiting
+            assert _push(client, g, version=1) == (True, 2)  # peers absent: no waiting
             assert time.monotonic() - start < 0.2
         finally:
             client.close()
@@ -128,7 +129,7 @@ def test_sync_wait_adapts_to_the_usual_group_spread():
                 futures = [client.push_gradients(0, step, g, worker_id=w) for w in (1, 2)]
                 assert [f.result() for f in futures] == [(True, step + 1)] * 2
             start = time.monotonic()
-            assert _push(client, g, version=3, worker_id=1) == (True, 3)  # partner gone
+            assert _push(client, g, version=3, worker_id=1) == (True, 4)  # partner gone
             assert 0.15 < time.monotonic() - start < 5  # ~sync_wait_min_s, not 20 s
         finally:
             client.close()

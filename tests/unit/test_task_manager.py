@@ -29,8 +29,10 @@ def test_tasks_cover_shards_exactly_per_epoch():
         assert ranges == [("a", 0, 32), ("a", 32, 64), ("a", 64, 96), ("a", 96, 100),
                           ("b", 10, 42), ("b", 42, 45)]
     assert tm.finished()
-    assert tm.epochs_report() == [{"epoch": 0, "records_completed": 135, "records_redone": 0},
-                                  {"epoch": 1, "records_completed": 135, "records_redone": 0}]
+    assert tm.epochs_report() == [{"epoch": 0, "records_completed": 135, "records_redone": 0,
+                                   "records_applied": 135},
+                                  {"epoch": 1, "records_completed": 135, "records_redone": 0,
+                                   "records_applied": 135}]
 
 
 def test_shuffle_is_seeded_and_complete():
@@ -50,7 +52,8 @@ def test_wait_while_others_hold_tasks_then_requeue_on_death():
     assert (again.start, again.end) == (t2.start, t2.end)
     tm.report(again.task_id, 3, True)
     assert tm.get(3).type == TaskType.NONE
-    assert tm.epochs_report()[0] == {"epoch": 0, "records_completed": 20, "records_redone": 10}
+    assert tm.epochs_report()[0] == {"epoch": 0, "records_completed": 20, "records_redone": 10,
+                                     "records_applied": 20}
 
 
 def test_retry_cap_fails_job_with_root_cause():
