@@ -107,14 +107,14 @@ class Server:
         return json.loads(resp.data)
 
     def list(self, kind: str) -> list[dict[str, Any]]:
-        """Objects of ``kind`` in the namespace; for secrets only the jobs' own (a real
-        server also keeps service-account token secrets there)."""
+        """Objects of ``kind`` in the namespace; for secrets not the service-account
+        tokens a real server keeps there."""
         core = client.CoreV1Api(self.admin)
         fn = {"pods": core.list_namespaced_pod, "services": core.list_namespaced_service,
               "secrets": core.list_namespaced_secret}[kind]
         items = json.loads(fn(self.namespace, _preload_content=False).data)["items"]
         if kind == "secrets":
-            items = [i for i in items if i["metadata"]["name"].startswith("elasticdl-")]
+            items = [i for i in items if i.get("type") != "kubernetes.io/service-account-token"]
         return list(items)
 
     def phase(self, name: str) -> str:

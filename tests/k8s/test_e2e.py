@@ -173,7 +173,10 @@ def test_digits_ps_job_survives_deleted_worker_and_ps_pods(server, kubelet, port
             assert sorted(codes) == [201, 201, 409]
     assert server.list("services") == []  # the master's close() removed them again
     # the job token travelled in a Secret owned by the master pod, read by env
-    [secret] = server.list("secrets")
+    secrets = server.list("secrets")
+    assert len(secrets) == 1, [(x["metadata"]["name"], x["metadata"].get("ownerReferences"))
+                               for x in secrets]
+    [secret] = secrets
     token = base64.b64decode(secret["data"]["token"]).decode()
     owner = secret["metadata"]["ownerReferences"][0]
     assert owner["name"] == master and owner["uid"] == server.get(
