@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import torch
 
-from elasticdl.common import chunk_wire, ckpt_paths
+from elasticdl.common import auth, chunk_wire, ckpt_paths
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.checkpoint import CheckpointError
 from elasticdl.common.rpc_service import Malformed, short
@@ -313,8 +313,10 @@ class PServicer(pb_grpc.PServerServicer):
                            applied_pushes=len(self.shard.ledger),
                            duplicates_ignored=self.shard.duplicates_ignored)
 
+    @_guard
     def applied(self, request: pb.AppliedRequest,
                 context: grpc.ServicerContext) -> pb.AppliedResponse:
+        check_range("number of task ids", len(request.task_ids), 0, MAX_TENSORS)
         version, entries = self.shard.applied(list(request.task_ids) or None)
         return pb.AppliedResponse(version=version, pushes=[
             pb.AppliedPush(task_id=t, minibatch=mb, num_records=n, version=v)
@@ -326,10 +328,18 @@ class PServicer(pb_grpc.PServerServicer):
         """Restore checkpoint version ``checkpoint_version`` of this job's checkpoint
         directory (never a path from the request) and continue at ``new_version``;
         answers the restored ledger."""
+        caller = auth.caller_replica(context)
+        if caller not in (None, "master"):
+            raise ValueError(f"rollback: only the master rolls a PS back, not {caller}")
+        check_range("checkpoint_version", request.checkpoint_version, 0, MAX_VERSION)
+        check_range("new_version", request.new_version, 0, MAX_VERSION)
         ckpt_dir = self.shard.config.checkpoint_dir
         if not ckpt_dir:
             raise ValueError("rollback: this PS has no checkpoint directory")
-        vdir = ps_ckpt.version_dir_of(ckpt_dir, request.checkpoint_version)
+        try:
+            vdir = ps_ckpt.version_dir_of(ckpt_dir, request.checkpoint_version)
+        except CheckpointError as e:  # the caller named a version that is not there
+            raise ValueError(f"rollback: {e}") from e
         entries = self.shard.rollback(lambda shard: ps_ckpt.restore_shard(shard, vdir),
                                       request.new_version)
         return pb.AppliedResponse(version=request.new_version, pushes=[
