@@ -22,6 +22,7 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from elasticdl.api import collective
 from elasticdl.api.collective import CollectiveError, guard
 
 logger = logging.getLogger(__name__)
@@ -75,12 +76,14 @@ class ElasticGroup:
         rendezvous_timeout_s: longest wait for a plan that includes this worker.
         poll_s: interval between ``get_comm_plan`` calls while a plan forms.
         check_interval_s: least time between the polls of :meth:`change_pending`.
+        abort_poll_s: least time between the polls of :meth:`should_abort` (gloo:
+            while a collective is slow, the master is asked whether the plan broke).
     """
 
     def __init__(self, comm: CommClient, host: str, backend: str, device: torch.device,
                  timeout_s: float, port: int = 0, rendezvous_timeout_s: float = 600.0,
                  poll_s: float = 0.1, check_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic,
+                 abort_poll_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         self.comm = comm
         self.host = host
@@ -91,6 +94,8 @@ class ElasticGroup:
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.poll_s = poll_s
         self.check_interval_s = check_interval_s
+        self.abort_poll_s = abort_poll_s
+        self._last_abort_check = 0.0
         self._clock = clock
         self._sleep = sleep
         self.plan: Optional[CommPlanLike] = None
@@ -190,7 +195,9 @@ class ElasticGroup:
         self._last_version = version
         self.active = True
         self.formations += 1
-        self._last_check = self._clock()
+        self._last_check = self._last_abort_check = self._clock()
+        if self.backend == "gloo":  # NCCL: wait() semantics differ; its own timeouts apply
+            collective.set_abort_check(self.should_abort)
 
     # ------------------------------------------------------------ leaving
     def leave(self) -> None:
@@ -206,16 +213,39 @@ class ElasticGroup:
 
     def _teardown(self, abort: bool) -> None:
         self.active = False
+        collective.set_abort_check(None)
         if dist.is_initialized():
-            if abort and self.backend == "nccl":
-                from torch.distributed import distributed_c10d as c10d
+            from torch.distributed import distributed_c10d as c10d
 
+            if abort and self.backend == "nccl":
                 c10d._abort_process_group()  # a hung communicator must not block us
+            elif abort:
+                # a collective may still be pending on a dead or hung peer: the group's
+                # destructor would wait for it, so it runs on a background thread
+                pg = c10d._get_default_group()
+                dist.destroy_process_group()
+                collective.dispose([pg, self._store])
             else:
                 dist.destroy_process_group()
         self._store = None  # the TCPStore server (rank 0) stops with its last reference
 
     # ---------------------------------------------------------- detection
+    def should_abort(self) -> bool:
+        """True when the master says the current plan is broken (a member died,
+        hung or failed) or published a plan without us; polled at most every
+        ``abort_poll_s`` while a collective waits."""
+        now = self._clock()
+        if not self.active or now - self._last_abort_check < self.abort_poll_s:
+            return False
+        self._last_abort_check = now
+        try:
+            plan = self.comm.get_comm_plan(self._last_version)
+        except ConnectionError:
+            return False  # the master is briefly unreachable: keep waiting
+        if getattr(plan, "aborting", False):
+            return True
+        return bool(plan.ready) and int(plan.plan_version) != self._last_version
+
     def change_pending(self) -> bool:
         """True when the master is forming a plan other than ours (checked at most
         every ``check_interval_s``; the answer is False in between)."""
