@@ -46,6 +46,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -111,12 +112,16 @@ def wait(work: Any, op: str) -> None:
         return
     step = datetime.timedelta(seconds=POLL_S)
     while True:
+        started = time.monotonic()
         try:
             work.wait(step)
             return
         except RuntimeError as e:
             if work.is_completed():  # the collective itself failed or timed out
                 raise CollectiveError(op, e) from e
+        overran = time.monotonic() - started - POLL_S
+        if overran > 1.0:
+            logger.debug("%s: a %.2f s wait slice took %.2f s longer", op, POLL_S, overran)
         if check():
             raise CollectiveError(op, PlanAborted("the master declared the plan broken (a "
                                                   "member died, hung or failed)"))

@@ -304,9 +304,6 @@ class ElasticRunner:
         plan = list(micro)
         if not plan and self._filler is not None and self.step_fn is not None:
             plan = [Microbatch(self._filler, 0)]
-        saved = None
-        if not micro and plan and self.grads.buffers:  # a filler forward must not move them
-            saved = [b.detach().clone() for b in self.grads.buffers]
         outputs: list[Any] = []
         prev = 0.0
         for j, m in enumerate(plan):
@@ -340,10 +337,6 @@ class ElasticRunner:
                            "were reduced after it returned and no step was applied")
             self.grads.finish()
         total, change, done = self.grads.result[:3]
-        if saved is not None and total <= 0:
-            with torch.no_grad():
-                for buf, old in zip(self.grads.buffers, saved):
-                    buf.copy_(old)
         if micro:
             self._filler = micro[-1].args
         return outputs, total, change > 0, done > 0

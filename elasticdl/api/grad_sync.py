@@ -87,6 +87,7 @@ class GradientAllreducer:
         self.buffers = [b for b in buffers if b is not None]
         self._buffer_work: list[tuple[list[torch.Tensor], torch.Tensor, bool, Any]] = []
         self._records = 0.0
+        self._saved: Optional[list[torch.Tensor]] = None   # buffers before a filler step
         self._cleared = False  # zero_grad() since the last reduction of the step
         self._buckets = self._layout(bucket_cap_mb, first_bucket_mb)
         self._where: dict[int, tuple[int, int]] = {}
@@ -155,6 +156,9 @@ class GradientAllreducer:
         self._reductions = 0
         self._cleared = False
         self._records = float(meta[0]) if meta else 0.0
+        # a member without data: its filler forward must not move the buffers if no
+        # member had data (an idle round), so they are restored then
+        self._saved = [b.detach().clone() for b in self.buffers] if not self._records else None
         self._next = 0
         self._queued = False
         self.result = []
@@ -295,6 +299,10 @@ class GradientAllreducer:
             self._buffer_work.append((bufs, flat, floating, work))
 
     def _write_buffers(self, total: float) -> None:
+        if total <= 0 and self._saved is not None:
+            with torch.no_grad():
+                for buf, old in zip(self.buffers, self._saved):
+                    buf.copy_(old)
         for bufs, flat, floating, _ in self._buffer_work:
             if total <= 0:
                 continue

@@ -23,8 +23,9 @@ The round closes and a new plan is published (lazily, on the next call) when
 * every known worker checked in, or ``checkin_timeout_s`` passed since the round
   opened (a silent worker may be dead; the job controller usually says so first
   through :meth:`remove_worker`), or — once a member failed or was removed —
-  ``hang_grace_s`` passed since then (healthy members abandon the broken plan
-  and check in within about a second; one that does not is hung), and
+  every silent worker has not called for ``hung_after_s`` (healthy members poll
+  the plan while they wait in a collective, so they abandon the broken plan and
+  check in within about a second; one silent that long is hung), and
 * for the first plan only, ``initial_workers`` joined or ``checkin_timeout_s``
   passed (avoids a one-member plan while the others are still starting).
 
@@ -117,9 +118,9 @@ class Rendezvous:
             have not checked in; use at least the collective timeout.
         initial_workers: members the first plan waits for (up to
             ``checkin_timeout_s``).
-        hang_grace_s: after a failure or removal, how long the round waits for
-            the other members to check in before the silent ones are excluded
-            as hung (default: ``checkin_timeout_s``).
+        hung_after_s: in a round opened by a failure or removal, a worker that
+            has not checked in and has made no call for this long is excluded
+            as hung (use the collective timeout; None: only ``checkin_timeout_s``).
 
     All public methods are thread-safe.
     """
@@ -127,11 +128,12 @@ class Rendezvous:
     def __init__(self, store_host: str, port_allocator: Callable[[], int],
                  settle_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  checkin_timeout_s: float = 30.0, initial_workers: int = 1,
-                 hang_grace_s: Optional[float] = None):
-        if settle_s < 0 or checkin_timeout_s < 0 or (hang_grace_s or 0) < 0:
-            raise ValueError("settle_s, checkin_timeout_s and hang_grace_s must be >= 0")
-        self._hang_grace_s = checkin_timeout_s if hang_grace_s is None else hang_grace_s
+                 hung_after_s: Optional[float] = None):
+        if settle_s < 0 or checkin_timeout_s < 0 or (hung_after_s or 0) < 0:
+            raise ValueError("settle_s, checkin_timeout_s and hung_after_s must be >= 0")
+        self._hung_after_s = hung_after_s
         self._excluded: list[int] = []
+        self._last_seen: dict[int, float] = {}
         self._store_host = store_host
         self._port_allocator = port_allocator
         self._settle_s = settle_s
@@ -233,6 +235,7 @@ class Rendezvous:
             self._round.failed_at = now
 
     def _check_in(self, worker_id: int) -> None:
+        self._last_seen[worker_id] = self._clock()
         if self._round is not None and worker_id in self._workers:
             self._round.checked_in.add(worker_id)
 
@@ -246,7 +249,9 @@ class Rendezvous:
         if rnd.last_join is not None and now - rnd.last_join < self._settle_s:
             return
         timed_out = now - rnd.opened_at >= self._checkin_timeout_s or (
-            rnd.failed_at is not None and now - rnd.failed_at >= self._hang_grace_s)
+            rnd.failed_at is not None and self._hung_after_s is not None and all(
+                now - self._last_seen.get(w, rnd.opened_at) >= self._hung_after_s
+                for w in set(self._workers) - checked))
         if checked != set(self._workers) and not timed_out:
             return
         if self._plan is None and len(checked) < self._initial_workers and not timed_out:
