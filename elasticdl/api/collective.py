@@ -121,7 +121,7 @@ def wait(work: Any, op: str) -> None:
                 raise CollectiveError(op, e) from e
         overran = time.monotonic() - started - POLL_S
         if overran > 1.0:
-            logger.debug("%s: a %.2f s wait slice took %.2f s longer", op, POLL_S, overran)
+            logger.info("%s: a %.2f s wait slice took %.2f s longer", op, POLL_S, overran)
         if check():
             raise CollectiveError(op, PlanAborted("the master declared the plan broken (a "
                                                   "member died, hung or failed)"))
