@@ -351,9 +351,11 @@ class GradientAllreducer:
                 wait(bucket.work, "gradient all_reduce")
             for *_, work in self._buffer_work:
                 wait(work, "buffer all_reduce")
-        finally:
-            self._active = False
-            self._meta_work = None
+        except BaseException:
+            self._active = False  # pending work stays referenced until abandon()
+            raise
+        self._active = False
+        self._meta_work = None
         total = self.result[0]
         self._write_buffers(total)
         for bucket in self._buckets:
