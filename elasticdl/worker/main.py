@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -148,20 +147,7 @@ def _export(trainer: Any, spec: JobSpec) -> None:
         export_model(trainer.model, job_dir_for(spec))
 
 
-def preload_torch() -> threading.Thread:
-    """Start importing torch (seconds on a loaded machine) on a daemon thread, so it
-    overlaps the gRPC/protobuf imports, flag parsing and the master connection of
-    the main thread; a later ``import torch`` waits for it to finish."""
-    import importlib
-
-    thread = threading.Thread(target=importlib.import_module, args=("torch",),
-                              name="preload-torch", daemon=True)
-    thread.start()
-    return thread
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    preload_torch()
     args = parse_args(argv)
     configure_logging(args.job_spec.log_level, role=f"worker-{args.worker_id}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
