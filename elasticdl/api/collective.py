@@ -122,7 +122,12 @@ def wait(work: Any, op: str) -> None:
         overran = time.monotonic() - started - POLL_S
         if overran > 1.0:
             logger.info("%s: a %.2f s wait slice took %.2f s longer", op, POLL_S, overran)
-        if check():
+        started = time.monotonic()
+        aborted = check()
+        if time.monotonic() - started > 1.0:
+            logger.info("%s: asking the master about the plan took %.2f s", op,
+                        time.monotonic() - started)
+        if aborted:
             raise CollectiveError(op, PlanAborted("the master declared the plan broken (a "
                                                   "member died, hung or failed)"))
 

@@ -175,6 +175,13 @@ class ElasticGroup:
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
             torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            # every member names its gloo/NCCL group "0" under this plan's store prefix;
+            # torch counts groups up from there and only a destroy resets the count, so a
+            # member whose last init failed would otherwise never meet the others
+            from torch.distributed import distributed_c10d as c10d
+
+            c10d._world.group_count = 0
         try:
             with guard("store connect"):
                 self._store = dist.TCPStore(plan.master_addr, int(plan.master_port), world,
