@@ -240,6 +240,7 @@ class ElasticRunner:
                     self._reform()
                 outputs, total, change, done = self._compute(micro, leaving)
             except CollectiveError as e:
+                logger.info("collective failed: %s", str(e)[:200])
                 self._reset()
                 failures += 1
                 self.recoveries += 1
@@ -275,7 +276,7 @@ class ElasticRunner:
             return result
 
     def _reset(self) -> None:
-        collective.dispose(self.grads.abandon())
+        collective.defer_dispose(self.grads.abandon())  # disposed after the group
         self._phase = None
         self.is_filler = False
 

@@ -214,7 +214,11 @@ class ElasticGroup:
     def fail(self, reason: str) -> None:
         """Destroy a broken group and report the failure to the master."""
         version = self._last_version
+        started = time.monotonic()
         self._teardown(abort=True)
+        took = time.monotonic() - started
+        if took > 1.0:
+            logger.warning("destroying the group of plan %d took %.2f s", version, took)
         logger.warning("plan %d failed: %s", version, reason)
         self.comm.report_collective_failure(version, reason[:2000])
 
@@ -226,6 +230,7 @@ class ElasticGroup:
 
             if abort and self.backend == "nccl":
                 c10d._abort_process_group()  # a hung communicator must not block us
+                collective.dispose([])
             elif abort:
                 # a collective may still be pending on a dead or hung peer: the group's
                 # destructor would wait for it, so it runs on a background thread
@@ -234,6 +239,7 @@ class ElasticGroup:
                 collective.dispose([pg, self._store])
             else:
                 dist.destroy_process_group()
+                collective.dispose([])
         self._store = None  # the TCPStore server (rank 0) stops with its last reference
 
     # ---------------------------------------------------------- detection
