@@ -37,7 +37,9 @@ reduction: floating buffers are averaged weighted by the members' records in
 the step (a filler batch weighs 0, so it never moves them; for a running mean
 this is exactly the running mean of the union batch), integer buffers
 (``num_batches_tracked``) take the maximum. The buffer all-reduces are launched
-with the last gradient buckets and waited for with them.
+by the first gradient hook of a backward (forward, which moves the buffers, is
+done by then; on every member before any bucket, so collectives stay in the
+same order) and overlap with backward.
 
 Buckets are laid out in reverse parameter order (roughly the order gradients
 become ready in backward), the first one small (1 MiB) so communication starts
@@ -242,6 +244,8 @@ class GradientAllreducer:
             if not self._queued:
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+                if self.buffers and not self._buffer_work:
+                    self._launch_buffers()  # forward is done: overlap them with backward
             grad = param.grad
             if grad is None:
                 return
@@ -328,6 +332,8 @@ class GradientAllreducer:
         if not self._active:
             return self.result
         try:
+            if self.buffers and not self._buffer_work:
+                self._launch_buffers()  # no backward ran: still before any bucket
             for bucket in self._buckets[self._next:]:
                 for i, off in zip(bucket.params, bucket.offsets):
                     if i in bucket.ready:
@@ -341,8 +347,6 @@ class GradientAllreducer:
                         bucket.flat[off:off + p.numel()].zero_()
                 self._launch(bucket)
             self._next = len(self._buckets)
-            if self.buffers:
-                self._launch_buffers()
             if self._meta_work is not None:
                 wait(self._meta_work, "step meta all_reduce")
                 assert self._meta is not None
