@@ -24,6 +24,16 @@ figure is the time from the kill to the next step completed by the survivors:
   dead attempt's peer addresses and often fails with "connectFullMesh ...
   Connection refused"; the opt-out gives each rendezvous round its own prefix.
 
+With the elastic workers the same run also measures, like the master would act:
+
+* ``relaunch`` — a replacement worker process is started right after the kill
+  (what the job controller does): kill -> its first step in the group, and its
+  *ready* (imports and model built, ``join`` called) -> first step;
+* ``sigstop`` — a separate pair: one worker gets SIGSTOP (hung, no connection
+  reset); the rendezvous excludes it once it has been silent for
+  ``collective_timeout_s + 2`` (the master's setting): stop -> the survivor's
+  next step in a group without it.
+
 Scenarios alternate for ``--trials`` rounds; medians are reported.
 
 Run: python benchmarks/allreduce_recovery.py [--trials 3] [--warmup 20]
@@ -87,6 +97,7 @@ def elastic_worker(args: argparse.Namespace) -> None:
     trainer = AllreduceTrainer(load_model_spec(ZOO, spec.model_def), spec, args.worker_id,
                                torch.device("cpu"), FakeComm(rdzv, args.worker_id), "127.0.0.1")
     x, y = _batch(args.worker_id)
+    _log(args.log, "ready", 0, 0, -1)
     for step in range(args.max_steps):
         trainer.train_minibatch(x, y)
         _log(args.log, "elastic", trainer.group.world_size, 0, step)
@@ -172,35 +183,69 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def run_elastic(tmp: str, args: argparse.Namespace) -> float:
+def _elastic_pair(tmp: str, args: argparse.Namespace, name: str) -> tuple[Any, Any, str, Any]:
     from elasticdl.master.rendezvous import Rendezvous
     from tests.integration.dist_procs import free_port
     from tests.integration.elastic_harness import MasterStandIn
 
     rdzv = Rendezvous("127.0.0.1", free_port, settle_s=1.0, checkin_timeout_s=30,
-                      initial_workers=2)
+                      initial_workers=2, hung_after_s=args.collective_timeout_s + 2)
     master = MasterStandIn(rdzv)
-    log = os.path.join(tmp, "elastic.log")
+    log = os.path.join(tmp, f"{name}.log")
+
+    def start(w: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, SCRIPT],
+            env=_env(role="elastic-worker", worker_id=w, log=log,
+                     manager=f"{master.address[0]}:{master.address[1]}",
+                     timeout_s=args.collective_timeout_s),
+            start_new_session=True)
+
+    return rdzv, master, log, start
+
+
+def _first(log: str, pid: int, after: float, world: Optional[int] = None) -> Any:
+    return next((r for r in _read(log) if r[0] == pid and r[4] >= 0 and r[5] > after
+                 and (world is None or r[2] == world)), None)
+
+
+def run_elastic(tmp: str, args: argparse.Namespace) -> dict[str, float]:
+    rdzv, master, log, start = _elastic_pair(tmp, args, "elastic")
     procs: list[subprocess.Popen] = []
     try:
-        for w in (0, 1):
-            procs.append(subprocess.Popen(
-                [sys.executable, SCRIPT],
-                env=_env(role="elastic-worker", worker_id=w, log=log,
-                         manager=f"{master.address[0]}:{master.address[1]}",
-                         timeout_s=args.collective_timeout_s),
-                start_new_session=True))
+        procs += [start(0), start(1)]
         _wait(lambda: all(sum(1 for r in _read(log) if r[0] == p.pid) >= args.warmup
                           for p in procs), 120, "both elastic workers to train")
         victim = procs[1]
         killed_at = time.time()
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)              # the job controller sees the exit...
-        rdzv.remove_worker(1)        # ...and removes the worker from the rendezvous
-        first = _wait(lambda: next((r for r in _read(log) if r[0] == procs[0].pid
-                                    and r[2] == 1 and r[5] > killed_at), None),
-                      120, "the survivor's next step")
-        return first[5] - killed_at
+        rdzv.remove_worker(1)        # ...removes the worker from the rendezvous...
+        procs.append(start(2))       # ...and relaunches it
+        first = _wait(lambda: _first(log, procs[0].pid, killed_at, world=1), 120,
+                      "the survivor's next step")
+        joined = _wait(lambda: _first(log, procs[2].pid, killed_at), 180,
+                       "the replacement's first step")
+        ready = next(r for r in _read(log) if r[0] == procs[2].pid and r[4] == -1)
+        return {"elastic": first[5] - killed_at, "relaunch": joined[5] - killed_at,
+                "ready_to_join": joined[5] - ready[5]}
+    finally:
+        _stop(procs)
+        master.close()
+
+
+def run_sigstop(tmp: str, args: argparse.Namespace) -> dict[str, float]:
+    rdzv, master, log, start = _elastic_pair(tmp, args, "sigstop")
+    procs: list[subprocess.Popen] = []
+    try:
+        procs += [start(0), start(1)]
+        _wait(lambda: all(sum(1 for r in _read(log) if r[0] == p.pid) >= args.warmup
+                          for p in procs), 120, "both elastic workers to train")
+        stopped_at = time.time()
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        first = _wait(lambda: _first(log, procs[0].pid, stopped_at, world=1),
+                      args.collective_timeout_s + 60, "the survivor's step without it")
+        return {"sigstop": first[5] - stopped_at}
     finally:
         _stop(procs)
         master.close()
@@ -259,24 +304,37 @@ def main() -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     sys.path[:0] = [ROOT, ZOO]
-    results: dict[str, list[float]] = {"elastic": [], "torchrun": []}
+    results: dict[str, list[float]] = {k: [] for k in (
+        "elastic", "torchrun", "relaunch", "ready_to_join", "sigstop")}
+    what = {"elastic": "SIGKILL -> survivor's next step", "torchrun": "SIGKILL -> next step",
+            "relaunch": "SIGKILL -> replacement's first step",
+            "ready_to_join": "replacement ready -> its first step",
+            "sigstop": "SIGSTOP -> survivor's step without it"}
     for trial in range(args.trials):
-        order = [("elastic", run_elastic), ("torchrun", run_torchrun)]
+        order: list[Any] = [run_elastic, run_torchrun, run_sigstop]
         if trial % 2:
             order.reverse()
-        for name, fn in order:
+        for fn in order:
             with tempfile.TemporaryDirectory() as tmp:
-                seconds = fn(tmp, args)
-            results[name].append(seconds)
-            print(f"trial {trial}: {name:8s} SIGKILL -> next completed step {seconds:6.2f} s",
-                  flush=True)
-    el, tr = statistics.median(results["elastic"]), statistics.median(results["torchrun"])
+                got = fn(tmp, args)
+            if not isinstance(got, dict):
+                got = {"torchrun": got}
+            for name, seconds in got.items():
+                results[name].append(seconds)
+                print(f"trial {trial}: {name:13s} {what[name]:38s} {seconds:6.2f} s", flush=True)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    el, tr = med["elastic"], med["torchrun"]
     summary = {"elastic_s": round(el, 3), "torchrun_s": round(tr, 3),
                "speedup": round(tr / el, 2), "trials": args.trials,
-               "elastic_all": [round(v, 3) for v in results["elastic"]],
-               "torchrun_all": [round(v, 3) for v in results["torchrun"]]}
+               "relaunch_s": round(med["relaunch"], 3),
+               "ready_to_join_s": round(med["ready_to_join"], 3),
+               "sigstop_s": round(med["sigstop"], 3),
+               "collective_timeout_s": args.collective_timeout_s,
+               **{f"{k}_all": [round(v, 3) for v in vs] for k, vs in results.items()}}
     print(f"median recovery: elastic {el:.2f} s, torchrun --max-restarts {tr:.2f} s "
-          f"({tr / el:.1f}x)")
+          f"({tr / el:.1f}x); relaunched worker in the group {med['relaunch']:.2f} s after "
+          f"the kill ({med['ready_to_join']:.2f} s after it was ready); SIGSTOP -> survivor "
+          f"goes on {med['sigstop']:.2f} s (collective timeout {args.collective_timeout_s:g} s)")
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as f:

@@ -12,7 +12,13 @@ An AllreduceTrainer step is a whole elastic round: the asynchronous meta
 all-reduce, forward, backward with bucketed all-reduce from gradient hooks,
 optimizer step. Its rendezvous is a static one-plan stand-in (no master).
 
-Run: python benchmarks/allreduce_step.py [--blocks 20] [--block_steps 10] [--json out.json]
+``--batchnorm``: the same CNN with BatchNorm after each convolution
+(``tests/fixtures/zoo/toy/bn_cnn.py``): AllreduceTrainer all-reduces the buffers
+with the gradients every step, DDP broadcasts rank 0's buffers before every
+forward (its default ``broadcast_buffers=True``) — the cost of buffer sync.
+
+Run: python benchmarks/allreduce_step.py [--blocks 20] [--block_steps 10] [--batchnorm]
+     [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZOO = os.path.join(ROOT, "model_zoo")
+FIXTURE_ZOO = os.path.join(ROOT, "tests", "fixtures", "zoo")
 
 
 def free_port() -> int:
@@ -65,7 +72,7 @@ def _batch(seed: int = 0) -> tuple[Any, Any]:
 
 
 def worker(rank: int, world: int, port: int, blocks: int, block_steps: int, warmup: int,
-           out: Any) -> None:
+           out: Any, batchnorm: bool = False) -> None:
     sys.path[:0] = [ROOT, ZOO]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -80,17 +87,20 @@ def worker(rank: int, world: int, port: int, blocks: int, block_steps: int, warm
 
     torch.set_num_threads(1)
     try:
-        spec = JobSpec(model_zoo=ZOO, model_def="mnist.mnist_cnn.custom_model",
+        zoo, model_def = ((FIXTURE_ZOO, "toy.bn_cnn.custom_model") if batchnorm
+                          else (ZOO, "mnist.mnist_cnn.custom_model"))
+        spec = JobSpec(model_zoo=zoo, model_def=model_def,
                        training_data="x", distribution_strategy="AllreduceStrategy",
                        job_name="bench", num_workers=world, minibatch_size=64)
         # the elastic trainer forms the default group; DDP gets a group of its own
-        trainer = AllreduceTrainer(load_model_spec(ZOO, spec.model_def), spec, rank,
+        model_spec = load_model_spec(zoo, spec.model_def)
+        trainer = AllreduceTrainer(model_spec, spec, rank,
                                    torch.device("cpu"), StaticComm(rank, world, port),
                                    "127.0.0.1")
         trainer.runner.start()
         ddp_group = dist.new_group(list(range(world)), backend="gloo")
         torch.manual_seed(0)
-        ddp = DDP(CNN(), process_group=ddp_group)
+        ddp = DDP(model_spec.build_model() if batchnorm else CNN(), process_group=ddp_group)
         ddp_opt = optimizer(ddp.parameters())
         x, y = _batch(rank)
 
@@ -128,13 +138,16 @@ def main() -> int:
     ap.add_argument("--block_steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--batchnorm", action="store_true",
+                    help="CNN with BatchNorm: measures buffer synchronisation")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=worker, args=(r, args.world, port, args.blocks,
-                                              args.block_steps, args.warmup, out),
+                                              args.block_steps, args.warmup, out,
+                                              args.batchnorm),
                          daemon=True) for r in range(args.world)]
     for p in procs:
         p.start()
@@ -161,7 +174,7 @@ def main() -> int:
                "ratio": round(el / ddp, 3),
                "median_block_ratio": round(statistics.median(block_ratios), 3),
                "steps_each": len(times["ddp"]), "world": args.world, "batch": 64,
-               "threads_per_process": 1}
+               "threads_per_process": 1, "batchnorm": args.batchnorm}
     print(f"median step over {len(times['ddp'])} steps each: DDP {ddp * 1e3:.2f} ms, "
           f"AllreduceTrainer {el * 1e3:.2f} ms, ratio {el / ddp:.3f} (median of block "
           f"ratios {summary['median_block_ratio']:.3f}; target <= 1.05)")

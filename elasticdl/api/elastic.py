@@ -11,10 +11,12 @@ of the current group run together (:meth:`ElasticRunner.run_round`):
   (:class:`~elasticdl.api.grad_sync.GradientAllreducer`), weighted by records and
   divided by the round's total ``N``, so the update equals single-process
   training on the union of the round's records. A member without data runs the
-  same step on a *filler* batch (its last batch, or one received when the group
-  formed) with weight 0, so every member issues the same collectives and applies
-  the same optimizer step; when nobody had data (``N == 0``) the optimizer step
-  is skipped everywhere (an idle round);
+  same step function on a *filler* batch (its last batch, or one received from a
+  member with data) with weight 0, so every member issues the same collectives
+  and runs the same user code — clipping, LR scheduler, GradScaler — every step
+  (issue 10, item 5: a member never falls back to a bare ``optimizer.step()``);
+  when nobody had data (``N == 0``) the optimizer step is skipped everywhere
+  (an idle round) and buffers moved by filler forwards are restored;
 * the round's completion proves every member finished the previous round, so
   the steps before it are *confirmed* (in every member's model). A plan change
   seen by any member (a worker joined or left) makes every member re-form the
@@ -45,6 +47,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from elasticdl.api import collective
 from elasticdl.api.collective import CollectiveError, broadcast_state, guard
 from elasticdl.api.elastic_group import ElasticGroup
 from elasticdl.api.grad_sync import GradientAllreducer
@@ -163,13 +166,14 @@ class ElasticRunner:
         self.on_lost = on_lost
         self.on_round = on_round
         self.step_fn: Optional[StepFn] = None
-        self.grads = GradientAllreducer(state.model.parameters())
+        self.grads = GradientAllreducer(state.model.parameters(), state.model.buffers())
         self.confirmed_version = 0
         self.is_filler = False
         self.recoveries = 0
         self._pending: list[Microbatch] = []
         self._unconfirmed: list[tuple[int, list[Any]]] = []
         self._filler: Optional[tuple[Any, ...]] = None
+        self._need_fillers = True   # some member may lack a filler (same on every member)
         self._phase: Optional[tuple[bool, bool]] = None   # (first, last) microbatch of a step
         self._orig_step: Callable[..., Any] = state.optimizer.step
         self._started = False
@@ -236,6 +240,7 @@ class ElasticRunner:
                     self._reform()
                 outputs, total, change, done = self._compute(micro, leaving)
             except CollectiveError as e:
+                logger.info("collective failed: %s", str(e)[:200])
                 self._reset()
                 failures += 1
                 self.recoveries += 1
@@ -271,7 +276,7 @@ class ElasticRunner:
             return result
 
     def _reset(self) -> None:
-        self.grads.abandon()
+        collective.defer_dispose(self.grads.abandon())  # disposed after the group
         self._phase = None
         self.is_filler = False
 
@@ -294,6 +299,8 @@ class ElasticRunner:
         records = sum(m.records for m in micro)
         if micro and self.step_fn is None:
             raise RuntimeError("no step function: wrap one with ctx.step(fn) before the loop")
+        if self._need_fillers:
+            self._exchange_fillers(micro)
         self.grads.begin([float(records), float(self.group.change_pending()), float(leaving)])
         plan = list(micro)
         if not plan and self._filler is not None and self.step_fn is not None:
@@ -318,12 +325,14 @@ class ElasticRunner:
             if m.records:
                 outputs.append(out)
             prev = scale
+        self.grads.end_step()
         self._phase = None
         self.is_filler = False
-        if not plan:  # no data and no filler: zeros, and the same optimizer step as the others
+        if not plan:  # nobody had data (else the filler exchange gave us one): zeros
             total = self.grads.finish()[0]
             if total > 0:
-                self._orig_step()
+                raise RuntimeError("a member without data and filler in a step with data; "
+                                   "the filler exchange failed")
         elif self.grads.active:
             logger.warning("the step function ran no backward()/optimizer.step(); gradients "
                            "were reduced after it returned and no step was applied")
@@ -375,6 +384,7 @@ class ElasticRunner:
         versions = [int(r[0].item()) for r in rows]
         fillers = [bool(r[1].item()) for r in rows]
         src = versions.index(max(versions))
+        self._need_fillers = not any(fillers)
         got = broadcast_state(self.state.state_dict(), src, self.device)
         if self.group.rank != src:
             self.state.load_state_dict(got)
@@ -387,6 +397,29 @@ class ElasticRunner:
         self.grads.abandon()
         logger.info("plan %d: state of rank %d (model version %d) broadcast to %d member(s); "
                     "versions were %s", self.group.version, src, max(versions), world, versions)
+
+    def _exchange_fillers(self, micro: Sequence[Microbatch]) -> None:
+        """Before a step in which a member may have neither data nor a filler batch:
+        a member with data sends its first batch to those without one (a blocking
+        collective, only until every member has a filler)."""
+        has = bool(micro) or self._filler is not None
+        mine = torch.tensor([int(has)], dtype=torch.int64, device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.group.world_size)]
+        with guard("all_gather (filler flags)"):
+            dist.all_gather(rows, mine)
+        flags = [bool(r.item()) for r in rows]
+        if not any(flags):
+            return  # nobody has data: an idle round on every member
+        self._need_fillers = False
+        if all(flags):
+            return
+        src = flags.index(True)
+        box = [(micro[0].args if micro else self._filler) if self.group.rank == src else None]
+        with guard("broadcast (filler batch)"):
+            dist.broadcast_object_list(box, src=src, device=self.device)
+        if self._filler is None and not micro:
+            self._filler = box[0]
+            logger.info("no data yet: received a filler batch from rank %d", src)
 
     # ------------------------------------------------------ optimizer gating
     def _install_gate(self, opt: torch.optim.Optimizer) -> None:
@@ -411,6 +444,7 @@ class ElasticRunner:
             phase = runner._phase
             if phase is not None and not phase[0]:
                 return None
+            runner.grads.grads_cleared()
             return orig_zero(*args, **kwargs)
 
         opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]

@@ -22,6 +22,7 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from elasticdl.api import collective
 from elasticdl.api.collective import CollectiveError, guard
 
 logger = logging.getLogger(__name__)
@@ -75,12 +76,14 @@ class ElasticGroup:
         rendezvous_timeout_s: longest wait for a plan that includes this worker.
         poll_s: interval between ``get_comm_plan`` calls while a plan forms.
         check_interval_s: least time between the polls of :meth:`change_pending`.
+        abort_poll_s: least time between the polls of :meth:`should_abort` (gloo:
+            while a collective is slow, the master is asked whether the plan broke).
     """
 
     def __init__(self, comm: CommClient, host: str, backend: str, device: torch.device,
                  timeout_s: float, port: int = 0, rendezvous_timeout_s: float = 600.0,
                  poll_s: float = 0.1, check_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic,
+                 abort_poll_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         self.comm = comm
         self.host = host
@@ -91,6 +94,8 @@ class ElasticGroup:
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.poll_s = poll_s
         self.check_interval_s = check_interval_s
+        self.abort_poll_s = abort_poll_s
+        self._last_abort_check = 0.0
         self._clock = clock
         self._sleep = sleep
         self.plan: Optional[CommPlanLike] = None
@@ -170,6 +175,13 @@ class ElasticGroup:
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
             torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            # every member names its gloo/NCCL group "0" under this plan's store prefix;
+            # torch counts groups up from there and only a destroy resets the count, so a
+            # member whose last init failed would otherwise never meet the others
+            from torch.distributed import distributed_c10d as c10d
+
+            c10d._world.group_count = 0
         try:
             with guard("store connect"):
                 self._store = dist.TCPStore(plan.master_addr, int(plan.master_port), world,
@@ -190,7 +202,9 @@ class ElasticGroup:
         self._last_version = version
         self.active = True
         self.formations += 1
-        self._last_check = self._clock()
+        self._last_check = self._last_abort_check = self._clock()
+        if self.backend == "gloo":  # NCCL: wait() semantics differ; its own timeouts apply
+            collective.set_abort_check(self.should_abort)
 
     # ------------------------------------------------------------ leaving
     def leave(self) -> None:
@@ -200,22 +214,51 @@ class ElasticGroup:
     def fail(self, reason: str) -> None:
         """Destroy a broken group and report the failure to the master."""
         version = self._last_version
+        started = time.monotonic()
         self._teardown(abort=True)
+        took = time.monotonic() - started
+        if took > 1.0:
+            logger.warning("destroying the group of plan %d took %.2f s", version, took)
         logger.warning("plan %d failed: %s", version, reason)
         self.comm.report_collective_failure(version, reason[:2000])
 
     def _teardown(self, abort: bool) -> None:
         self.active = False
+        collective.set_abort_check(None)
         if dist.is_initialized():
-            if abort and self.backend == "nccl":
-                from torch.distributed import distributed_c10d as c10d
+            from torch.distributed import distributed_c10d as c10d
 
+            if abort and self.backend == "nccl":
                 c10d._abort_process_group()  # a hung communicator must not block us
+                collective.dispose([])
+            elif abort:
+                # a collective may still be pending on a dead or hung peer: the group's
+                # destructor would wait for it, so it runs on a background thread
+                pg = c10d._get_default_group()
+                dist.destroy_process_group()
+                collective.dispose([pg, self._store])
             else:
                 dist.destroy_process_group()
+                collective.dispose([])
         self._store = None  # the TCPStore server (rank 0) stops with its last reference
 
     # ---------------------------------------------------------- detection
+    def should_abort(self) -> bool:
+        """True when the master says the current plan is broken (a member died,
+        hung or failed) or published a plan without us; polled at most every
+        ``abort_poll_s`` while a collective waits."""
+        now = self._clock()
+        if not self.active or now - self._last_abort_check < self.abort_poll_s:
+            return False
+        self._last_abort_check = now
+        try:
+            plan = self.comm.get_comm_plan(self._last_version)
+        except ConnectionError:
+            return False  # the master is briefly unreachable: keep waiting
+        if getattr(plan, "aborting", False):
+            return True
+        return bool(plan.ready) and int(plan.plan_version) != self._last_version
+
     def change_pending(self) -> bool:
         """True when the master is forming a plan other than ours (checked at most
         every ``check_interval_s``; the answer is False in between)."""

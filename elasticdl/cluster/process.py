@@ -53,6 +53,7 @@ def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, signal.SIGCONT)  # a stopped (hung) process acts on it now
         except ProcessLookupError:
             break
         try:

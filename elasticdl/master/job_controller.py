@@ -223,6 +223,28 @@ class JobController:
         if self.rendezvous is not None:
             self.rendezvous.remove_worker(event.index)
 
+    def _stop_hung_workers(self) -> None:
+        """Allreduce: members the rendezvous left out of a plan for not checking in
+        (hung: stopped, deadlocked, swapping) are stopped; their exit relaunches them
+        through the usual path (reason ``deleted``), and their tasks are re-queued."""
+        if self.rendezvous is None or not hasattr(self.rendezvous, "take_excluded"):
+            return
+        for worker_id in self.rendezvous.take_excluded():
+            with self._lock:
+                alive = worker_id in self._live_workers
+            if not alive or self._finishing or self.tm.training_records_left() == 0:
+                continue  # gone already, or training is over (members left the group)
+            logger.warning("worker %d made no progress and was left out of the allreduce "
+                           "group as hung; stopping it to relaunch it", worker_id)
+            threading.Thread(target=self._delete_worker, args=(worker_id,),
+                             name=f"stop-worker-{worker_id}", daemon=True).start()
+
+    def _delete_worker(self, worker_id: int) -> None:
+        try:
+            self.cluster.delete_replica(ReplicaType.WORKER, worker_id)
+        except ClusterError as e:
+            logger.error("could not stop hung worker %d: %s", worker_id, e)
+
     def _note_root_cause(self, event: ReplicaEvent) -> None:
         with self._lock:
             if self._first_failure is None:
@@ -251,20 +273,25 @@ class JobController:
         self.report.fail(replica, error, traceback)
 
     # ----------------------------------------------------------------- run
+    def _guarded(self, what: str, fn: Any, *args: Any) -> None:
+        """Run a step of the control loop; a master bug in it fails the job with
+        its traceback in the report, never hangs it or leaves it ``running``."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported as the job's root cause
+            logger.exception("internal error %s", what)
+            self._fail("master", f"internal error {what}: {type(e).__name__}: {e}",
+                       traceback.format_exc())
+
     def run(self, stop: threading.Event) -> str:
         """Drive the job; returns the final status (succeeded, failed, stopped)."""
         last_report = 0.0
         finished_at: Optional[float] = None
         while True:
             for event in self.cluster.poll_events(0.2):
-                try:
-                    self.handle(event)
-                except Exception as e:  # a master bug must end the job, reported, not hang it
-                    logger.exception("internal error handling %s %s", event.name,
-                                     event.phase.value)
-                    self._fail("master", f"internal error handling {event.name} "
-                               f"{event.phase.value}: {type(e).__name__}: {e}",
-                               traceback.format_exc())
+                self._guarded(f"handling {event.name} {event.phase.value}", self.handle,
+                              event)
+            self._guarded("stopping hung workers", self._stop_hung_workers)
             now = time.monotonic()
             if now - last_report >= self.report_interval_s:
                 last_report = now

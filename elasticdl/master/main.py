@@ -95,8 +95,12 @@ def _rendezvous(spec: JobSpec, host: str) -> Optional[object]:
     from elasticdl.cluster.process import free_port
     from elasticdl.master.rendezvous import Rendezvous
 
+    # after a failure, healthy members abandon the plan and check in within about a
+    # second (they poll it while they wait); one silent for longer than a collective
+    # timeout (+2 s: a member blocked in a collective reports when that times out) is hung
     return Rendezvous(host, free_port, checkin_timeout_s=spec.collective_timeout_s + 5,
-                      initial_workers=spec.num_workers)
+                      initial_workers=spec.num_workers,
+                      hung_after_s=spec.collective_timeout_s + 2)
 
 
 def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:

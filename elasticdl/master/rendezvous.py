@@ -22,12 +22,26 @@ The round closes and a new plan is published (lazily, on the next call) when
   survivors recover as soon as they all checked in), and
 * every known worker checked in, or ``checkin_timeout_s`` passed since the round
   opened (a silent worker may be dead; the job controller usually says so first
-  through :meth:`remove_worker`), and
+  through :meth:`remove_worker`), or — once a member failed or was removed —
+  every silent worker has not called for ``hung_after_s`` (healthy members poll
+  the plan while they wait in a collective, so they abandon the broken plan and
+  check in within about a second; one silent that long is hung), and
 * for the first plan only, ``initial_workers`` joined or ``checkin_timeout_s``
   passed (avoids a one-member plan while the others are still starting).
 
 The new plan holds the workers that checked in. A worker left out gets
-``rank=-1`` with ``ready=True`` and must :meth:`join` again.
+``rank=-1`` with ``ready=True`` and must :meth:`join` again; its id is handed
+to the job controller by :meth:`take_excluded`, which kills and relaunches it
+(a process that stopped making progress is not trusted to come back).
+
+Bounded failure detection
+-------------------------
+While a round opened by a failure or a removal is open, every view of the plan
+says ``aborting=True``. Members poll the plan while they wait for a collective
+(:mod:`elasticdl.api.collective`), so when the job controller removes a worker
+whose process exited, or one member's collective failed or timed out, the
+others abandon the broken plan within a poll interval instead of waiting for
+their own collective timeout.
 
 Store address
 -------------
@@ -74,6 +88,7 @@ class CommPlan:
     master_addr: str
     master_port: int
     ready: bool
+    aborting: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,7 @@ class _Round:
     opened_at: float
     reason: str
     last_join: Optional[float] = None
+    failed_at: Optional[float] = None   # a member failed or was removed
     checked_in: set[int] = field(default_factory=set)
 
 
@@ -106,15 +122,22 @@ class Rendezvous:
             have not checked in; use at least the collective timeout.
         initial_workers: members the first plan waits for (up to
             ``checkin_timeout_s``).
+        hung_after_s: in a round opened by a failure or removal, a worker that
+            has not checked in and has made no call for this long is excluded
+            as hung (use the collective timeout; None: only ``checkin_timeout_s``).
 
     All public methods are thread-safe.
     """
 
     def __init__(self, store_host: str, port_allocator: Callable[[], int],
                  settle_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 checkin_timeout_s: float = 30.0, initial_workers: int = 1):
-        if settle_s < 0 or checkin_timeout_s < 0:
-            raise ValueError("settle_s and checkin_timeout_s must be >= 0")
+                 checkin_timeout_s: float = 30.0, initial_workers: int = 1,
+                 hung_after_s: Optional[float] = None):
+        if settle_s < 0 or checkin_timeout_s < 0 or (hung_after_s or 0) < 0:
+            raise ValueError("settle_s, checkin_timeout_s and hung_after_s must be >= 0")
+        self._hung_after_s = hung_after_s
+        self._excluded: list[int] = []
+        self._last_seen: dict[int, float] = {}
         self._store_host = store_host
         self._port_allocator = port_allocator
         self._settle_s = settle_s
@@ -170,10 +193,11 @@ class Rendezvous:
         with self._lock:
             now = self._clock()
             current = self._plan is not None and plan_version == self._plan.version
-            if current and self._round is None and worker_id in self._workers:
+            if current and worker_id in self._workers and (
+                    self._round is None or self._round.failed_at is None):
                 logger.warning("rendezvous: worker %d reports plan %d failed: %s", worker_id,
                                plan_version, reason)
-                self._event(now, f"worker {worker_id}: {reason}")
+                self._event(now, f"worker {worker_id}: {reason}", failure=True)
             self._check_in(worker_id)
             self._maybe_publish(now)
             return self._view(worker_id)
@@ -188,7 +212,7 @@ class Rendezvous:
                 self._round.checked_in.discard(worker_id)
             if self._round is not None or (self._plan and worker_id in self._plan.members):
                 logger.info("rendezvous: worker %d removed", worker_id)
-                self._event(now, f"worker {worker_id} removed")
+                self._event(now, f"worker {worker_id} removed", failure=True)
             self._maybe_publish(now)
 
     def members(self) -> list[int]:
@@ -203,6 +227,13 @@ class Rendezvous:
         with self._lock:
             return self._version
 
+    def take_excluded(self) -> list[int]:
+        """Workers left out of a plan for not checking in (hung) since the last call."""
+        with self._lock:
+            self._maybe_publish(self._clock())
+            out, self._excluded = self._excluded, []
+            return out
+
     def forming(self) -> bool:
         """True while a round is open (no ready plan)."""
         with self._lock:
@@ -210,13 +241,17 @@ class Rendezvous:
             return self._round is not None
 
     # ----------------------------------------------------------- internals
-    def _event(self, now: float, reason: str, join: bool = False) -> None:
+    def _event(self, now: float, reason: str, join: bool = False,
+               failure: bool = False) -> None:
         if self._round is None:
             self._round = _Round(opened_at=now, reason=reason)
         if join:
             self._round.last_join = now
+        if failure and self._round.failed_at is None:
+            self._round.failed_at = now
 
     def _check_in(self, worker_id: int) -> None:
+        self._last_seen[worker_id] = self._clock()
         if self._round is not None and worker_id in self._workers:
             self._round.checked_in.add(worker_id)
 
@@ -229,7 +264,10 @@ class Rendezvous:
             return
         if rnd.last_join is not None and now - rnd.last_join < self._settle_s:
             return
-        timed_out = now - rnd.opened_at >= self._checkin_timeout_s
+        timed_out = now - rnd.opened_at >= self._checkin_timeout_s or (
+            rnd.failed_at is not None and self._hung_after_s is not None and all(
+                now - self._last_seen.get(w, rnd.opened_at) >= self._hung_after_s
+                for w in set(self._workers) - checked))
         if checked != set(self._workers) and not timed_out:
             return
         if self._plan is None and len(checked) < self._initial_workers and not timed_out:
@@ -237,8 +275,9 @@ class Rendezvous:
         members = tuple(sorted(checked))
         for dropped in sorted(set(self._workers) - checked):
             logger.warning("rendezvous: worker %d did not check in within %.1f s; left out "
-                           "(it must join again)", dropped, now - rnd.opened_at)
+                           "as hung (it must join again)", dropped, now - rnd.opened_at)
             del self._workers[dropped]
+            self._excluded.append(dropped)
         self._version += 1
         host0 = self._workers[members[0]][0] or self._store_host
         self._plan = _Published(
@@ -256,5 +295,6 @@ class Rendezvous:
         if plan is None:
             return CommPlan(self._version, -1, 0, (), "", 0, False)
         rank = plan.members.index(worker_id) if worker_id in plan.members else -1
+        aborting = self._round is not None and self._round.failed_at is not None
         return CommPlan(plan.version, rank, len(plan.members), plan.addresses,
-                        plan.master_addr, plan.master_port, ready)
+                        plan.master_addr, plan.master_port, ready, aborting)

@@ -251,7 +251,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.CommPlan(plan_version=plan.plan_version, rank=plan.rank,
                            world_size=plan.world_size, peer_addresses=list(plan.peer_addresses),
                            master_addr=plan.master_addr, master_port=plan.master_port,
-                           ready=plan.ready)
+                           ready=plan.ready, aborting=plan.aborting)
 
     @_validated
     def join(self, request: pb.JoinRequest, context: Any) -> pb.CommPlan:

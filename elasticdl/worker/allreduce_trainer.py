@@ -184,10 +184,17 @@ class AllreduceTrainer(Trainer):
                         wait_s=wait_s)
 
         def read(task: Task) -> Sequence[Any]:
-            reader = readers.get(TaskType.TRAINING)
-            if reader is None:
-                raise DataError(f"no training data configured for task {task.task_id}")
-            return reader.read(task.shard_name, task.start, task.end)
+            # bad data is fatal (retrying cannot help): the master fails the job at
+            # this report, as in PS mode, instead of relaunching workers that fail again
+            try:
+                reader = readers.get(TaskType.TRAINING)
+                if reader is None:
+                    raise DataError(f"no training data configured for task {task.task_id}")
+                return reader.read(task.shard_name, task.start, task.end)
+            except DataError as e:
+                logger.error("task %d: bad data: %s", task.task_id, e)
+                source.report_task(task, str(e), traceback.format_exc(), fatal=True)
+                raise
 
         def feed(records: Sequence[Any], task: Task, offset: int) -> tuple[Any, Any]:
             try:

@@ -244,3 +244,51 @@ def test_typo_flag_exits_2_fast_with_nothing_started(tmp_path):
     assert "unknown flag --num_worker; did you mean --num_workers?" in r.stderr
     assert not out.exists() and not (tmp_path / "home").exists()
     assert elapsed < 2.0 or os.getloadavg()[0] > 2, elapsed  # loaded machine: bound is loose
+
+
+def _hung_exclusion_logged(job_dir, worker_id):
+    try:
+        log = open(os.path.join(job_dir, "logs", "master.log")).read()
+    except OSError:
+        return False
+    return f"worker {worker_id} did not check in" in log
+
+
+def test_allreduce_sigstopped_member_is_excluded_killed_and_relaunched(digits_data, tmp_path):
+    """Issue 11: a hung (SIGSTOPped) member is left out of the next plan within
+    --collective_timeout_s + 5 s, the master stops and relaunches it, the job succeeds."""
+    import time
+
+    job_dir = str(tmp_path / "ar-hung")
+    timeout_s = 5
+    proc = start_cli(train_args(digits_data, job_dir, "chaos-ar-hung", num_epochs=6,
+                                distribution_strategy="AllreduceStrategy", num_workers=3,
+                                minibatch_size=32, collective_timeout_s=timeout_s),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    stopped = None
+    try:
+        wait_for(lambda: records_done(job_dir) >= 400, 180, "training under way")
+        stopped = wait_for(lambda: pid_of(job_dir, "worker-1"), 30, "worker-1")
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_for(lambda: _hung_exclusion_logged(job_dir, 1), timeout_s + 30, "exclusion")
+        excluded_after = time.monotonic() - t0
+        code = proc.wait(timeout=400)
+        assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        kill_job_tree(proc, job_dir)
+    assert excluded_after <= timeout_s + 5, excluded_after
+    report = read_json(os.path.join(job_dir, "job_report.json"))
+    assert report["status"] == "succeeded", report.get("failure")
+    assert [e["records_completed"] for e in report["epochs"]] == [1437] * 6
+    assert report["final_metrics"]["accuracy"] >= 0.9, report["evaluations"]
+    assert ("worker-1", "worker-3") in [(r["replica"], r["new_replica"])
+                                        for r in report["relaunches"]], report["relaunches"]
+    master_log = open(os.path.join(job_dir, "logs", "master.log")).read()
+    plans = re.findall(r"plan \d+ published: workers \[([\d, ]+)\]", master_log)
+    assert any("3" in p.split(", ") for p in plans), plans  # the relaunched worker joined
