@@ -15,9 +15,10 @@ equals the dataset size, and the final accuracy is at least ``--min_accuracy``.
 Recovery times come from timestamps the traced model module writes
 (``benchmarks/chaos_zoo/traced/digits.py``):
 
-* kill -> survivors' next step: the first optimizer step of any surviving
-  member after the fault (allreduce), or the first shard update of the
-  relaunched PS (PS kill);
+* fault -> survivors' next step (allreduce): when the surviving members' steps
+  resume, i.e. the step that ends the longest pause in their steps after the
+  fault (the step in flight at the fault may complete just after it); for a PS
+  kill, the first shard update of the relaunched PS;
 * kill -> replacement's first task: the first training minibatch fed by a
   worker that did not exist before the fault.
 
@@ -87,6 +88,20 @@ def read_traces(trace_dir: str) -> dict[str, list[tuple[float, str]]]:
 
 def first_after(events: list[tuple[float, str]], kind: str, t: float) -> Optional[float]:
     return min((ts for ts, ev in events if ev == kind and ts > t), default=None)
+
+
+def resumed_after(times: list[float], t: float, window_s: float = 90.0) -> Optional[float]:
+    """When steps resumed after a fault at ``t``: the step that ends the longest
+    pause between consecutive steps in ``(t, t + window_s]`` (the step in flight
+    at the fault may still complete right after it, so "the first step after the
+    fault" would understate the stall). None if no step followed the fault."""
+    before = [x for x in times if x <= t]
+    after = sorted(x for x in times if t < x <= t + window_s)
+    if not after:
+        return None
+    seq = ([before[-1]] if before else [t]) + after
+    gaps = [(seq[i] - seq[i - 1], seq[i]) for i in range(1, len(seq))]
+    return max(gaps)[1]
 
 
 def run_trial(mode: str, index: int, data: str, work: str, rng: random.Random,
@@ -160,10 +175,11 @@ def run_trial(mode: str, index: int, data: str, work: str, rng: random.Random,
             t = first_after(traces.get(victim, []), "step", t_fault)
             result["survivor_next_step_s"] = None if t is None else t - t_fault
         elif mode == "allreduce":
-            times = [first_after(ev, "step", t_fault) for name, ev in traces.items()
-                     if name.startswith("worker-") and name != victim and name in before]
-            times = [t for t in times if t is not None]
-            result["survivor_next_step_s"] = min(times) - t_fault if times else None
+            steps = sorted(ts for name, ev in traces.items() if name.startswith("worker-")
+                           and name != victim and name in before
+                           for ts, kind in ev if kind == "step")
+            t = resumed_after(steps, t_fault)
+            result["survivor_next_step_s"] = None if t is None else t - t_fault
         new = [first_after(ev, "feed", t_fault) for name, ev in traces.items()
                if name.startswith("worker-") and name not in before]
         new = [t for t in new if t is not None]
@@ -213,14 +229,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                       + ("" if r["passed"] else f" failure: {r.get('failure') or r.get('error')}"),
                       flush=True)
             mine = [r for r in results if r["mode"] == mode]
-            summary[mode] = {
-                "passed": sum(r["passed"] for r in mine), "trials": len(mine),
-                "survivor_next_step_s": percentiles(
-                    [r["survivor_next_step_s"] for r in mine
-                     if r.get("survivor_next_step_s") is not None]),
-                "replacement_first_task_s": percentiles(
-                    [r["replacement_first_task_s"] for r in mine
-                     if r.get("replacement_first_task_s") is not None])}
+            summary[mode] = {"passed": sum(r["passed"] for r in mine), "trials": len(mine)}
+            # by fault: a killed worker, a stopped (hung) worker, a killed PS
+            for label, keep in (("worker_kill", lambda r: r.get("signal") == "SIGKILL" and
+                                 r.get("victim", "").startswith("worker-")),
+                                ("worker_sigstop", lambda r: r.get("signal") == "SIGSTOP"),
+                                ("ps_kill", lambda r: r.get("victim", "").startswith("ps-"))):
+                group = [r for r in mine if keep(r)]
+                if not group:
+                    continue
+                summary[mode][label] = {
+                    "trials": len(group), "passed": sum(r["passed"] for r in group),
+                    "survivor_next_step_s": percentiles(
+                        [r["survivor_next_step_s"] for r in group
+                         if r.get("survivor_next_step_s") is not None]),
+                    "replacement_first_task_s": percentiles(
+                        [r["replacement_first_task_s"] for r in group
+                         if r.get("replacement_first_task_s") is not None])}
             print(f"{mode}: {json.dumps(summary[mode])}", flush=True)
     os.makedirs(os.path.dirname(a.output), exist_ok=True)
     with open(a.output, "w") as f:
