@@ -15,10 +15,10 @@ equals the dataset size, and the final accuracy is at least ``--min_accuracy``.
 Recovery times come from timestamps the traced model module writes
 (``benchmarks/chaos_zoo/traced/digits.py``):
 
-* fault -> survivors' next step (allreduce): when the surviving members' steps
-  resume, i.e. the step that ends the longest pause in their steps after the
-  fault (the step in flight at the fault may complete just after it); for a PS
-  kill, the first shard update of the relaunched PS;
+* fault -> survivors' next step (allreduce): when a surviving member's steps
+  resume, i.e. the end of the first stall among its first steps after the
+  fault (see ``resumed_after``: the step in flight at the fault may complete
+  just after it); for a PS kill, the first shard update of the relaunched PS;
 * kill -> replacement's first task: the first training minibatch fed by a
   worker that did not exist before the fault.
 
@@ -68,9 +68,14 @@ def job_flags(mode: str, epochs: int) -> dict[str, Any]:
             "minibatch_size": 32, "collective_timeout_s": 10, "num_epochs": epochs}
 
 
-def records_done(job_dir: str) -> int:
-    report = read_json(os.path.join(job_dir, "job_report.json")) or {}
-    return sum(e.get("records_completed", 0) for e in report.get("epochs", []))
+def records_fed(trace_dir: str, minibatch_size: int) -> int:
+    """Training records fed so far, from the traces (the job report is written
+    only every few seconds: too late to place a fault in a short job)."""
+    fed = 0
+    for path in glob.glob(os.path.join(trace_dir, "*.trace")):
+        with open(path) as f:
+            fed += sum(1 for line in f if line.endswith(" feed\n"))
+    return fed * minibatch_size
 
 
 def read_traces(trace_dir: str) -> dict[str, list[tuple[float, str]]]:
@@ -90,18 +95,25 @@ def first_after(events: list[tuple[float, str]], kind: str, t: float) -> Optiona
     return min((ts for ts, ev in events if ev == kind and ts > t), default=None)
 
 
-def resumed_after(times: list[float], t: float, window_s: float = 90.0) -> Optional[float]:
-    """When steps resumed after a fault at ``t``: the step that ends the longest
-    pause between consecutive steps in ``(t, t + window_s]`` (the step in flight
-    at the fault may still complete right after it, so "the first step after the
-    fault" would understate the stall). None if no step followed the fault."""
-    before = [x for x in times if x <= t]
-    after = sorted(x for x in times if t < x <= t + window_s)
+def resumed_after(steps: list[float], t: float) -> Optional[float]:
+    """When one member's steps resumed after a fault at ``t``: the end of the
+    first stall (a gap over 3x its median step interval before the fault, and
+    over 0.2 s) among its first steps after the fault, else its first step after
+    it. The step in flight at the fault may complete just after it, so "the
+    first step" alone would understate a stall; a later pause (a relaunched
+    member joining, seconds later) is a different event and is not counted."""
+    before = [x for x in steps if t - 10 <= x <= t]
+    after = [x for x in steps if x > t][:4]
     if not after:
         return None
-    seq = ([before[-1]] if before else [t]) + after
-    gaps = [(seq[i] - seq[i - 1], seq[i]) for i in range(1, len(seq))]
-    return max(gaps)[1]
+    gaps = [b - a for a, b in zip(before, before[1:])]
+    long_gap = max(0.2, 3 * statistics.median(gaps)) if gaps else 0.2
+    prev = before[-1] if before else t
+    for x in after:
+        if x - prev > long_gap:
+            return x
+        prev = x
+    return after[0]
 
 
 def run_trial(mode: str, index: int, data: str, work: str, rng: random.Random,
@@ -130,7 +142,8 @@ def run_trial(mode: str, index: int, data: str, work: str, rng: random.Random,
     result: dict[str, Any] = {"mode": mode, "trial": index, "fault_at_records": at}
     try:
         deadline = time.monotonic() + timeout_s
-        while records_done(job_dir) < at and proc.poll() is None:
+        minibatch = int(flags.get("minibatch_size", 64))
+        while records_fed(trace_dir, minibatch) < at and proc.poll() is None:
             if time.monotonic() > deadline:
                 raise TimeoutError("training never reached the fault point")
             time.sleep(0.1)
@@ -175,11 +188,13 @@ def run_trial(mode: str, index: int, data: str, work: str, rng: random.Random,
             t = first_after(traces.get(victim, []), "step", t_fault)
             result["survivor_next_step_s"] = None if t is None else t - t_fault
         elif mode == "allreduce":
-            steps = sorted(ts for name, ev in traces.items() if name.startswith("worker-")
-                           and name != victim and name in before
-                           for ts, kind in ev if kind == "step")
-            t = resumed_after(steps, t_fault)
-            result["survivor_next_step_s"] = None if t is None else t - t_fault
+            resumed = [resumed_after(sorted(ts for ts, kind in ev if kind == "step"), t_fault)
+                       for name, ev in traces.items()
+                       if name.startswith("worker-") and name != victim and name in before]
+            resumed = [t for t in resumed if t is not None]
+            result["survivor_next_step_s"] = min(resumed) - t_fault if resumed else None
+        result["traces"] = {name: [round(ts - t_fault, 4) for ts, kind in ev if kind == "step"]
+                            for name, ev in traces.items()}  # seconds from the fault
         new = [first_after(ev, "feed", t_fault) for name, ev in traces.items()
                if name.startswith("worker-") and name not in before]
         new = [t for t in new if t is not None]

@@ -8,14 +8,17 @@ guards answer it with INVALID_ARGUMENT naming the problem.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from elasticdl.proto import elasticdl_pb2 as pb
+
+logger = logging.getLogger(__name__)
 
 _FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -64,3 +67,18 @@ def short(text: str, limit: int = 2000) -> str:
     """An error message fit for gRPC status details (a caller-supplied 70 KB name
     echoed back would exceed the client's metadata limit)."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def abort_unexpected(context: grpc.ServicerContext, method: str, error: Exception,
+                     server: str) -> NoReturn:
+    """Answer an error no guard expected: RESOURCE_EXHAUSTED for MemoryError,
+    INTERNAL (a bug must not look like a bad request) for anything else. The
+    request is refused; the server keeps serving."""
+    if isinstance(error, MemoryError):
+        logger.error("%s: out of memory; request refused, %s keeps serving", method, server)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"{method}: the {server} ran out of memory serving this request")
+    logger.error("%s: internal error", method, exc_info=error)
+    context.abort(grpc.StatusCode.INTERNAL,
+                  short(f"{method}: internal error {type(error).__name__}: {error}"))
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover

@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol
 import grpc
 
 from elasticdl.common import auth
-from elasticdl.common.rpc_service import Malformed, add_service, short
+from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import Task, TaskManager, TaskType
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -106,14 +106,8 @@ def _validated(method):
         except _Denied as e:
             logger.warning("%s refused: %s", method.__name__, short(str(e), 300))
             context.abort(grpc.StatusCode.PERMISSION_DENIED, short(str(e)))
-        except MemoryError:
-            logger.error("%s: out of memory; request refused", method.__name__)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{method.__name__}: the master ran out of memory serving it")
-        except Exception as e:  # noqa: BLE001 - a bug must not look like a bad request
-            logger.exception("%s: internal error", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL,
-                          short(f"{method.__name__}: internal error {type(e).__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001 - MemoryError or a bug: refused, clearly
+            abort_unexpected(context, method.__name__, e, "master")
     wrapper.__name__ = method.__name__
     return wrapper
 

@@ -22,7 +22,7 @@ import torch
 from elasticdl.common import auth, chunk_wire, ckpt_paths
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.checkpoint import CheckpointError
-from elasticdl.common.rpc_service import Malformed, short
+from elasticdl.common.rpc_service import Malformed, abort_unexpected, short
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps import checkpoint as ps_ckpt
@@ -59,15 +59,8 @@ def _guard(method: Callable[..., T]) -> Callable[..., T]:
         except (CheckpointError, OSError) as e:
             logger.error("%s failed: %s", method.__name__, e)
             context.abort(grpc.StatusCode.INTERNAL, short(f"{type(e).__name__}: {e}"))
-        except MemoryError:
-            logger.error("%s: out of memory; request refused, PS keeps serving",
-                         method.__name__)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{method.__name__}: the PS ran out of memory serving this request")
-        except Exception as e:  # noqa: BLE001 - a bug must not look like a bad request
-            logger.exception("%s: internal error", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL,
-                          short(f"{method.__name__}: internal error {type(e).__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001 - MemoryError or a bug: refused, clearly
+            abort_unexpected(context, method.__name__, e, "PS")
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     return wrapper
