@@ -20,7 +20,9 @@ import statistics
 import time
 
 
-def ps_server(port_q) -> None:
+def ps_server(port_q, optimizer: str = "SGD") -> None:
+    """One PS process on 127.0.0.1 (its port goes to ``port_q``); ``optimizer``
+    names the ``torch.optim`` class its shard uses (lr 0.1 for SGD, else 0.01)."""
     import torch
 
     from elasticdl.ps.server import start_server, tune_malloc
@@ -29,7 +31,8 @@ def ps_server(port_q) -> None:
 
     tune_malloc()
     torch.set_num_threads(1)
-    shard = PSShard(ShardConfig(), lambda p: torch.optim.SGD(p, lr=0.1))
+    lr = 0.1 if optimizer == "SGD" else 0.01
+    shard = PSShard(ShardConfig(), lambda p: getattr(torch.optim, optimizer)(p, lr=lr))
     server, port = start_server(PServicer(shard), 0, "127.0.0.1")
     port_q.put(port)
     server.wait_for_termination(timeout=3600)

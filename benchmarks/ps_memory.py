@@ -19,21 +19,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import sys
 
-
-def ps_server(port_q) -> None:
-    import torch
-
-    from elasticdl.ps.server import start_server, tune_malloc
-    from elasticdl.ps.servicer import PServicer
-    from elasticdl.ps.shard import PSShard, ShardConfig
-
-    tune_malloc()
-    torch.set_num_threads(1)
-    shard = PSShard(ShardConfig(), lambda p: torch.optim.Adam(p, lr=0.01))
-    server, port = start_server(PServicer(shard), 0, "127.0.0.1")
-    port_q.put(port)
-    server.wait_for_termination(timeout=3600)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ps_embedding import ps_server  # noqa: E402 - one PS process for both benchmarks
 
 
 def rss_mb(pid: int) -> float:
@@ -54,7 +43,7 @@ def measure(rows: int, touched: int, dim: int, batch: int = 16384) -> dict[str, 
 
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
-    ps = ctx.Process(target=ps_server, args=(port_q,), daemon=True)
+    ps = ctx.Process(target=ps_server, args=(port_q, "Adam"), daemon=True)
     ps.start()
     client = None
     try:
