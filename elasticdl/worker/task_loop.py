@@ -96,7 +96,7 @@ class TaskLoop:
         self.max_wait_s = max_wait_s
         self.skip_nonfinite_steps = skip_nonfinite_steps
         self.stats = LoopStats()
-        self._skipped_in_task = 0
+        self._skipped_in_task = self._records_skipped = 0   # in the current task
         self._metrics = spec.metrics()
 
     def run(self) -> LoopStats:
