@@ -15,7 +15,7 @@ from elasticdl.common import auth
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from tests.integration.helpers import kill_job_tree, read_json, start_cli, wait_for
-from tests.integration.test_chaos import records_done, train_args
+from tests.integration.test_chaos import train_args
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,9 @@ def test_ps_job_trains_with_token_and_tls_while_strangers_are_refused(digits_dat
                                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_steps=20),
                      str(tmp_path / "home"), str(tmp_path / "cli.log"))
     try:
-        wait_for(lambda: records_done(job_dir) >= 200, 240, "training under way")
+        # probe while the job certainly runs: as soon as the PS serves (the report,
+        # written every few seconds, can lag until a short job's PS is gone)
+        ps_addr = f"127.0.0.1:{wait_for(lambda: ps_port(job_dir), 240, 'the PS port')}"
         secrets_dir = os.path.join(job_dir, auth.SECRETS_DIR)
         for name in (auth.TOKEN_KEY, auth.CERT_KEY, auth.KEY_KEY):
             mode = stat.S_IMODE(os.stat(os.path.join(secrets_dir, name)).st_mode)
@@ -58,7 +60,6 @@ def test_ps_job_trains_with_token_and_tls_while_strangers_are_refused(digits_dat
         assert job is not None and job.tls
         stranger = auth.JobSecrets("s" * 43, job.tls_cert, job.tls_key)  # cert, no token
         master_addr = f"127.0.0.1:{read_json(os.path.join(job_dir, 'master.json'))['port']}"
-        ps_addr = f"127.0.0.1:{wait_for(lambda: ps_port(job_dir), 60, 'the PS port')}"
         for addr, master in ((master_addr, True), (ps_addr, False)):
             plain = grpc.insecure_channel(addr)
             wrong = auth.client_channel(addr, job_secrets=stranger, replica="worker-0")
