@@ -303,10 +303,18 @@ class FakeKubelet:
 
     def _secret_value(self, ns: str, ref: dict[str, Any]) -> str:
         """A secretKeyRef as the real kubelet resolves it (OSError: the pod cannot start)."""
-        try:
-            secret = self._core.read_namespaced_secret(ref["name"], ns)
-        except client.ApiException as e:
-            raise OSError(f"secret {ref['name']!r}: {e.reason}") from None
+        # A real kubelet retries (CreateContainerConfigError) until the Secret can be
+        # read: the Node authorizer learns of a newly bound pod's secrets a moment
+        # after the binding, so the first read may be refused.
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                secret = self._core.read_namespaced_secret(ref["name"], ns)
+                break
+            except client.ApiException as e:
+                if e.status not in (403, 404) or time.monotonic() > deadline:
+                    raise OSError(f"secret {ref['name']!r}: {e.reason}") from None
+                time.sleep(0.2)
         value = (secret.data or {}).get(ref["key"])
         if value is None:
             raise OSError(f"secret {ref['name']!r} has no key {ref['key']!r}")
