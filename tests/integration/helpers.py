@@ -45,6 +45,15 @@ def read_json(path: str) -> Optional[dict]:
         return None
 
 
+def pid_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except OSError:
+        return False
+
+
 def live_replicas(job_dir: str) -> list[dict]:
     state = read_json(os.path.join(job_dir, "replicas.json")) or {}
     return state.get("replicas", [])

@@ -24,6 +24,7 @@ from tests.integration.helpers import (
     cli_env,
     kill_job_tree,
     live_replicas,
+    pid_running,
     read_json,
     start_cli,
     wait_for,
@@ -110,18 +111,6 @@ def test_allreduce_job_survives_a_worker_kill(digits_data, tmp_path):
     assert any("3" in p.split(", ") for p in plans), plans  # the relaunched worker joined
 
 
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def all_pids(job_dir):
     state = read_json(os.path.join(job_dir, "replicas.json")) or {}
     pids = [r["pid"] for r in state.get("replicas", [])] + \
@@ -203,7 +192,7 @@ def test_nan_loss_fails_the_job_naming_it(toy_data, strategy):
     assert "non-finite loss" in report["failure"]["error"], report["failure"]
     assert "non-finite loss" in log
     assert not (tmp / "out" / "model.pt").exists()
-    wait_for(lambda: not any(_pid_alive(p) for p in all_pids(str(tmp / "out"))), 30,
+    wait_for(lambda: not any(pid_running(p) for p in all_pids(str(tmp / "out"))), 30,
              "every process of the failed job to exit")
 
 
@@ -226,7 +215,7 @@ def test_killed_master_fails_the_job_and_leaves_nothing_running(toy_data):
         assert report["status"] == "failed"
         assert report["failure"]["replica"] == "master"
         assert "exited with code -9" in report["failure"]["error"]
-        wait_for(lambda: not any(_pid_alive(p) for p in pids), 15, "replicas to be gone")
+        wait_for(lambda: not any(pid_running(p) for p in pids), 15, "replicas to be gone")
     finally:
         kill_job_tree(proc, out)
 

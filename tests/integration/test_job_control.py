@@ -14,6 +14,7 @@ from tests.integration.helpers import (
     cli_env,
     kill_job_tree,
     live_replicas,
+    pid_running,
     read_json,
     start_cli,
     wait_for,
@@ -21,14 +22,6 @@ from tests.integration.helpers import (
 from tests.integration.test_local_cluster import predict_args, toy_checkpoint  # noqa: F401
 
 pytestmark = pytest.mark.integration
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "zombie" not in f.read()
-    except OSError:
-        return False
 
 
 def all_pids(job_dir: str) -> list[int]:
@@ -73,7 +66,7 @@ def test_status_logs_and_stop(toy_checkpoint):  # noqa: F811
         stopped = cli(home, "stop", "stopme")
         assert stopped.returncode == 0 and "master" in stopped.stdout
         assert proc.wait(timeout=60) != 0
-        wait_for(lambda: not any(running(p) for p in pids), 30, "every process gone")
+        wait_for(lambda: not any(pid_running(p) for p in pids), 30, "every process gone")
         assert cli(home, "status", "nosuchjob").returncode == 2
     finally:
         kill_job_tree(proc, job_dir)
@@ -87,7 +80,7 @@ def test_ctrl_c_tears_everything_down(toy_checkpoint):  # noqa: F811
         pids = wait_running(job_dir)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         assert proc.wait(timeout=60) == 130
-        wait_for(lambda: not any(running(p) for p in pids), 30, "every process gone")
+        wait_for(lambda: not any(pid_running(p) for p in pids), 30, "every process gone")
         report = read_json(os.path.join(job_dir, "job_report.json"))
         assert report["status"] == "stopped"
     finally:
