@@ -15,9 +15,10 @@ import statistics
 import time
 
 from elasticdl.cluster.process import free_port
+from elasticdl.common.task import TaskType
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.servicer import MasterServicer, NullHooks, start_master_server
-from elasticdl.master.task_manager import TaskManager, TaskType
+from elasticdl.master.task_manager import TaskManager
 
 
 def client(addr: str, worker_id: int, mode: str, seconds: float, start, out) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import fire
 
+from elasticdl.common.enums import ClusterKind, JobType, Strategy
 from elasticdl.common.job_spec import JobSpec, JobSpecError, cli_fields, job_spec_from_flags
 from elasticdl.common.log_utils import configure_logging
 
@@ -67,14 +68,14 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
 
 def runs_in_process(spec: JobSpec) -> bool:
     """Local strategy: training in this process; evaluate/predict with one worker too."""
-    if spec.cluster != "local" or spec.distribution_strategy != "Local":
+    if spec.cluster != ClusterKind.LOCAL or spec.distribution_strategy != Strategy.LOCAL:
         return False
-    return spec.job_type == "train" or spec.num_workers == 1
+    return spec.job_type == JobType.TRAIN or spec.num_workers == 1
 
 
 def _dispatch(spec: JobSpec) -> dict[str, Any] | None:
-    if spec.cluster == "k8s":
-        if spec.distribution_strategy == "Local" and spec.job_type == "train":
+    if spec.cluster == ClusterKind.K8S:
+        if spec.distribution_strategy == Strategy.LOCAL and spec.job_type == JobType.TRAIN:
             raise UsageError("--distribution_strategy=Local trains in this process; pick "
                              "ParameterServerStrategy or AllreduceStrategy for Kubernetes")
         from elasticdl_client import k8s
@@ -143,10 +144,10 @@ def _job_op(op: str):
         from elasticdl_client import local_cluster
 
         try:
-            local_dir = local_cluster.find_job(job_name) if cluster != "k8s" else None
+            local_dir = local_cluster.find_job(job_name) if cluster != ClusterKind.K8S else None
         except local_cluster.JobNotFound:
             local_dir = None
-            if cluster == "local":
+            if cluster == ClusterKind.LOCAL:
                 _fail(op, f"no local job named {job_name!r}", USAGE_ERROR)
         if local_dir is None:
             from elasticdl_client import k8s

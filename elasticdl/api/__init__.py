@@ -1,14 +1,20 @@
-"""User-facing API: model spec, elastic allreduce, layers.
+"""What a model author imports: the model-module contract, ``layers.Embedding``,
+and the elastic allreduce API for a custom ``train_loop(ctx)``.
 
-``elasticdl.api.all_gather`` / ``all_reduce`` are imported lazily (PEP 562), so
-importing ``elasticdl.api.model_spec`` (the master does) never imports torch.
+The elastic runtime lives in :mod:`elasticdl.elastic`; the names here re-export
+it. They are imported lazily (PEP 562), so importing ``elasticdl.api.model_spec``
+(the master does) never imports torch.
 """
 
 from typing import Any
 
-_LAZY = {"all_gather": "elasticdl.api.collective", "all_reduce": "elasticdl.api.collective",
-         "CollectiveError": "elasticdl.api.collective", "ElasticState": "elasticdl.api.elastic",
-         "StepAborted": "elasticdl.api.elastic"}
+_COLLECTIVE = "elasticdl.elastic.collective"
+_RUNNER = "elasticdl.elastic.runner"
+_LAZY = {"all_gather": _COLLECTIVE, "all_reduce": _COLLECTIVE, "CollectiveError": _COLLECTIVE,
+         "ElasticState": _RUNNER, "StepAborted": _RUNNER,
+         "TrainLoopContext": "elasticdl.elastic.dataset"}
+
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

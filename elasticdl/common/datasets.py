@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
+from elasticdl.common.enums import JobType
+from elasticdl.common.task import TaskType
 from elasticdl.data.api import DataError, DataReader
 from elasticdl.data.registry import create_data_reader
-from elasticdl.master.task_manager import TaskType
 
 
 def create_readers(spec: Any, custom_reader: Optional[Callable[..., DataReader]] = None
@@ -40,9 +41,9 @@ def shards_for(readers: dict[TaskType, DataReader], spec: Any) -> dict[str, Any]
     def shards(typ: TaskType) -> list:
         return list(readers[typ].create_shards()) if typ in readers else []
 
-    if spec.job_type == "train":
+    if spec.job_type == JobType.TRAIN:
         return {"training_shards": shards(TaskType.TRAINING),
                 "evaluation_shards": shards(TaskType.EVALUATION)}
-    if spec.job_type == "evaluate":
+    if spec.job_type == JobType.EVALUATE:
         return {"evaluation_shards": shards(TaskType.EVALUATION)}
     return {"prediction_shards": shards(TaskType.PREDICTION)}

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elasticdl.common import resources as res
+from elasticdl.common.enums import ClusterKind, JobType, Strategy
 from elasticdl.data.registry import parse_reader_params
 
-STRATEGIES = ("Local", "ParameterServerStrategy", "AllreduceStrategy")
-JOB_TYPES = ("train", "evaluate", "predict")
-CLUSTERS = ("local", "k8s")
+STRATEGIES = tuple(s.value for s in Strategy)
+JOB_TYPES = tuple(t.value for t in JobType)
+CLUSTERS = tuple(c.value for c in ClusterKind)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -41,13 +42,14 @@ class JobSpec:
     """Everything a job needs; built by :func:`job_spec_from_flags`."""
 
     # --- what to run
-    job_type: str = _f("train", "train, evaluate or predict (set by the command)", "job",
-                       choices=JOB_TYPES, cli=False)
+    job_type: JobType = _f("train", "train, evaluate or predict (set by the command)",
+                           "job", choices=JOB_TYPES, cli=False)
     job_name: str = _f("", "Job name; default: <model module>-<time>", "job")
-    cluster: str = _f("", "local or k8s; default k8s when --image_name is given, else local",
-                      "job", choices=("",) + CLUSTERS)
-    distribution_strategy: str = _f("Local", "Local, ParameterServerStrategy or "
-                                    "AllreduceStrategy", "job", choices=STRATEGIES)
+    # "" until __post_init__ picks one (k8s when --image_name is given)
+    cluster: ClusterKind = _f("", "local or k8s; default k8s when --image_name is given, "
+                              "else local", "job", choices=("",) + CLUSTERS)
+    distribution_strategy: Strategy = _f("Local", "Local, ParameterServerStrategy or "
+                                         "AllreduceStrategy", "job", choices=STRATEGIES)
     # --- model
     model_zoo: str = _f("", "Directory holding the model modules (required)", "model")
     model_def: str = _f("", "module.path.factory of the model, e.g. "
@@ -175,9 +177,12 @@ class JobSpec:
                 parse(getattr(self, name))
             except ValueError as e:
                 raise JobSpecError(name, str(e)) from None
-        self._check_required()
         if not self.cluster:
             object.__setattr__(self, "cluster", "k8s" if self.image_name else "local")
+        for name, kind in (("job_type", JobType), ("cluster", ClusterKind),
+                           ("distribution_strategy", Strategy)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        self._check_required()
         if not self.job_name:
             base = self.model_def.rsplit(".", 2)[0].split(".")[-1] if self.model_def else "job"
             name = re.sub(r"[^a-z0-9-]", "-", base.lower()).strip("-") or "job"
@@ -194,23 +199,24 @@ class JobSpec:
             raise JobSpecError("model_def", "is required (module.path.factory)")
         if self.model_def.count(".") < 1:
             raise JobSpecError("model_def", f"must be module.factory, got {self.model_def!r}")
-        if self.job_type == "train" and not self.training_data:
+        if self.job_type == JobType.TRAIN and not self.training_data:
             raise JobSpecError("training_data", "is required to train")
-        if self.job_type == "evaluate" and not self.validation_data:
+        if self.job_type == JobType.EVALUATE and not self.validation_data:
             raise JobSpecError("validation_data", "is required to evaluate")
-        if self.job_type == "predict" and not self.prediction_data:
+        if self.job_type == JobType.PREDICT and not self.prediction_data:
             raise JobSpecError("prediction_data", "is required to predict")
-        if self.job_type in ("evaluate", "predict") and not self.checkpoint_dir_for_init:
+        if self.job_type in (JobType.EVALUATE, JobType.PREDICT) and \
+                not self.checkpoint_dir_for_init:
             raise JobSpecError("checkpoint_dir_for_init",
                                f"is required to {self.job_type} (the model to use)")
-        if self.job_type == "predict" and not self.output:
+        if self.job_type == JobType.PREDICT and not self.output:
             raise JobSpecError("output", "is required to predict (where outputs go)")
-        if self.job_type == "train" and self.distribution_strategy == "Local" and \
+        if self.job_type == JobType.TRAIN and self.distribution_strategy == Strategy.LOCAL and \
                 self.num_workers > 1:
             raise JobSpecError("num_workers", "Local strategy trains in one process; use "
                                "ParameterServerStrategy or AllreduceStrategy for "
                                f"{self.num_workers} workers")
-        if self.use_async and self.distribution_strategy != "ParameterServerStrategy":
+        if self.use_async and self.distribution_strategy != Strategy.PS:
             raise JobSpecError("use_async", "only applies to ParameterServerStrategy")
 
     # ------------------------------------------------------------- helpers

@@ -26,6 +26,7 @@ from elasticdl.cluster.api import (
     ReplicaSpec,
     ReplicaType,
 )
+from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
@@ -146,8 +147,8 @@ class JobController:
 
     def start(self) -> None:
         """Launch the PS (ParameterServerStrategy) and the workers."""
-        if self.spec.distribution_strategy == "ParameterServerStrategy" and \
-                self.spec.job_type == "train":
+        if self.spec.distribution_strategy == Strategy.PS and \
+                self.spec.job_type == JobType.TRAIN:
             for i in range(self.spec.num_ps_pods):
                 port, addr = self.cluster.endpoint(ReplicaType.PS, i)
                 self._ps_ports.append(port)
@@ -179,7 +180,7 @@ class JobController:
                 self._first_failure = (f"worker-{worker_id}", message, traceback)
 
     def claim_export(self, worker_id: int) -> bool:
-        if self.spec.job_type != "train":
+        if self.spec.job_type != JobType.TRAIN:
             return False
         with self._lock:
             if self._exporter is None:
@@ -310,7 +311,7 @@ class JobController:
                 self._finishing = True
                 finished_at = finished_at or now
                 with self._lock:
-                    exported = self.spec.job_type != "train" or self._exporter_done
+                    exported = self.spec.job_type != JobType.TRAIN or self._exporter_done
                     live = len(self._live_workers)
                 if exported and (live == 0 or now - finished_at > 10):
                     self.report.status = "succeeded"
@@ -335,7 +336,7 @@ class JobController:
     def _write_report(self) -> None:
         self.report.epochs = self.tm.epochs_report()
         self.report.extra["records_predicted"] = self.tm.prediction_ledger.records_completed
-        if self.spec.job_type == "predict":
+        if self.spec.job_type == JobType.PREDICT:
             self.report.extra["prediction"] = self.tm.prediction_report()
         self.report.extra["model_version"] = self._max_version
         self.report.extra["nonfinite_steps_skipped"] = \

@@ -21,9 +21,11 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
+from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.cluster.registry import create_cluster
-from elasticdl.common import auth, ckpt_paths
+from elasticdl.common import auth
 from elasticdl.common.datasets import create_readers, shards_for
+from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
@@ -90,7 +92,7 @@ def build_task_manager(spec: JobSpec) -> TaskManager:
 
 
 def _rendezvous(spec: JobSpec, host: str) -> Optional[object]:
-    if spec.distribution_strategy != "AllreduceStrategy" or spec.job_type != "train":
+    if spec.distribution_strategy != Strategy.ALLREDUCE or spec.job_type != JobType.TRAIN:
         return None
     from elasticdl.cluster.process import free_port
     from elasticdl.master.rendezvous import Rendezvous
@@ -115,13 +117,13 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     report = JobReport(spec.job_name, spec.distribution_strategy, spec.cluster,
                        spec.num_workers,
                        spec.num_ps_pods if spec.distribution_strategy ==
-                       "ParameterServerStrategy" else 0,
+                       Strategy.PS else 0,
                        job_type=spec.job_type, training_records=tm.training_records,
                        validation_records=tm.evaluation_records,
                        prediction_records=tm.prediction_records)
     aggregator = EvaluationAggregator(on_result=report.add_evaluation)
     tm.evaluation_done_callbacks.append(aggregator.complete)
-    if spec.job_type == "evaluate":
+    if spec.job_type == JobType.EVALUATE:
         version = ckpt_paths.version_of(ckpt_paths.resolve(spec.checkpoint_dir_for_init))
         tm.create_evaluation_tasks(version)
     cluster = create_cluster(spec.cluster, spec, args.job_dir)

@@ -23,7 +23,8 @@ from typing import Optional
 
 import grpc
 
-from elasticdl.common import auth, ckpt_paths
+from elasticdl.checkpoint import paths as ckpt_paths
+from elasticdl.common import auth
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 

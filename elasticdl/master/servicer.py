@@ -18,18 +18,15 @@ import grpc
 
 from elasticdl.common import auth
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
+from elasticdl.common.task import TaskType
+from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
 from elasticdl.master.evaluation import EvaluationAggregator
-from elasticdl.master.task_manager import Task, TaskManager, TaskType
+from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.so_reuseport", 0),
-]
 
 
 class JobHooks(Protocol):
@@ -62,17 +59,6 @@ MAX_VERSION = (1 << 53) - 1
 MAX_TEXT = 64 << 10        # error messages, tracebacks, reasons
 MAX_ITEMS = 1000           # counters, metrics
 MAX_NAME = 256             # metric/counter names, hosts
-
-
-def task_to_proto(task: Task) -> pb.Task:
-    return pb.Task(task_id=task.task_id, type=int(task.type),  # type: ignore[arg-type]
-                   shard=pb.Shard(name=task.shard_name, start=task.start, end=task.end),
-                   model_version=task.model_version, epoch=task.epoch)
-
-
-def task_from_proto(msg: pb.Task) -> Task:
-    return Task(msg.task_id, TaskType(msg.type), msg.shard.name, msg.shard.start,
-                msg.shard.end, msg.epoch, msg.model_version)
 
 
 def _worker(worker_id: int) -> int:

@@ -26,7 +26,6 @@ Ledger rules (they make ``job_report.json`` trustworthy):
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 import statistics
@@ -37,53 +36,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from elasticdl.common.task import NO_MORE_TASKS, WAIT_TASK, Task, TaskFailure, TaskType
+
 logger = logging.getLogger(__name__)
-
-
-class TaskType(enum.IntEnum):
-    """Mirrors ``elasticdl.proto.TaskType``."""
-
-    NONE = 0
-    TRAINING = 1
-    EVALUATION = 2
-    PREDICTION = 3
-    WAIT = 4
-
-
-@dataclass(frozen=True)
-class Task:
-    task_id: int
-    type: TaskType
-    shard_name: str
-    start: int
-    end: int
-    epoch: int = 0
-    model_version: int = -1
-
-    @property
-    def num_records(self) -> int:
-        return self.end - self.start
-
-
-WAIT_TASK = Task(-1, TaskType.WAIT, "", 0, 0)
-NO_MORE_TASKS = Task(-1, TaskType.NONE, "", 0, 0)
-
-
-@dataclass(frozen=True)
-class TaskFailure:
-    """Why the job failed because of one task."""
-
-    task: Task
-    worker_id: int
-    attempts: int
-    error: str
-    traceback: str = ""
-
-    def describe(self) -> str:
-        t = self.task
-        return (f"{t.type.name.lower()} task {t.task_id} (records {t.start}-{t.end} of "
-                f"{t.shard_name}) failed {self.attempts} time(s); last error on worker "
-                f"{self.worker_id}: {self.error}")
 
 
 @dataclass

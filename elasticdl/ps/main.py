@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from elasticdl.api.model_spec import load_from_job_spec
+from elasticdl.checkpoint import api as ckpt_api
+from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.common import auth
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.log_utils import configure_logging
-from elasticdl.ps import checkpoint as ps_ckpt
 from elasticdl.ps.server import start_server, tune_malloc
 from elasticdl.ps.servicer import PServicer
 from elasticdl.ps.shard import PSShard, ShardConfig
@@ -106,7 +107,7 @@ def checkpoint_every_n(shard: PSShard) -> None:
 
 def restore_source(args: PSArgs) -> Optional[str]:
     """The version dir to restore from: the job's own newest checkpoint, else the init one."""
-    own = ps_ckpt.latest_version_dir(args.job_spec.checkpoint_dir)
+    own = ckpt_api.latest(args.job_spec.checkpoint_dir)
     if own is not None:
         return own
     init = args.checkpoint_dir_for_init or args.job_spec.checkpoint_dir_for_init

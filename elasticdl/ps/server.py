@@ -10,19 +10,11 @@ from typing import Optional
 import grpc
 
 from elasticdl.common import auth, chunk_wire, rpc_service
+from elasticdl.common.wire import GRPC_OPTIONS
 from elasticdl.ps.servicer import PServicer
 
 logger = logging.getLogger(__name__)
 
-# Tensors travel in chunks of a few MiB, but a small model's unary pull or a
-# push_model may be bigger: allow large messages. Frames are made large too so
-# a chunk crosses HTTP/2 in few frames.
-GRPC_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", 1 << 30),
-    ("grpc.max_receive_message_length", 1 << 30),
-    ("grpc.http2.max_frame_size", (1 << 24) - 1),
-    ("grpc.so_reuseport", 0),
-]
 
 
 # The bulk stream is parsed without protobuf copies (same wire format; see chunk_wire).

@@ -19,13 +19,14 @@ import grpc
 import numpy as np
 import torch
 
-from elasticdl.common import auth, chunk_wire, ckpt_paths
+from elasticdl.checkpoint import paths as ckpt_paths
+from elasticdl.checkpoint import ps_shards as ps_ckpt
+from elasticdl.checkpoint.single import CheckpointError
+from elasticdl.common import auth, chunk_wire
 from elasticdl.common import tensor_codec as codec
-from elasticdl.common.checkpoint import CheckpointError
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, short
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
-from elasticdl.ps import checkpoint as ps_ckpt
 from elasticdl.ps.parameters import TableSpec
 from elasticdl.ps.shard import (
     GradientPush,

@@ -4,11 +4,11 @@
 group from the master's rendezvous plans (gloo on CPU, NCCL on CUDA,
 ``--comm_backend`` to override; timeouts of ``--collective_timeout_s``) and
 averages gradients with bucketed all-reduce started from backward hooks
-(:mod:`elasticdl.api.grad_sync`), overlapping communication with backward. All
+(:mod:`elasticdl.elastic.grad_sync`), overlapping communication with backward. All
 membership handling — detecting a dead member, re-rendezvous without restarting
 the process, broadcasting model/optimizer/counters from the most advanced
 survivor, retrying the step, admitting new workers — is the one retry loop of
-:class:`elasticdl.api.elastic.ElasticRunner`, the same one custom
+:class:`elasticdl.elastic.runner.ElasticRunner`, the same one custom
 ``train_loop(ctx)`` modules use.
 
 Why our own hooks rather than torch DDP: DDP builds its reducer for one process
@@ -24,7 +24,7 @@ processes, ``benchmarks/allreduce_step.py``: ratios 0.985-1.046, median of
 per-block ratios 0.99-1.00.
 
 Driving it: call :meth:`AllreduceTrainer.run` (not the generic ``TaskLoop``):
-it iterates an :class:`~elasticdl.api.elastic_loop.ElasticDataset`, which joins
+it iterates an :class:`~elasticdl.elastic.dataset.ElasticDataset`, which joins
 idle rounds while the master says WAIT (instead of sleeping while peers wait in a
 collective), reports a task only once its steps are confirmed on every member,
 and runs evaluation/prediction tasks with the shared ``TaskLoop.run_task``.
@@ -39,14 +39,20 @@ from typing import Any, Optional
 
 import torch
 
-from elasticdl.api.elastic import ElasticRunner, ElasticState, RoundResult, RoundStatus, StepAborted
-from elasticdl.api.elastic_group import CommClient, ElasticGroup, default_backend
-from elasticdl.api.elastic_loop import ElasticDataset, TrainLoopContext
 from elasticdl.api.model_spec import ModelSpec
-from elasticdl.common import checkpoint as ckpt
+from elasticdl.checkpoint import api as ckpt
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader
-from elasticdl.master.task_manager import Task, TaskType
+from elasticdl.elastic.dataset import ElasticDataset, TrainLoopContext
+from elasticdl.elastic.group import CommClient, ElasticGroup, default_backend
+from elasticdl.elastic.runner import (
+    ElasticRunner,
+    ElasticState,
+    RoundResult,
+    RoundStatus,
+    StepAborted,
+)
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop, feed_records
 from elasticdl.worker.task_source import TaskSource
@@ -144,7 +150,7 @@ class AllreduceTrainer(Trainer):
         version = result.version
         if js.checkpoint_dir and js.checkpoint_steps and version % js.checkpoint_steps == 0 \
                 and self.group.rank == 0:
-            ckpt.save_single(js.checkpoint_dir, version, self.state_dict(),
+            ckpt.save(js.checkpoint_dir, version, self.state_dict(),
                              js.keep_checkpoint_max)
         for cb in self._on_step:
             cb(version, loss)

@@ -8,51 +8,29 @@ distributed workers run.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
-import warnings
 from typing import Any, Optional
 
 import torch
 
 from elasticdl.api.model_spec import ModelSpec, load_from_job_spec
-from elasticdl.common import checkpoint as ckpt
+from elasticdl.checkpoint import api as ckpt
 from elasticdl.common.datasets import create_readers, shards_for
+from elasticdl.common.enums import JobType
 from elasticdl.common.job_dirs import job_dir_for
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec
-from elasticdl.common.model_io import load_for_inference
 from elasticdl.common.progress import Progress
+from elasticdl.common.task import Task
 from elasticdl.master.evaluation import EvaluationAggregator
-from elasticdl.master.task_manager import Task, TaskManager
+from elasticdl.master.task_manager import TaskManager
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import TaskLoop
 from elasticdl.worker.task_source import LocalTaskSource
 from elasticdl.worker.trainer import LocalTrainer, select_device
 
 logger = logging.getLogger(__name__)
-
-
-def export_model(model: torch.nn.Module, directory: str) -> list[str]:
-    """Write ``model.pt`` (a plain state dict) and, when the model scripts,
-    ``model_scripted.pt`` (TorchScript)."""
-    os.makedirs(directory, exist_ok=True)
-    paths = [os.path.join(directory, "model.pt")]
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    ckpt.save_file(state, paths[0])
-    try:
-        with warnings.catch_warnings():  # TorchScript is deprecated but still what users load
-            warnings.simplefilter("ignore", DeprecationWarning)
-            scripted = torch.jit.script(model.cpu())
-    except (RuntimeError, torch.jit.frontend.NotSupportedError) as e:  # type: ignore[attr-defined]
-        logger.info("model does not compile to TorchScript (%s); wrote the state dict only",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
-    else:
-        paths.append(os.path.join(directory, "model_scripted.pt"))
-        scripted.save(paths[1])
-    logger.info("final model written to %s", ", ".join(paths))
-    return paths
 
 
 class LocalJob:
@@ -103,14 +81,14 @@ class LocalJob:
     def save_checkpoint(self, partial: Optional[dict[int, int]] = None) -> str:
         state = self.trainer.state_dict()
         state["data_position"] = self.task_manager.state_dict(partial)
-        return ckpt.save_single(self.spec.checkpoint_dir, self.trainer.model_version, state,
+        return ckpt.save(self.spec.checkpoint_dir, self.trainer.model_version, state,
                                 self.spec.keep_checkpoint_max)
 
     def _restore(self) -> None:
-        if self.spec.job_type != "train":
-            load_for_inference(self.trainer, self.spec.checkpoint_dir_for_init)
+        if self.spec.job_type != JobType.TRAIN:
+            ckpt.load_for_inference(self.trainer, self.spec.checkpoint_dir_for_init)
             return
-        state = ckpt.load_single(self.spec.checkpoint_dir_for_init,
+        state = ckpt.load(self.spec.checkpoint_dir_for_init,
                                  map_location=str(self.trainer.device))
         self.trainer.load_state_dict(state)
         if "data_position" in state:
@@ -121,18 +99,18 @@ class LocalJob:
         spec, tm = self.spec, self.task_manager
         if spec.checkpoint_dir_for_init:
             self._restore()
-        if spec.job_type == "evaluate":
+        if spec.job_type == JobType.EVALUATE:
             tm.create_evaluation_tasks(self.trainer.model_version)
         tm.epoch_end_callbacks.append(self._on_epoch_end)
         sink = None
-        if spec.job_type == "predict":
+        if spec.job_type == JobType.PREDICT:
             sink = PredictionSink(self.out_dir, spec.prediction_output_format,
                                   self.model_spec.prediction_outputs_processor)
         loop = TaskLoop(LocalTaskSource(tm, self.aggregator), self.trainer, self.model_spec,
                         self.readers, spec.minibatch_size, prediction_sink=sink,
                         after_train_step=[self._after_train_step], after_task=[self._after_task],
                         skip_nonfinite_steps=spec.skip_nonfinite_steps)
-        if spec.job_type == "train":
+        if spec.job_type == JobType.TRAIN:
             self.progress = Progress(tm.training_records_left(), "training")
         logger.info("job %s: %s on %s, output in %s", spec.job_name, spec.job_type,
                     self.trainer.device, self.out_dir)
@@ -154,16 +132,16 @@ class LocalJob:
             self.report.write(self.out_dir)
             raise TaskFailedError(tm.failure.describe())
         wall = time.monotonic() - start
-        if spec.job_type == "train":
+        if spec.job_type == JobType.TRAIN:
             if spec.checkpoint_dir and spec.checkpoint_steps:
                 self.save_checkpoint()
-            export_model(self.trainer.model, self.out_dir)
+            ckpt.export_model(self.trainer.model, self.out_dir)
         self.report.epochs = tm.epochs_report()
         self.report.status = "succeeded"
         self.report.extra["model_version"] = self.trainer.model_version
         self.report.extra["loop_wall_s"] = round(wall, 3)
         self.report.extra["records_predicted"] = tm.prediction_ledger.records_completed
-        if spec.job_type == "predict":
+        if spec.job_type == JobType.PREDICT:
             self.report.extra["prediction"] = tm.prediction_report()
         path = self.report.write(self.out_dir)
         logger.info("job %s succeeded in %.1f s; report: %s", spec.job_name, wall, path)
@@ -179,4 +157,4 @@ def run_local_job(spec: JobSpec) -> dict[str, Any]:
     return LocalJob(spec).run()
 
 
-__all__ = ["LocalJob", "run_local_job", "export_model"]
+__all__ = ["LocalJob", "run_local_job"]

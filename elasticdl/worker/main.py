@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
 
@@ -59,24 +60,24 @@ def build_trainer(args: WorkerArgs, model_spec: Any, client: Any) -> Any:
 
     spec = args.job_spec
     device = select_device(spec.device)
-    if spec.job_type != "train":
-        from elasticdl.common.model_io import load_for_inference
+    if spec.job_type != JobType.TRAIN:
+        from elasticdl.checkpoint.api import load_for_inference
 
         trainer = LocalTrainer(model_spec, device, spec.seed)
         load_for_inference(trainer, spec.checkpoint_dir_for_init)
         return trainer
-    if spec.distribution_strategy == "ParameterServerStrategy":
+    if spec.distribution_strategy == Strategy.PS:
         from elasticdl.worker.ps_trainer import PSTrainer
 
         return PSTrainer(model_spec, list(args.ps_addrs), spec, args.worker_id, device)
-    if spec.distribution_strategy == "AllreduceStrategy":
+    if spec.distribution_strategy == Strategy.ALLREDUCE:
         from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 
         member = AllreduceTrainer(model_spec, spec, args.worker_id, device, client, args.host)
         if spec.checkpoint_dir_for_init:  # model, optimizer, version; not the data position
-            from elasticdl.common.checkpoint import load_single
+            from elasticdl.checkpoint.api import load
 
-            member.load_state_dict(load_single(spec.checkpoint_dir_for_init, str(device)))
+            member.load_state_dict(load(spec.checkpoint_dir_for_init, str(device)))
         return member
     raise ValueError(f"strategy {spec.distribution_strategy} does not run distributed workers")
 
@@ -95,7 +96,7 @@ def run_worker(args: WorkerArgs) -> int:
         readers = create_readers(spec, model_spec.custom_data_reader)
         trainer = build_trainer(args, model_spec, client)
         sink = None
-        if spec.job_type == "predict":
+        if spec.job_type == JobType.PREDICT:
             from elasticdl.common.job_dirs import job_dir_for
 
             sink = PredictionSink(job_dir_for(spec), spec.prediction_output_format,
@@ -118,7 +119,7 @@ def run_worker(args: WorkerArgs) -> int:
                                               report_version(trainer.model_version)])
             stats = loop.run()
         client.report_version(trainer.model_version)
-        if client.export_model and spec.job_type == "train":
+        if client.export_model and spec.job_type == JobType.TRAIN:
             _export(trainer, spec)
         close = getattr(trainer, "close", None)
         if close is not None:
@@ -140,8 +141,8 @@ def run_worker(args: WorkerArgs) -> int:
 
 
 def _export(trainer: Any, spec: JobSpec) -> None:
+    from elasticdl.checkpoint.api import export_model
     from elasticdl.common.job_dirs import job_dir_for
-    from elasticdl.worker.local_job import export_model
 
     export = getattr(trainer, "export_model", None)
     if export is not None:  # PS: pull the final parameters first

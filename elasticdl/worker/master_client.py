@@ -16,8 +16,8 @@ from typing import Any, Optional, TypeVar
 import grpc
 
 from elasticdl.common import auth
-from elasticdl.master.servicer import GRPC_OPTIONS, task_from_proto
-from elasticdl.master.task_manager import Task, TaskType
+from elasticdl.common.task import Task, TaskType
+from elasticdl.common.wire import GRPC_OPTIONS, task_from_proto
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.worker.task_source import Metric, TaskSource

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elasticdl.master.task_manager import Task
+from elasticdl.common.task import Task
 
 
 def _to_numpy(outputs: Sequence[Any]) -> np.ndarray:

@@ -26,10 +26,10 @@ import torch
 
 from elasticdl.common import auth, chunk_wire
 from elasticdl.common import tensor_codec as codec
+from elasticdl.common.wire import GRPC_OPTIONS
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps.parameters import TableSpec, dense_owner
-from elasticdl.ps.server import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
 

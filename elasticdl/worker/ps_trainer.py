@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from elasticdl.api.layers import Embedding, tables_on_ps
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.job_spec import JobSpec
-from elasticdl.master.task_manager import Task
+from elasticdl.common.task import Task
 from elasticdl.ps.server import tune_malloc
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
 from elasticdl.worker.trainer import Trainer
@@ -381,7 +381,7 @@ class PSTrainer(Trainer):
     def export_model(self, directory: str) -> list[str]:
         """Write the final model like the Local strategy does (``model.pt``: a
         plain state dict loadable without elasticdl); returns the paths."""
-        from elasticdl.worker.local_job import export_model
+        from elasticdl.checkpoint.api import export_model
 
         state = self.state_dict_from_ps()
         with tables_on_ps():

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from elasticdl.api.model_spec import ModelSpec
+from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader, MalformedRecordError
-from elasticdl.master.task_manager import Task, TaskType
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_source import Metric, TaskSource
 from elasticdl.worker.trainer import NonFiniteError, Trainer, batch_size_of, to_device

@@ -8,8 +8,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
+from elasticdl.common.task import Task, TaskType
 from elasticdl.master.evaluation import EvaluationAggregator
-from elasticdl.master.task_manager import Task, TaskManager, TaskType
+from elasticdl.master.task_manager import TaskManager
 
 Metric = tuple[str, float, int]  # name, value, weight (samples)
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from multiprocessing.managers import BaseManager
 from typing import Any, Optional
 
-from elasticdl.master.task_manager import Task, TaskManager, TaskType
+from elasticdl.common.task import Task, TaskType
+from elasticdl.master.task_manager import TaskManager
 from elasticdl.worker.task_source import Metric, TaskSource
 
 AUTHKEY = b"elasticdl-test"

@@ -39,10 +39,11 @@ import torch
 
 from elasticdl.cluster.process import free_port
 from elasticdl.common import auth
+from elasticdl.common.task import TaskType
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.rendezvous import Rendezvous
 from elasticdl.master.servicer import MasterServicer, NullHooks, start_master_server
-from elasticdl.master.task_manager import TaskManager, TaskType
+from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps.server import start_server

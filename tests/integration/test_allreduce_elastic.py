@@ -13,8 +13,9 @@ import torch
 
 from elasticdl.api.model_spec import load_model_spec
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.task import TaskType
 from elasticdl.master.rendezvous import Rendezvous
-from elasticdl.master.task_manager import TaskManager, TaskType
+from elasticdl.master.task_manager import TaskManager
 from elasticdl.worker.trainer import LocalTrainer
 from tests.conftest import FIXTURE_ZOO
 from tests.integration.dist_procs import Procs, free_port

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from elasticdl.common.task import TaskType
 from elasticdl.data.api import MalformedRecordError
 from elasticdl.master.rendezvous import Rendezvous
-from elasticdl.master.task_manager import TaskManager, TaskType
+from elasticdl.master.task_manager import TaskManager
 from tests.integration.dist_procs import Procs, free_port
 from tests.integration.elastic_harness import FakeSource, MasterStandIn, MemoryReader, connect
 from tests.integration.test_allreduce_elastic import _job_spec, _trainer

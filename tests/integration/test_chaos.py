@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from elasticdl.common.ckpt_paths import complete_versions
+from elasticdl.checkpoint.paths import complete_versions
 from tests.conftest import FIXTURE_ZOO, MODEL_ZOO
 from tests.integration.helpers import (
     cli_env,

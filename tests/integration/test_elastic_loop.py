@@ -10,10 +10,11 @@ import torch
 
 from elasticdl.api.model_spec import load_model_spec
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.task import TaskType
 from elasticdl.data.registry import create_data_reader
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.rendezvous import Rendezvous
-from elasticdl.master.task_manager import TaskManager, TaskType
+from elasticdl.master.task_manager import TaskManager
 from tests.conftest import MODEL_ZOO
 from tests.integration.dist_procs import Procs, free_port
 from tests.integration.elastic_harness import FakeComm, FakeSource, MasterStandIn, connect

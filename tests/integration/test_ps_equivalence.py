@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elasticdl.api.model_spec import load_model_spec
-from elasticdl.common import checkpoint as ckpt
+from elasticdl.checkpoint import single as ckpt
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.worker.ps_client import PSClient
 from elasticdl.worker.ps_trainer import PSTrainer

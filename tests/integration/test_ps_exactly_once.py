@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from elasticdl.common.ckpt_paths import complete_versions
+from elasticdl.checkpoint.paths import complete_versions
 from elasticdl.worker.ps_trainer import KILL_AFTER_STEPS_ENV
 from tests.integration.helpers import kill_job_tree, read_json, start_cli, wait_for
 from tests.integration.test_chaos import pid_of, records_done, train_args

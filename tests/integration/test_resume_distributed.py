@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from elasticdl.common.ckpt_paths import complete_versions
+from elasticdl.checkpoint.paths import complete_versions
 from tests.integration.helpers import kill_job_tree, read_json, start_cli
 from tests.integration.test_chaos import train_args
 

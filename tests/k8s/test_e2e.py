@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import pytest
 
-from elasticdl.common.ckpt_paths import complete_versions
+from elasticdl.checkpoint.paths import complete_versions
 from tests.conftest import MODEL_ZOO, ROOT
 
 NEEDED = ("elasticdl.master.main", "elasticdl.ps.main", "elasticdl.worker.main")

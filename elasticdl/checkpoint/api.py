@@ -1,0 +1,84 @@
+"""What the rest of elasticdl calls to save, find, load and export checkpoints.
+
+* :func:`save` / :func:`load`: a single-writer checkpoint (Local and allreduce:
+  model, optimizer, version, data position).
+* :func:`latest`: the newest complete ``version-N`` directory, or None.
+* :func:`export_model`: the final ``model.pt`` (a plain state dict a user loads
+  without elasticdl) and, when the model scripts, ``model_scripted.pt``.
+* :func:`load_for_inference`: model weights from any layout (single writer or
+  PS shards) into a trainer, for ``evaluate`` and ``predict`` jobs.
+
+Every function raises :class:`CheckpointError` when nothing usable is where
+it was asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from elasticdl.checkpoint import single
+from elasticdl.checkpoint.paths import (
+    CheckpointError,
+    complete_versions,
+    resolve,
+    version_dir,
+    version_of,
+)
+
+logger = logging.getLogger(__name__)
+
+save = single.save_single
+load = single.load_single
+save_file = single.save_file
+
+__all__ = ["CheckpointError", "complete_versions", "export_model", "latest",
+           "load", "load_for_inference", "resolve", "save", "save_file", "version_dir",
+           "version_of"]
+
+
+def latest(checkpoint_dir: str) -> Optional[str]:
+    """The newest complete version directory under ``checkpoint_dir``, or None."""
+    versions = complete_versions(checkpoint_dir) if checkpoint_dir else []
+    return version_dir(checkpoint_dir, versions[-1]) if versions else None
+
+
+def export_model(model: torch.nn.Module, directory: str) -> list[str]:
+    """Write ``model.pt`` (a plain state dict) and, when the model scripts,
+    ``model_scripted.pt`` (TorchScript); returns the paths written."""
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, "model.pt")]
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    single.save_file(state, paths[0])
+    try:
+        with warnings.catch_warnings():  # TorchScript is deprecated but still what users load
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted = torch.jit.script(model.cpu())
+    except (RuntimeError, torch.jit.frontend.NotSupportedError) as e:  # type: ignore[attr-defined]
+        logger.info("model does not compile to TorchScript (%s); wrote the state dict only",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+    else:
+        paths.append(os.path.join(directory, "model_scripted.pt"))
+        scripted.save(paths[1])
+    logger.info("final model written to %s", ", ".join(paths))
+    return paths
+
+
+def load_for_inference(trainer: Any, path: str) -> int:
+    """Load model weights (and version) from a single-writer or PS checkpoint
+    into ``trainer.model``; returns the model version."""
+    vdir = resolve(path)
+    if os.path.exists(os.path.join(vdir, "model.pt")):
+        state = single.load_single(vdir, map_location=str(trainer.device))
+        trainer.model.load_state_dict(state["model"])
+        trainer.model_version = int(state.get("model_version", version_of(vdir)))
+    else:
+        from elasticdl.checkpoint.ps_shards import export_state_dict
+
+        trainer.model.load_state_dict(export_state_dict(vdir))
+        trainer.model_version = version_of(vdir)
+    return trainer.model_version

@@ -1,0 +1,222 @@
+"""Parameter-server checkpoints: one ``torch.save`` file per PS shard.
+
+Layout (shared with :mod:`elasticdl.checkpoint.single`)::
+
+    checkpoint_dir/version-N/ps-<i>-of-<n>.pt   one per PS
+    checkpoint_dir/version-N/DONE               once all n shards are there
+
+Each PS writes its own file; after writing, a PS that sees all ``n`` files
+marks the version done (whichever finishes last; marking twice is harmless)
+and applies retention. A restore reads every shard of the newest complete
+version and keeps what the restoring PS owns under the *new* placement
+(dense by name hash, rows by ``id % num_ps``), so the number of PS may change
+between save and restore. :func:`export_state_dict` rebuilds the plain model
+state dict a user loads with ``model.load_state_dict`` without elasticdl.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from elasticdl.checkpoint import single as ckpt
+from elasticdl.ps.parameters import TableSpec, dense_owner
+from elasticdl.ps.shard import PSShard
+
+logger = logging.getLogger(__name__)
+
+_SHARD_FILE = re.compile(r"^ps-(\d+)-of-(\d+)\.pt$")
+
+
+def shard_path(version_dir: str, ps_id: int, num_ps: int) -> str:
+    return os.path.join(version_dir, f"ps-{ps_id}-of-{num_ps}.pt")
+
+
+def save_shard(shard: PSShard, checkpoint_dir: str, version: Optional[int] = None,
+               keep_max: int = 0) -> str:
+    """Write this PS's shard as ``version`` (default: its current version).
+
+    Returns the shard file's path. The version becomes complete (DONE) once
+    every PS of the job wrote its file.
+    """
+    state = shard.state_dict()
+    if version is None or version < 0:
+        version = int(state["version"])
+    state["optimizer_by_name"] = _optimizer_by_name(state)
+    n = shard.config.num_ps
+    vdir = ckpt.version_dir(checkpoint_dir, version)
+    path = shard_path(vdir, shard.config.ps_id, n)
+    ckpt.save_file(state, path)
+    if all(os.path.exists(shard_path(vdir, i, n)) for i in range(n)):
+        ckpt.mark_done(checkpoint_dir, version, keep_max)
+        logger.info("checkpoint version %d complete (%d shards) in %s", version, n, vdir)
+    else:
+        logger.info("PS %d wrote %s", shard.config.ps_id, path)
+    return path
+
+
+def _optimizer_by_name(state: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Per-parameter optimizer state keyed by parameter name (for re-partitioning)."""
+    opt = state.get("optimizer")
+    if not opt:
+        return None
+    trainable = [n for n in state["dense_order"] if state["dense"][n].dtype.is_floating_point]
+    groups = opt["param_groups"]
+    if len(groups) != 1:
+        return None  # only a single group can be split across a different number of PS
+    by_index = dict(zip(groups[0]["params"], trainable))
+    hyper = {k: v for k, v in groups[0].items() if k != "params"}
+    return {"hyper": hyper, "state": {by_index[i]: s for i, s in opt["state"].items()}}
+
+
+def load_shards(version_dir: str) -> list[dict[str, Any]]:
+    """Every shard state of a complete version directory.
+
+    Raises:
+        CheckpointError: no DONE marker, shard files missing or of mixed counts.
+    """
+    vdir = ckpt.resolve(version_dir)
+    found = sorted((int(m.group(1)), int(m.group(2))) for m in map(_SHARD_FILE.match,
+                                                                    os.listdir(vdir)) if m)
+    counts = {n for _, n in found}
+    if len(counts) != 1:
+        raise ckpt.CheckpointError(f"{vdir}: expected ps-<i>-of-<n>.pt shards of one n, "
+                                   f"found (i, n) = {found}")
+    n = counts.pop()
+    if [i for i, _ in found] != list(range(n)):
+        raise ckpt.CheckpointError(f"{vdir}: shards {[i for i, _ in found]} of {n} present")
+    return [torch.load(shard_path(vdir, i, n), map_location="cpu", weights_only=True)
+            for i in range(n)]
+
+
+def _tables_of(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per table: spec and the rows of all shards concatenated."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in shards:
+        for name, t in s["tables"].items():
+            entry = out.setdefault(name, {"spec": TableSpec.from_dict(t["spec"]), "ids": [],
+                                          "weights": [], "state": {}, "fill": {}})
+            entry["ids"].append(t["ids"].numpy())
+            entry["weights"].append(t["weights"])
+            for k, v in t["state"].items():
+                entry["state"].setdefault(k, []).append(v)
+            entry["fill"].update(t["state_fill"])
+    for entry in out.values():
+        entry["ids"] = np.concatenate(entry["ids"])
+        entry["weights"] = torch.cat(entry["weights"])
+        entry["state"] = {k: torch.cat(v) for k, v in entry["state"].items()}
+    return out
+
+
+def restore_shard(shard: PSShard, version_dir: str) -> int:
+    """Initialise ``shard`` from a checkpoint written by any number of PS.
+
+    Returns the restored model version.
+    """
+    shards = load_shards(version_dir)
+    cfg = shard.config
+    version = int(shards[0]["version"])
+    same_layout = len(shards) == cfg.num_ps
+    dense: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for s in shards:
+        for name in s["dense_order"]:
+            if dense_owner(name, cfg.num_ps) == cfg.ps_id:
+                dense[name] = s["dense"][name]
+        for name, value in s["buffers"].items():
+            if dense_owner(name, cfg.num_ps) == cfg.ps_id:
+                buffers[name] = value
+    opt_state = shards[cfg.ps_id]["optimizer"] if same_layout else \
+        _regroup_optimizer(shards, dense)
+    tables = _tables_of(shards)
+    # the ledger says which pushes these parameters contain; with a different
+    # number of PS a push is in the restored state only if every old shard has it
+    ledger = shards[cfg.ps_id].get("ledger") if same_layout else _common_ledger(shards)
+    if not shard.initialize(version, dense, buffers, [t["spec"] for t in tables.values()],
+                            optimizer_state=opt_state, ledger=ledger):
+        raise ckpt.CheckpointError(f"PS {cfg.ps_id} is already initialised; cannot restore "
+                                   f"{version_dir}")
+    with shard.lock:
+        for name, t in tables.items():
+            mine = t["ids"] % cfg.num_ps == cfg.ps_id
+            idx = torch.from_numpy(np.nonzero(mine)[0])
+            shard.params.tables[name].load_rows(
+                t["ids"][mine], t["weights"].index_select(0, idx),
+                {k: v.index_select(0, idx) for k, v in t["state"].items()}, t["fill"])
+    logger.info("PS %d restored version %d from %s (%d shards -> %d PS)", cfg.ps_id, version,
+                version_dir, len(shards), cfg.num_ps)
+    return version
+
+
+def _common_ledger(shards: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    logs = [s["ledger"] for s in shards if s.get("ledger") is not None]
+    if len(logs) != len(shards):
+        return None
+    common = set.intersection(*({(int(r[0]), int(r[1])) for r in log["log"].tolist()}
+                                for log in logs))
+    rows = [r for r in logs[0]["log"].tolist() if (r[0], r[1]) in common]
+    return {"log": torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)}
+
+
+def version_dir_of(checkpoint_dir: str, version: int) -> str:
+    """The directory of complete version ``version``.
+
+    Raises:
+        CheckpointError: that version is not complete in ``checkpoint_dir``.
+    """
+    if version not in ckpt.complete_versions(checkpoint_dir):
+        raise ckpt.CheckpointError(f"no complete checkpoint version {version} in "
+                                   f"{checkpoint_dir}")
+    return ckpt.version_dir(checkpoint_dir, version)
+
+
+def _regroup_optimizer(shards: list[dict[str, Any]],
+                       dense: dict[str, torch.Tensor]) -> Optional[dict[str, Any]]:
+    by_name: dict[str, Any] = {}
+    hyper: Optional[dict[str, Any]] = None
+    for s in shards:
+        part = s.get("optimizer_by_name")
+        if s.get("optimizer") and part is None:
+            logger.warning("optimizer state with several param groups cannot be "
+                           "re-partitioned; dense optimizer state starts fresh")
+            return None
+        if part:
+            hyper = part["hyper"]
+            by_name.update(part["state"])
+    trainable = [n for n, t in dense.items() if t.dtype.is_floating_point]
+    if hyper is None or not trainable:
+        return None
+    return {"state": {i: by_name[n] for i, n in enumerate(trainable) if n in by_name},
+            "param_groups": [{**hyper, "params": list(range(len(trainable)))}]}
+
+
+def export_state_dict(version_dir: str) -> dict[str, torch.Tensor]:
+    """The plain model state dict of a PS checkpoint (``model.load_state_dict`` ready).
+
+    Embedding tables come out whole (``num_embeddings x dim``): rows never
+    created on a PS hold their initial values, exactly as they would have.
+    """
+    shards = load_shards(version_dir)
+    out: dict[str, torch.Tensor] = {}
+    for s in shards:
+        out.update(s["dense"])
+        out.update(s["buffers"])
+    for name, t in _tables_of(shards).items():
+        spec: TableSpec = t["spec"]
+        full = spec.initial_rows(np.arange(spec.num_embeddings, dtype=np.int64))
+        full[torch.from_numpy(t["ids"])] = t["weights"].to(spec.dtype)
+        out[name] = full
+    return out
+
+
+def export_model(version_dir: str, output_dir: str) -> str:
+    """Write :func:`export_state_dict` to ``output_dir/model.pt``; returns the path."""
+    path = os.path.join(output_dir, "model.pt")
+    ckpt.save_file(export_state_dict(version_dir), path)
+    logger.info("exported %s to %s", version_dir, path)
+    return path

@@ -1,0 +1,67 @@
+"""Checkpoints as ``torch.save`` state dicts under ``<dir>/version-<N>/``.
+
+One directory per model version holds one file per writer (``model.pt`` for a
+single writer, ``ps-<i>-of-<n>.pt`` for parameter-server shards). A version is
+complete once its ``DONE`` marker exists, so a crash mid-write never leaves a
+checkpoint that a restore would pick. Retention keeps the newest
+``keep_max`` complete versions (0 keeps all).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any, Optional
+
+import torch
+
+from elasticdl.checkpoint.paths import (  # noqa: F401 - re-exported
+    DONE,
+    CheckpointError,
+    complete_versions,
+    resolve,
+    version_dir,
+    version_of,
+)
+
+logger = logging.getLogger(__name__)
+
+def save_file(state: Any, path: str) -> None:
+    """``torch.save`` to a temp file then rename: readers see old or new, never half."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def mark_done(checkpoint_dir: str, version: int, keep_max: int = 0) -> None:
+    """Mark a version complete and apply retention."""
+    vdir = version_dir(checkpoint_dir, version)
+    with open(os.path.join(vdir, DONE), "w") as f:
+        f.write(str(version))
+    if keep_max > 0:
+        versions = complete_versions(checkpoint_dir)
+        for old in versions[:-keep_max]:
+            shutil.rmtree(version_dir(checkpoint_dir, old), ignore_errors=True)
+
+
+def save_single(checkpoint_dir: str, version: int, state: dict[str, Any],
+                keep_max: int = 0) -> str:
+    """Write a single-writer checkpoint (Local and allreduce strategies)."""
+    path = os.path.join(version_dir(checkpoint_dir, version), "model.pt")
+    save_file(state, path)
+    mark_done(checkpoint_dir, version, keep_max)
+    logger.info("checkpoint of model version %d saved to %s", version, path)
+    return path
+
+
+def load_single(path: str, map_location: Optional[str] = "cpu") -> dict[str, Any]:
+    """Load the single-writer checkpoint at ``path`` (see :func:`resolve`)."""
+    vdir = resolve(path)
+    file = os.path.join(vdir, "model.pt")
+    if not os.path.exists(file):
+        raise CheckpointError(f"{vdir} holds no model.pt (a parameter-server checkpoint?)")
+    state = torch.load(file, map_location=map_location, weights_only=True)
+    logger.info("loaded checkpoint %s (model version %s)", file, state.get("model_version"))
+    return state

@@ -1,0 +1,29 @@
+"""Wire conventions shared by every gRPC endpoint: channel/server options and the
+conversions between protobuf messages and the job's plain objects."""
+
+from __future__ import annotations
+
+from elasticdl.common.task import Task, TaskType
+from elasticdl.proto import elasticdl_pb2 as pb
+
+# Tensors travel in chunks of a few MiB, but a small model's unary pull or a
+# push_model may be bigger: allow large messages. Frames are made large too so
+# a chunk crosses HTTP/2 in few frames. One set for the master and the PS, on
+# both ends of every channel.
+GRPC_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", 1 << 30),
+    ("grpc.max_receive_message_length", 1 << 30),
+    ("grpc.http2.max_frame_size", (1 << 24) - 1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def task_to_proto(task: Task) -> pb.Task:
+    return pb.Task(task_id=task.task_id, type=int(task.type),  # type: ignore[arg-type]
+                   shard=pb.Shard(name=task.shard_name, start=task.start, end=task.end),
+                   model_version=task.model_version, epoch=task.epoch)
+
+
+def task_from_proto(msg: pb.Task) -> Task:
+    return Task(msg.task_id, TaskType(msg.type), msg.shard.name, msg.shard.start,
+                msg.shard.end, msg.epoch, msg.model_version)

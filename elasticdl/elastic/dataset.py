@@ -1,0 +1,311 @@
+"""The elastic dataset fed by master tasks, and the ``ctx`` of a custom ``train_loop``.
+
+A model module may define ``train_loop(ctx)`` for AllreduceStrategy::
+
+    def train_loop(ctx):
+        model, opt = ctx.model, ctx.optimizer
+
+        @ctx.step                       # retried through membership changes
+        def train_step(features, labels):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(features), labels)
+            loss.backward()             # gradients all-reduced by backward hooks
+            opt.step()
+            return loss
+
+        for features, labels in ctx.dataset:    # minibatches of master tasks, all epochs
+            loss = train_step(features, labels)  # None while accumulating / when retried
+
+The step function must be declared (``ctx.step``) before iterating
+``ctx.dataset``: a member without data runs it on a filler batch with weight 0
+(``ctx.is_filler`` is True then) while others train. ``retain_grad()`` and
+tensor hooks work inside it as usual; ``ctx.all_gather`` / ``ctx.all_reduce``
+keep autograd on the current group. Collectives belong *inside* the step
+function: it is the only user code every member runs in every step (a member
+waiting for data does not run the loop body), and a failure inside it is
+retried on the re-formed group. The step may run more than once for a batch
+(retries); keep counts that must survive membership changes in ``ctx.counters``.
+
+Between steps a member runs whatever the master hands it (an evaluation task, a
+``get_task`` call); the others wait for it in the next step's collectives, so
+such work must take less than ``--collective_timeout_s``.
+
+Records accounting: a task is reported done only when the steps of all its
+minibatches are confirmed on every member (the next round's header), so the
+master's ``records_completed`` counts each record once whatever happens to the
+membership; tasks of a worker that died are re-queued by the master.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from elasticdl.common.task import Task, TaskType
+from elasticdl.elastic import collective
+from elasticdl.elastic.runner import ElasticRunner, ElasticState, RoundStatus
+from elasticdl.worker.task_source import TaskSource
+
+logger = logging.getLogger(__name__)
+
+Feed = Callable[[Sequence[Any], Task, int], tuple[Any, Any]]
+
+
+@dataclass(eq=False)
+class _TaskState:
+    task: Task
+    records: Sequence[Any]
+    num_batches: int
+    cursor: int = 0
+    confirmed: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class BatchTag:
+    """Which records a microbatch holds (the tag the runner hands back)."""
+
+    state: _TaskState
+    index: int
+    records: int
+
+
+def batch_records(args: Sequence[Any]) -> int:
+    """Records in a batch passed as step arguments: the first dimension of the
+    first tensor found (labels or features)."""
+    for a in reversed(args):
+        ref = a
+        while isinstance(ref, (dict, list, tuple)) and ref:
+            ref = next(iter(ref.values())) if isinstance(ref, dict) else ref[0]
+        if isinstance(ref, torch.Tensor) and ref.dim() > 0:
+            return int(ref.shape[0])
+    raise ValueError("cannot tell the number of records of this batch; pass tensors")
+
+
+class ElasticDataset:
+    """Minibatches of the master's training tasks for an elastic runner.
+
+    Args:
+        runner: the worker's elastic runner (its ``on_confirmed``/``on_lost``
+            are taken over).
+        source: the master (``get_task``/``report_task``).
+        read: records of a task.
+        feed: ``feed(records, task, offset) -> (features, labels)`` for a
+            minibatch starting ``offset`` records into the task.
+        minibatch_size: records per minibatch.
+        run_other_task: runs and reports an evaluation or prediction task.
+        wait_s / max_wait_s: pause after an idle round, and the longest wait.
+    """
+
+    def __init__(self, runner: ElasticRunner, source: TaskSource,
+                 read: Callable[[Task], Sequence[Any]], feed: Feed, minibatch_size: int,
+                 run_other_task: Optional[Callable[[Task], None]] = None,
+                 wait_s: float = 0.2, max_wait_s: float = 3600.0):
+        self.runner = runner
+        self.source = source
+        self.read = read
+        self.feed = feed
+        self.minibatch_size = minibatch_size
+        self.run_other_task = run_other_task
+        self.wait_s = wait_s
+        self.max_wait_s = max_wait_s
+        self.task: Optional[Task] = None
+        self.tasks_reported = 0
+        self.records_trained = 0
+        self._queue: deque[_TaskState] = deque()
+        self._redo: deque[BatchTag] = deque()
+        self._current: Optional[BatchTag] = None
+        runner.on_confirmed = self._confirmed
+        runner.on_lost = self._lost
+
+    @property
+    def epoch(self) -> int:
+        return self.task.epoch if self.task is not None else 0
+
+    def take_current(self) -> Optional[BatchTag]:
+        """The batch last yielded, now consumed by a step (None if already taken)."""
+        tag, self._current = self._current, None
+        return tag
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        idle_since: Optional[float] = None
+        while True:
+            self._skip_unstepped()
+            tag = self._next_tag()
+            if tag is not None:
+                idle_since = None
+                features, labels = self._make(tag)
+                self._current = tag
+                yield features, labels
+                continue
+            task = self.source.get_task()
+            if task.type == TaskType.TRAINING:
+                records = self.read(task)
+                n = -(-len(records) // self.minibatch_size)
+                self._queue.append(_TaskState(task, records, n))
+                if n == 0:
+                    self._report(self._queue.pop())
+                continue
+            if task.type in (TaskType.EVALUATION, TaskType.PREDICTION):
+                if self.run_other_task is None:
+                    raise RuntimeError(f"no handler for {task.type.name} task {task.task_id}")
+                self.run_other_task(task)
+                continue
+            if task.type == TaskType.WAIT:
+                result = self.runner.flush()
+                if result.status == RoundStatus.DONE:
+                    self._stopped()
+                    return
+                if result.status == RoundStatus.IDLE:
+                    now = time.monotonic()
+                    idle_since = now if idle_since is None else idle_since
+                    if now - idle_since >= self.max_wait_s:
+                        raise TimeoutError(f"no training data for {now - idle_since:.0f} s")
+                    time.sleep(self.wait_s)
+                continue
+            # NONE: the master has nothing left for anyone
+            if self.runner.pending:
+                self.runner.flush()
+            self.runner.leave_round()
+            self._stopped()
+            return
+
+    # ------------------------------------------------------------ internals
+    def _next_tag(self) -> Optional[BatchTag]:
+        if self._redo:
+            tag = self._redo.popleft()
+            self.task = tag.state.task
+            return tag
+        for state in self._queue:
+            if state.cursor < state.num_batches:
+                i = state.cursor
+                state.cursor += 1
+                start = i * self.minibatch_size
+                n = min(self.minibatch_size, len(state.records) - start)
+                self.task = state.task
+                return BatchTag(state, i, n)
+        return None
+
+    def _make(self, tag: BatchTag) -> tuple[Any, Any]:
+        start = tag.index * self.minibatch_size
+        chunk = tag.state.records[start:start + tag.records]
+        return self.feed(chunk, tag.state.task, start)
+
+    def _skip_unstepped(self) -> None:
+        tag = self.take_current()
+        if tag is not None:  # the loop did not train it: the user skipped it
+            logger.debug("minibatch %d of task %d skipped by the loop", tag.index,
+                         tag.state.task.task_id)
+            self._confirmed([tag])
+
+    def _confirmed(self, tags: list[Any]) -> None:
+        for tag in tags:
+            if not isinstance(tag, BatchTag):
+                continue
+            state = tag.state
+            state.confirmed.add(tag.index)
+            self.records_trained += tag.records
+            if len(state.confirmed) == state.num_batches and state in self._queue:
+                self._queue.remove(state)
+                self._report(state)
+
+    def _report(self, state: _TaskState) -> None:
+        self.source.report_task(state.task)
+        self.tasks_reported += 1
+        logger.debug("task %d done (%d records)", state.task.task_id, len(state.records))
+
+    def _lost(self, tags: list[Any]) -> None:
+        for tag in tags:
+            if isinstance(tag, BatchTag):
+                self._redo.append(tag)
+
+    def _stopped(self) -> None:
+        left = [s.task.task_id for s in self._queue] + [t.state.task.task_id for t in self._redo]
+        if left or self.runner.pending:
+            logger.error("training stopped with unfinished task(s) %s; reported as failed "
+                         "so the master re-queues them", sorted(set(left)))
+            for state in self._queue:
+                self.source.report_task(state.task, "training group stopped before the task "
+                                        "finished")
+            self._queue.clear()
+            self._redo.clear()
+
+
+class TrainLoopContext:
+    """What a model module's ``train_loop(ctx)`` receives (see module docs)."""
+
+    def __init__(self, runner: ElasticRunner, dataset: ElasticDataset,
+                 device: torch.device):
+        self.runner = runner
+        self.dataset = dataset
+        self.device = device
+
+    @property
+    def state(self) -> ElasticState:
+        return self.runner.state
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.state.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.runner.state.optimizer
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        return self.runner.state.counters
+
+    @property
+    def rank(self) -> int:
+        return self.runner.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.runner.group.world_size
+
+    @property
+    def model_version(self) -> int:
+        return self.runner.state.model_version
+
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    @property
+    def is_filler(self) -> bool:
+        """True while the step function runs on a filler batch (weight 0): skip logging."""
+        return self.runner.is_filler
+
+    def step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Make ``fn`` (one training step on one minibatch: zero_grad, forward,
+        backward, optimizer step) elastic; usable as a decorator.
+
+        The wrapper returns ``fn``'s result once the step ran, None while
+        accumulating microbatches or when the step took effect on another member
+        before a failure.
+        """
+        self.runner.step_fn = fn
+
+        @functools.wraps(fn)
+        def elastic_step(*args: Any) -> Any:
+            tag = self.dataset.take_current()
+            records = tag.records if tag is not None else batch_records(args)
+            result = self.runner.submit(fn, args, records, tag)
+            if result is None or not result.outputs:
+                return None
+            return result.outputs[-1]
+
+        return elastic_step
+
+    def all_gather(self, tensor: torch.Tensor, local_grad: bool = False) -> list[torch.Tensor]:
+        return collective.all_gather(tensor, local_grad=local_grad)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return collective.all_reduce(tensor, op=op)
