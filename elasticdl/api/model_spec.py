@@ -1,4 +1,4 @@
-"""Loading a user's model module (DESIGN §4) and checking its contract.
+"""Loading a user's model module and checking its contract.
 
 ``--model_def=digits.digits_cnn.custom_model`` with ``--model_zoo=model_zoo``
 imports ``model_zoo/digits/digits_cnn.py`` and takes ``custom_model`` as the

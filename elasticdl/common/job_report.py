@@ -1,4 +1,4 @@
-"""``job_report.json``: the stable summary of a job (DESIGN §3).
+"""``job_report.json``: the stable summary of a job (its fields are listed in the README).
 
 The report is rewritten atomically as the job runs, so a reader never sees a
 half-written file, and a crashed job still leaves its last state.

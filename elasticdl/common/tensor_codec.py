@@ -1,7 +1,7 @@
 """torch tensors <-> ``elasticdl.Tensor`` / ``TensorChunk`` messages.
 
 A tensor travels as ``{name, dtype, shape, content}`` with ``content`` the
-row-major little-endian bytes (DESIGN §3). Large tensors are cut into
+row-major little-endian bytes. Large tensors are cut into
 :class:`TensorChunk` messages of :data:`DEFAULT_CHUNK_BYTES`; a
 :class:`ChunkAssembler` writes arriving chunks straight into the memory of the
 destination tensor (a preallocated one, e.g. a model parameter, or a fresh

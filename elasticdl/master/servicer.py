@@ -1,4 +1,4 @@
-"""The master's gRPC service (DESIGN §3), validating every request.
+"""The master's gRPC service, validating every request.
 
 Invalid requests (negative worker ids, unknown task types, non-finite
 metrics, ...) are answered with ``INVALID_ARGUMENT`` and a message; the

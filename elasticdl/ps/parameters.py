@@ -1,6 +1,6 @@
 """What one parameter server holds: its dense parameters and embedding rows.
 
-Placement (DESIGN §3): a dense parameter lives on PS ``crc32(name) % num_ps``,
+Placement: a dense parameter lives on PS ``crc32(name) % num_ps``,
 row ``id`` of every embedding table on PS ``id % num_ps``.
 
 Embedding rows are created lazily, on the first pull that names them, with

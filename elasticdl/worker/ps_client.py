@@ -1,6 +1,6 @@
 """A worker's client of the parameter servers.
 
-Placement (DESIGN §3): dense parameter ``name`` lives on PS
+Placement: dense parameter ``name`` lives on PS
 ``crc32(name) % num_ps``; row ``id`` of every table on PS ``id % num_ps``.
 Requests to different PS run concurrently on a thread pool. Every call has a
 deadline; a PS that is unreachable (restarting: a relaunched PS may come back
