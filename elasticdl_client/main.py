@@ -47,7 +47,13 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
         return
     configure_logging(spec.log_level)
     from elasticdl.api.model_spec import ModelSpecError
+    from elasticdl.common.advice import config_warnings, effective_batch_note
     from elasticdl.data.api import DataError
+
+    for warning in config_warnings(spec):
+        logger.warning("%s", warning)
+    if effective_batch_note(spec):
+        logger.info("%s", effective_batch_note(spec))
 
     try:
         report = _dispatch(spec)
