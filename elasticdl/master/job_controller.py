@@ -26,10 +26,11 @@ from elasticdl.cluster.api import (
     ReplicaSpec,
     ReplicaType,
 )
-from elasticdl.common.enums import JobType, Strategy
+from elasticdl.common.enums import JobType
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
+from elasticdl.common.strategy import entry_for
 from elasticdl.master import ps_rollback
 from elasticdl.master.policy import Action, RelaunchPolicy
 from elasticdl.master.task_manager import TaskManager
@@ -147,14 +148,13 @@ class JobController:
 
     def start(self) -> None:
         """Launch the PS (ParameterServerStrategy) and the workers."""
-        if self.spec.distribution_strategy == Strategy.PS and \
-                self.spec.job_type == JobType.TRAIN:
-            for i in range(self.spec.num_ps_pods):
-                port, addr = self.cluster.endpoint(ReplicaType.PS, i)
-                self._ps_ports.append(port)
-                self.ps_addrs.append(addr)
-            for i in range(self.spec.num_ps_pods):
-                self._launch_ps(i)
+        num_ps = entry_for(self.spec.distribution_strategy).ps_to_launch(self.spec)
+        for i in range(num_ps):
+            port, addr = self.cluster.endpoint(ReplicaType.PS, i)
+            self._ps_ports.append(port)
+            self.ps_addrs.append(addr)
+        for i in range(num_ps):
+            self._launch_ps(i)
         for _ in range(self.spec.num_workers):
             self._launch_worker()
 
