@@ -33,6 +33,7 @@ from elasticdl.common.resources import parse_envs, parse_resources
 from elasticdl.common.strategy import entry_for
 from elasticdl.master import ps_rollback
 from elasticdl.master.policy import Action, RelaunchPolicy
+from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.task_manager import TaskManager
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ class JobController:
 
     def __init__(self, spec: JobSpec, cluster: Cluster, task_manager: TaskManager,
                  report: JobReport, master_addr: str, report_dir: str,
-                 rendezvous: Optional[Any] = None, policy: Optional[RelaunchPolicy] = None,
+                 rendezvous: Optional[RendezvousHandler] = None,
+                 policy: Optional[RelaunchPolicy] = None,
                  finish_timeout_s: float = 120.0, report_interval_s: float = 5.0):
         self.spec = spec
         self.cluster = cluster
@@ -228,7 +230,7 @@ class JobController:
         """Allreduce: members the rendezvous left out of a plan for not checking in
         (hung: stopped, deadlocked, swapping) are stopped; their exit relaunches them
         through the usual path (reason ``deleted``), and their tasks are re-queued."""
-        if self.rendezvous is None or not hasattr(self.rendezvous, "take_excluded"):
+        if self.rendezvous is None:
             return
         for worker_id in self.rendezvous.take_excluded():
             with self._lock:

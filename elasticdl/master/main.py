@@ -33,6 +33,7 @@ from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.job_controller import JobController
+from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.servicer import MasterServicer, start_master_server
 from elasticdl.master.task_manager import TaskManager
 
@@ -92,7 +93,7 @@ def build_task_manager(spec: JobSpec) -> TaskManager:
                        **shards_for(readers, spec))
 
 
-def _rendezvous(spec: JobSpec, host: str) -> Optional[object]:
+def _rendezvous(spec: JobSpec, host: str) -> Optional[RendezvousHandler]:
     if not entry_for(spec.distribution_strategy).rendezvous_needed(spec):
         return None
     from elasticdl.cluster.process import free_port
