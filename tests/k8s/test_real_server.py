@@ -92,7 +92,7 @@ def test_watch_relists_after_410_gone(server, kubelet, caplog):
 
     if not server.plane.own:
         pytest.skip("needs the control plane's etcd (compaction) and `user`'s RoleBinding")
-    caplog.set_level(logging.INFO, logger="elasticdl.cluster.kubernetes")
+    caplog.set_level(logging.INFO, logger="elasticdl.cluster")
     ns = server.namespace
     rbac = client.RbacAuthorizationV1Api(server.admin)
     core = client.CoreV1Api(server.admin)
