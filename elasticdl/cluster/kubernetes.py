@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from kubernetes import client
 
+from elasticdl.cluster import k8s_access as access
 from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.api import (
     Cluster,
@@ -163,7 +164,7 @@ class KubernetesCluster(Cluster):
         except ValueError as e:
             raise ClusterError(f"cannot build the pod of {spec.name}: {e}") from None
         if self._job_secrets is not None:
-            mf.with_secret_env(manifest, self.job_spec.job_name, self._ensure_secret())
+            access.with_secret_env(manifest, self.job_spec.job_name, self._ensure_secret())
         if spec.type == ReplicaType.PS and spec.port:
             self._ensure_service(spec.index, spec.port)
         name = manifest["metadata"]["name"]
@@ -219,7 +220,7 @@ class KubernetesCluster(Cluster):
                     logger.error("%s", api_error(e, f"delete service {svc}"))
         if self._owner is None and self._secret_keys is not None:
             try:  # owned by the master pod otherwise: it goes with the pod
-                self._delete_secret(mf.job_secret_name(self.job_spec.job_name))
+                self._delete_secret(access.job_secret_name(self.job_spec.job_name))
             except ClusterError as e:
                 failed.append(str(e))
         if failed:
@@ -236,8 +237,8 @@ class KubernetesCluster(Cluster):
                 return self._secret_keys
             assert self._job_secrets is not None
             data = self._job_secrets.data()
-            body = to_model(client.V1Secret, mf.job_secret(self.job_spec, data, self._owner))
-            name = mf.job_secret_name(self.job_spec.job_name)
+            body = to_model(client.V1Secret, access.job_secret(self.job_spec, data, self._owner))
+            name = access.job_secret_name(self.job_spec.job_name)
             for attempt in (1, 2):
                 try:
                     self._core.create_namespaced_secret(self.namespace, body,
