@@ -82,3 +82,30 @@ def test_minibatch_slices_cover_a_task_once():
         minibatch_slice(3, 37, 16)
     with pytest.raises(ValueError):
         minibatch_count(10, 0)
+
+
+def test_allreduce_member_serving_the_rest_gives_up_after_the_maximum_wait():
+    """After its group finished, an allreduce member serves the remaining evaluation
+    tasks; while another worker holds the last task it is told to WAIT, and it now
+    gives up after the maximum wait instead of polling forever."""
+    import time
+    from types import SimpleNamespace
+
+    from elasticdl.worker.allreduce_trainer import AllreduceTrainer
+
+    tm = TaskManager(evaluation_shards=[("v", 0, 20)], records_per_task=10)
+    tm.create_evaluation_tasks(0)
+    ran: list[int] = []
+
+    def run_task(task):
+        ran.append(task.task_id)
+        tm.report(task.task_id, 0, True)
+
+    held = tm.get(1)  # another worker holds one of the two evaluation tasks
+    loop = SimpleNamespace(max_wait_s=0.5, run_task=run_task)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="told to wait"):
+        AllreduceTrainer._serve_rest(None, LocalTaskSource(tm, EvaluationAggregator()),  # type: ignore[arg-type]
+                                     loop, 0.02)  # type: ignore[arg-type]
+    assert 0.5 <= time.monotonic() - start < 30
+    assert len(ran) == 1 and ran[0] != held.task_id
