@@ -25,13 +25,15 @@ from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.cluster.registry import create_cluster
 from elasticdl.common import auth
 from elasticdl.common.datasets import create_readers, shards_for
-from elasticdl.common.enums import JobType, Strategy
+from elasticdl.common.enums import JobType
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
+from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.job_controller import JobController
+from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.servicer import MasterServicer, start_master_server
 from elasticdl.master.task_manager import TaskManager
 
@@ -91,8 +93,8 @@ def build_task_manager(spec: JobSpec) -> TaskManager:
                        **shards_for(readers, spec))
 
 
-def _rendezvous(spec: JobSpec, host: str) -> Optional[object]:
-    if spec.distribution_strategy != Strategy.ALLREDUCE or spec.job_type != JobType.TRAIN:
+def _rendezvous(spec: JobSpec, host: str) -> Optional[RendezvousHandler]:
+    if not entry_for(spec.distribution_strategy).rendezvous_needed(spec):
         return None
     from elasticdl.cluster.process import free_port
     from elasticdl.master.rendezvous import Rendezvous
@@ -116,8 +118,7 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     tm = build_task_manager(spec)
     report = JobReport(spec.job_name, spec.distribution_strategy, spec.cluster,
                        spec.num_workers,
-                       spec.num_ps_pods if spec.distribution_strategy ==
-                       Strategy.PS else 0,
+                       entry_for(spec.distribution_strategy).num_ps(spec),
                        job_type=spec.job_type, training_records=tm.training_records,
                        validation_records=tm.evaluation_records,
                        prediction_records=tm.prediction_records)

@@ -33,6 +33,7 @@ and runs evaluation/prediction tasks with the shared ``TaskLoop.run_task``.
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -53,6 +54,7 @@ from elasticdl.elastic.runner import (
     RoundStatus,
     StepAborted,
 )
+from elasticdl.worker.poller import TaskPoller
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop, feed_records
 from elasticdl.worker.task_source import TaskSource
@@ -243,15 +245,12 @@ class AllreduceTrainer(Trainer):
                            "function trained the %d remaining minibatch(es)", leftover)
 
     def _serve_rest(self, source: TaskSource, loop: TaskLoop, wait_s: float) -> None:
-        import time
-
+        poller = TaskPoller(source, wait_s, loop.max_wait_s)
         while True:
-            task = source.get_task()
+            task = poller.next_task()
             if task.type == TaskType.NONE:
                 return
-            if task.type == TaskType.WAIT:
-                time.sleep(wait_s)
-            elif task.type == TaskType.TRAINING:
+            if task.type == TaskType.TRAINING:
                 logger.error("training task %d after the group finished; handing it back",
                              task.task_id)
                 source.report_task(task, "allreduce group already finished")
