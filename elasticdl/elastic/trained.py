@@ -1,0 +1,85 @@
+"""Which records the group's model was trained on, agreed by every member.
+
+An allreduce checkpoint must record its data position (see
+:mod:`elasticdl.checkpoint.data_position`): the minibatches of every member
+whose steps are in the model. Each member keeps the minibatches it stepped
+since the last checkpoint; at a checkpoint step every member contributes them
+in one ``all_gather_object``, so each ends up with the same union (completing
+the gather proves every member applied that step). The union is part of the
+elastic state, broadcast to members that join and saved with the checkpoint.
+
+Minibatches handed back as *lost* (a member had to re-join and its
+unconfirmed steps are not in the model) are dropped before they are gathered;
+they are always newer than the last gather, since a completed gather confirms
+every step before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from elasticdl.elastic.collective import guard
+
+logger = logging.getLogger(__name__)
+
+Entry = tuple[int, int, int]   # task id, offset of the minibatch in the task, records
+
+
+class TrainedRecords:
+    """The group's agreed data position (``register``-ed into the elastic state).
+
+    Args:
+        minibatch_size: records per minibatch (a tag's index -> offset).
+    """
+
+    def __init__(self, minibatch_size: int):
+        self.minibatch_size = minibatch_size
+        self.agreed: dict[tuple[int, int], int] = {}   # (task, offset) -> records
+        self.last_saved = 0            # model version of the last checkpoint (agreed)
+        self._mine: list[Any] = []     # own tags stepped since the last gather
+
+    # ------------------------------------------------------------- own steps
+    def stepped(self, tags: list[Any]) -> None:
+        """Tags (elastic dataset ``BatchTag``) of this member's microbatches in a step."""
+        self._mine.extend(t for t in tags if hasattr(t, "state") and hasattr(t, "index"))
+
+    def lost(self, tags: list[Any]) -> None:
+        """Tags whose steps are not in the model any more."""
+        gone = {id(t) for t in tags}
+        self._mine = [t for t in self._mine if id(t) not in gone]
+
+    def _own_entries(self) -> list[Entry]:
+        return [(int(t.state.task.task_id), int(t.index) * self.minibatch_size,
+                 int(t.records)) for t in self._mine]
+
+    # ------------------------------------------------------------- agreement
+    def gather(self, version: int, world_size: int) -> None:
+        """Add every member's own minibatches to the agreed set (a collective every
+        member calls at the same step).
+
+        Raises:
+            CollectiveError: the gather failed; nothing changed.
+        """
+        mine = self._own_entries()
+        parts: list[Any] = [None] * world_size
+        with guard("all_gather_object (trained records)"):
+            dist.all_gather_object(parts, mine)
+        for part in parts:
+            for task, offset, records in part or ():
+                self.agreed[(int(task), int(offset))] = int(records)
+        self._mine = []
+        self.last_saved = version
+
+    def entries(self) -> list[Entry]:
+        return [(t, o, r) for (t, o), r in sorted(self.agreed.items())]
+
+    # ------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"entries": [list(e) for e in self.entries()], "last_saved": self.last_saved}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.agreed = {(int(t), int(o)): int(r) for t, o, r in state.get("entries", [])}
+        self.last_saved = int(state.get("last_saved", 0))
