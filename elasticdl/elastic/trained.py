@@ -4,7 +4,7 @@ An allreduce checkpoint must record its data position (see
 :mod:`elasticdl.checkpoint.data_position`): the minibatches of every member
 whose steps are in the model. Each member keeps the minibatches it stepped
 since the last checkpoint; at a checkpoint step every member contributes them
-in one ``all_gather_object``, so each ends up with the same union (completing
+in two all-gathers (counts, then entries), so each ends up with the same union (completing
 the gather proves every member applied that step). The union is part of the
 elastic state, broadcast to members that join and saved with the checkpoint.
 
@@ -17,10 +17,12 @@ every step before it.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
+from elasticdl.elastic import collective
 from elasticdl.elastic.collective import guard
 
 logger = logging.getLogger(__name__)
@@ -56,22 +58,42 @@ class TrainedRecords:
                  int(t.records)) for t in self._mine]
 
     # ------------------------------------------------------------- agreement
-    def gather(self, version: int, world_size: int) -> None:
+    def gather(self, version: int, world_size: int,
+               device: Optional[torch.device] = None) -> None:
         """Add every member's own minibatches to the agreed set (a collective every
-        member calls at the same step).
+        member calls at the same step). Asynchronous collectives waited on with
+        :func:`collective.wait`, so a member's death aborts it as fast as a step's.
 
         Raises:
             CollectiveError: the gather failed; nothing changed.
         """
-        mine = self._own_entries()
-        parts: list[Any] = [None] * world_size
-        with guard("all_gather_object (trained records)"):
-            dist.all_gather_object(parts, mine)
-        for part in parts:
-            for task, offset, records in part or ():
-                self.agreed[(int(task), int(offset))] = int(records)
+        device = device or torch.device("cpu")
+        mine = torch.tensor(self._own_entries(), dtype=torch.int64,
+                            device=device).reshape(-1, 3)
+        counts = self._all_gather(torch.tensor([mine.shape[0]], dtype=torch.int64,
+                                                device=device), world_size, "counts")
+        longest = max(int(c.item()) for c in counts)
+        padded = torch.zeros((longest, 3), dtype=torch.int64, device=device)
+        padded[:mine.shape[0]] = mine
+        parts = self._all_gather(padded, world_size, "entries")
+        for count, part in zip(counts, parts):
+            for task, offset, records in part[:int(count.item())].cpu().tolist():
+                self.agreed[(task, offset)] = records
         self._mine = []
         self.last_saved = version
+
+    @staticmethod
+    def _all_gather(t: torch.Tensor, world_size: int, what: str) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(world_size)]
+        op = f"all_gather (trained records: {what})"
+        with guard(op):
+            work = dist.all_gather(out, t, async_op=True)
+        try:
+            collective.wait(work, op)
+        except BaseException:
+            collective.defer_dispose([work])   # disposed after the group, as step work
+            raise
+        return out
 
     def entries(self) -> list[Entry]:
         return [(t, o, r) for (t, o), r in sorted(self.agreed.items())]

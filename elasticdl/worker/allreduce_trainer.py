@@ -170,7 +170,7 @@ class AllreduceTrainer(Trainer):
         """All members agree on the records in the model of ``version``; rank 0 writes
         them (``trained-group.json``, the data position) and the checkpoint."""
         try:
-            self.trained.gather(version, self.group.world_size)
+            self.trained.gather(version, self.group.world_size, self.device)
         except CollectiveError as e:
             logger.warning("checkpoint of version %d skipped: the group failed while "
                            "agreeing on its data position (%s)", version, str(e)[:200])

@@ -54,3 +54,43 @@ def test_members_agree_on_the_union_of_their_steps_without_the_lost_ones():
         [(101, o, 8) for o in (0, 8, 16)]
     assert got[0]["last_saved"] == got[0]["copy_last"] == 20
     assert got[0]["copy"] == got[0]["second"]
+
+
+def _survivor(rank: int, port: int) -> dict[str, Any]:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from elasticdl.common.task import Task, TaskType
+    from elasticdl.elastic.collective import CollectiveError
+    from elasticdl.elastic.dataset import BatchTag, _TaskState
+    from elasticdl.elastic.trained import TrainedRecords
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=20))
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)   # dies before the checkpoint step's gather
+    task = Task(5, TaskType.TRAINING, "s", 0, 16)
+    trained = TrainedRecords(minibatch_size=8)
+    trained.stepped([BatchTag(_TaskState(task, list(range(16)), 2), 0, 8)])
+    try:
+        trained.gather(version=4, world_size=WORLD)
+    except CollectiveError as e:
+        return {"error": str(e)[:80], "agreed": trained.entries(),
+                "last_saved": trained.last_saved, "mine": len(trained._mine)}
+    return {"error": None}
+
+
+def test_a_gather_a_member_died_in_fails_as_a_collective_error_and_changes_nothing():
+    port = free_port()
+    procs = Procs()
+    try:
+        for r in range(WORLD):
+            procs.start(r, _survivor, r, port)
+        got = procs.collect([0], timeout_s=120)[0]
+    finally:
+        procs.close()
+    assert got["error"] and "trained records" in got["error"]
+    assert got["agreed"] == [] and got["last_saved"] == 0 and got["mine"] == 1
