@@ -12,6 +12,8 @@ of the interrupted epoch exactly once. Two files make that possible:
   (epochs created, per-epoch counts of the records already in the model).
   Appends are single ``write`` calls of one line, so a killed master leaves at
   most a torn last line, which is skipped.
+* ``<checkpoint_dir>/version-N/data_position.json``: a single writer that has
+  the task manager at hand (Local) writes its state directly.
 * ``<checkpoint_dir>/version-N/trained-<writer>.json``: what the model of
   version N contains, as ``[task_id, offset, records]`` triples (``offset``
   records into the task). Parameter servers write one per PS from their
@@ -41,6 +43,7 @@ from elasticdl.common.task import Task, TaskType
 logger = logging.getLogger(__name__)
 
 TABLE = "tasks.jsonl"
+POSITION = "data_position.json"   # a single writer's own position (Local: TaskManager state)
 _TRAINED = re.compile(r"^trained-(.+)\.json$")
 
 Trained = dict[int, dict[int, int]]   # task id -> {offset in the task: records}
@@ -85,6 +88,38 @@ def read_trained(version_dir: str) -> Optional[Trained]:
     for (task, offset), records in (common or {}).items():
         out.setdefault(task, {})[offset] = records
     return out
+
+
+def write_position(version_dir: str, state: dict[str, Any]) -> str:
+    """Write a :meth:`TaskManager.state_dict` as ``data_position.json`` (atomic), so
+    that a checkpoint written with its task manager at hand (Local) resumes in
+    every mode, the torch-free master included."""
+    os.makedirs(version_dir, exist_ok=True)
+    path = os.path.join(version_dir, POSITION)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f, separators=(",", ":"))
+    os.replace(tmp, path)
+    return path
+
+
+def read_position(version_dir: str) -> Optional[dict[str, Any]]:
+    """The data position a version directory records, in either form
+    (``data_position.json``, or trained records + the directory's task table);
+    None when it records none.
+
+    Raises:
+        CheckpointError: trained records without a task table.
+    """
+    path = os.path.join(version_dir, POSITION)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return dict(json.load(f))
+    trained = read_trained(version_dir)
+    if trained is None:
+        return None
+    base, tasks = read_table(os.path.dirname(os.path.normpath(version_dir)))
+    return position(base, tasks, trained)
 
 
 # ---------------------------------------------------------------- task table
@@ -207,13 +242,14 @@ def resume_state(init_path: str) -> Optional[dict[str, Any]]:
         CheckpointError: no complete checkpoint, or trained records but no table.
     """
     vdir = resolve(init_path)
-    trained = read_trained(vdir)
-    if trained is None:
+    found = read_position(vdir)
+    if found is None:
         logger.warning("checkpoint %s records no data position; training data starts over "
                        "from the first epoch", vdir)
         return None
-    base, tasks = read_table(os.path.dirname(os.path.normpath(vdir)))
-    state = position(base, tasks, trained)
+    state = position({"epochs_created": found["epochs_created"], "ledger": found["ledger"]},
+                     [], {})
+    state["pending"] = [list(p) for p in found["pending"]]
     state["from_version"] = version_of(vdir)
     done = {e: v["records_completed"] for e, v in sorted(state["ledger"].items())}
     logger.info("resuming the data position of %s: %d epoch(s) created, records in the "

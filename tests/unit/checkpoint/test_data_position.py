@@ -150,3 +150,41 @@ def test_resume_into_the_same_directory_reads_the_table_before_replacing_it(tmp_
         seen[key] = seen.get(key, 0) + n
     assert sorted(set(seen.values())) == [2] and len(seen) == 64
     assert [e["records_completed"] for e in tm2.epochs_report()] == [64, 64]
+
+
+def test_a_local_checkpoint_resumes_a_distributed_job_and_the_reverse(tmp_path):
+    import torch
+
+    from elasticdl.checkpoint import single
+
+    # Local: the task manager's own state, mid-task, written with the model
+    local_dir = str(tmp_path / "local")
+    tm = _tm()
+    seen: dict[tuple[str, int], int] = {}
+    for _ in range(5):
+        task = tm.get(0)
+        for r in range(task.start, task.end):
+            seen[(task.shard_name, r)] = seen.get((task.shard_name, r), 0) + 1
+        tm.report(task.task_id, 0, True)
+    held = tm.get(0)
+    for r in range(held.start, held.start + 8):
+        seen[(held.shard_name, r)] = seen.get((held.shard_name, r), 0) + 1
+    single.save_single(local_dir, 22, {"model": {"w": torch.zeros(1)}, "model_version": 22,
+                                       "data_position": tm.state_dict({held.task_id: 8})})
+    # ... read by the torch-free master of a distributed job
+    resumed = _tm(first_task_id=7000)
+    dp.attach(resumed, str(tmp_path / "dist"), local_dir)
+    for key, n in _drain(resumed).items():
+        seen[key] = seen.get(key, 0) + n
+    assert sorted(set(seen.values())) == [2] and len(seen) == 64
+
+    # allreduce: trained records + the table; a Local job's load() gets its position
+    ar_dir = str(tmp_path / "ar")
+    tm1 = _tm()
+    dp.attach(tm1, ar_dir)
+    _interrupt(ar_dir, tm1, 30)
+    single.save_file({"model": {}, "model_version": 30},
+                     os.path.join(version_dir(ar_dir, 30), "model.pt"))
+    state = single.load_single(ar_dir)
+    assert state["data_position"] == dp.read_position(version_dir(ar_dir, 30))
+    assert state["data_position"]["ledger"][1]["records_completed"] == 24
