@@ -74,7 +74,8 @@ def count_args(data, out, job, **flags):
     return args + [f"--{k}={v}" for k, v in flags.items()]
 
 
-def interrupt_and_resume(tmp_path, data, strategy_flags, versions_per_epoch):
+def interrupt_and_resume(tmp_path, data, strategy_flags, versions_per_epoch,
+                         resume_flags=None):
     """Run a job, kill -9 its whole tree once a checkpoint mid-way through the second
     epoch exists, resume it from that checkpoint; returns (report, model state, the
     version resumed from)."""
@@ -102,7 +103,8 @@ def interrupt_and_resume(tmp_path, data, strategy_flags, versions_per_epoch):
 
     env["COUNT_RECORDS_DELAY_S"] = "0"
     proc = start_cli(count_args(data, job2, "count-b", checkpoint_dir=ckpt2,
-                                checkpoint_dir_for_init=ckpt1, **strategy_flags),
+                                checkpoint_dir_for_init=ckpt1,
+                                **(resume_flags or strategy_flags)),
                      home, str(tmp_path / "run2.log"), **env)
     try:
         assert proc.wait(timeout=300) == 0, (tmp_path / "run2.log").read_text()[-3000:]
@@ -141,3 +143,11 @@ def test_allreduce_resumes_mid_epoch_exactly_once(id_data, tmp_path):
     check_exactly_once(*interrupt_and_resume(
         tmp_path, id_data, {"distribution_strategy": "AllreduceStrategy", "num_workers": 2},
         RECORDS // MINIBATCH // 2))
+
+
+def test_a_local_checkpoint_resumes_as_allreduce_exactly_once(id_data, tmp_path):
+    """The data position is one format: a Local job's checkpoint resumes a 2-worker
+    allreduce job (its master reads data_position.json without torch)."""
+    check_exactly_once(*interrupt_and_resume(
+        tmp_path, id_data, {"distribution_strategy": "Local"}, RECORDS // MINIBATCH,
+        resume_flags={"distribution_strategy": "AllreduceStrategy", "num_workers": 2}))
