@@ -41,21 +41,31 @@ class TrainedRecords:
         self.minibatch_size = minibatch_size
         self.agreed: dict[tuple[int, int], int] = {}   # (task, offset) -> records
         self.last_saved = 0            # model version of the last checkpoint (agreed)
-        self._mine: list[Any] = []     # own tags stepped since the last gather
+        # own minibatches stepped since the last gather: (task, offset) -> records
+        self._mine: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------- own steps
+    def _key(self, tag: Any) -> Optional[tuple[int, int]]:
+        if not (hasattr(tag, "state") and hasattr(tag, "index")):
+            return None   # a filler step or a batch that is not a master task's
+        return int(tag.state.task.task_id), int(tag.index) * self.minibatch_size
+
     def stepped(self, tags: list[Any]) -> None:
         """Tags (elastic dataset ``BatchTag``) of this member's microbatches in a step."""
-        self._mine.extend(t for t in tags if hasattr(t, "state") and hasattr(t, "index"))
+        for tag in tags:
+            key = self._key(tag)
+            if key is not None:
+                self._mine[key] = int(tag.records)
 
     def lost(self, tags: list[Any]) -> None:
-        """Tags whose steps are not in the model any more."""
-        gone = {id(t) for t in tags}
-        self._mine = [t for t in self._mine if id(t) not in gone]
+        """Tags whose steps are not in the model any more (trained again later)."""
+        for tag in tags:
+            key = self._key(tag)
+            if key is not None:
+                self._mine.pop(key, None)
 
     def _own_entries(self) -> list[Entry]:
-        return [(int(t.state.task.task_id), int(t.index) * self.minibatch_size,
-                 int(t.records)) for t in self._mine]
+        return [(t, o, r) for (t, o), r in self._mine.items()]
 
     # ------------------------------------------------------------- agreement
     def gather(self, version: int, world_size: int,
@@ -79,7 +89,7 @@ class TrainedRecords:
         for count, part in zip(counts, parts):
             for task, offset, records in part[:int(count.item())].cpu().tolist():
                 self.agreed[(task, offset)] = records
-        self._mine = []
+        self._mine = {}
         self.last_saved = version
 
     @staticmethod

@@ -156,7 +156,8 @@ class AllreduceTrainer(Trainer):
         if loss is not None:
             self.last_loss = loss
         version = result.version
-        self.trained.stepped(result.tags)
+        if self.schedule.checkpoint_steps:
+            self.trained.stepped(result.tags)
         # every member decides alike: the same versions and the same agreed last_saved
         # (broadcast with the state); a round counted after a failure (recovered) is
         # not a step the others saw here, so no checkpoint collective starts there
