@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from elasticdl.checkpoint.paths import complete_versions
+from elasticdl.checkpoint import data_position, ps_shards
+from elasticdl.checkpoint.paths import complete_versions, version_dir
 from tests.conftest import FIXTURE_ZOO
 from tests.integration.helpers import kill_job_tree, read_json, start_cli, wait_for
 from tests.integration.test_chaos import train_args
@@ -100,6 +101,7 @@ def interrupt_and_resume(tmp_path, data, strategy_flags, versions_per_epoch,
     assert threshold <= resumed_from < EPOCHS * versions_per_epoch - 5, resumed_from
     first = read_json(os.path.join(job1, "job_report.json")) or {}
     assert first.get("status") != "succeeded"
+    check_position_is_the_model(ckpt1, resumed_from)
 
     env["COUNT_RECORDS_DELAY_S"] = "0"
     proc = start_cli(count_args(data, job2, "count-b", checkpoint_dir=ckpt2,
@@ -113,6 +115,25 @@ def interrupt_and_resume(tmp_path, data, strategy_flags, versions_per_epoch,
     report = read_json(os.path.join(job2, "job_report.json"))
     state = torch.load(os.path.join(job2, "model.pt"), weights_only=True)
     return report, state, resumed_from
+
+
+def check_position_is_the_model(ckpt, version):
+    """The data position a checkpoint records is what its model was trained on: each
+    record's count in the checkpointed model == epochs created - pending ranges on it."""
+    vdir = version_dir(ckpt, version)
+    position = data_position.read_position(vdir)
+    assert position is not None, os.listdir(vdir)
+    expected = torch.full((RECORDS,), float(position["epochs_created"]))
+    for _shard, start, end, _epoch in position["pending"]:
+        expected[start:end] -= 1
+    if os.path.exists(os.path.join(vdir, "model.pt")):
+        model = torch.load(os.path.join(vdir, "model.pt"), weights_only=True)["model"]
+    else:
+        model = ps_shards.export_state_dict(vdir)
+    for name in ("even", "odd"):
+        assert torch.equal(model[name], expected), (
+            name, (model[name] != expected).nonzero().flatten().tolist()[:20])
+    assert 0 < len(position["pending"])   # mid-epoch: something was left
 
 
 def check_exactly_once(report, state, resumed_from):
