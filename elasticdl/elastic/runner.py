@@ -178,7 +178,7 @@ class ElasticRunner:
                 if continuous and self.state.model_version > start_version:
                     logger.info("round at version %d completed on a member before the "
                                 "failure; it counts", start_version)
-                    result = self._stepped(micro, [], start_version)
+                    result = self._stepped(micro, [], start_version, recovered=True)
                     self._confirm(self.state.model_version)  # it is in the adopted state
                     return result
                 if failures >= self.max_failures:
@@ -210,12 +210,12 @@ class ElasticRunner:
         self.is_filler = False
 
     def _stepped(self, micro: Sequence[Microbatch], outputs: list[Any],
-                 start_version: int) -> RoundResult:
+                 start_version: int, recovered: bool = False) -> RoundResult:
         tags = [m.tag for m in micro]
         if micro:
             self._unconfirmed.append((start_version + 1, tags))
         return self._finish(RoundResult(RoundStatus.STEPPED, self.state.model_version,
-                                        outputs, tags))
+                                        outputs, tags, recovered))
 
     def _finish(self, result: RoundResult) -> RoundResult:
         if self.on_round is not None:

@@ -79,6 +79,7 @@ class RoundResult:
     version: int
     outputs: list[Any] = field(default_factory=list)   # step fn results, one per own microbatch
     tags: list[Any] = field(default_factory=list)      # tags of own microbatches consumed
+    recovered: bool = False   # the step took effect on another member before a failure
 
 
 @dataclass(frozen=True)

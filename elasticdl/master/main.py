@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
+from elasticdl.checkpoint import data_position
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.cluster.registry import create_cluster
 from elasticdl.common import auth
@@ -84,13 +85,16 @@ def _readers(spec: JobSpec) -> dict:
 
 def build_task_manager(spec: JobSpec) -> TaskManager:
     readers = _readers(spec)
-    return TaskManager(records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
+    tm = TaskManager(records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
                        shuffle=spec.shuffle, seed=spec.seed,
                        max_task_retries=spec.max_task_retries,
                        task_timeout_s=spec.task_timeout_s,
                        # a new id range per run: no task matches a PS ledger of an earlier run
                        first_task_id=int(time.time() * 1000) << 16,
                        **shards_for(readers, spec))
+    if spec.job_type == JobType.TRAIN:  # resume the data position; record this run's tasks
+        data_position.attach(tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)
+    return tm
 
 
 def _rendezvous(spec: JobSpec, host: str) -> Optional[RendezvousHandler]:
