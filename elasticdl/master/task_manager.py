@@ -32,56 +32,22 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from elasticdl.common.task import NO_MORE_TASKS, WAIT_TASK, Task, TaskFailure, TaskType
+from elasticdl.master.task_state import (  # noqa: F401 - EpochLedger, make_tasks re-exported
+    SUMMED_COUNTERS,
+    Doing,
+    EpochLedger,
+    EvalJob,
+    data_position,
+    holder,
+    load_data_position,
+    make_tasks,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EpochLedger:
-    records_completed: int = 0
-    records_redone: int = 0
-    tasks_completed: int = 0
-    records_applied: int = 0
-
-
-# Counters of tasks that count as done, summed into TaskManager.counters (the
-# others, e.g. records_applied, are per-task figures the ledger uses directly).
-SUMMED_COUNTERS = frozenset({"nonfinite_steps_skipped", "records_skipped"})
-
-
-@dataclass
-class _Doing:
-    task: Task
-    worker_id: int
-    started: float
-    past: frozenset[int] = frozenset()  # earlier holders (reassigned stragglers)
-
-
-def _holder(encoded: int) -> int:
-    """A worker id from ``_Doing.worker_id`` (a reassigned straggler's is ``-1 - id``)."""
-    return encoded if encoded >= 0 else -1 - encoded
-
-
-@dataclass
-class _EvalJob:
-    model_version: int
-    remaining: set[int] = field(default_factory=set)
-
-
-def make_tasks(shards: Iterable[Sequence[Any]],
-               records_per_task: int) -> list[tuple[str, int, int]]:
-    """Cut ``(name, start, count)`` shards into ``(name, start, end)`` pieces."""
-    pieces = []
-    for name, start, count in shards:
-        end = start + count
-        for s in range(start, end, records_per_task):
-            pieces.append((name, s, min(s + records_per_task, end)))
-    return pieces
 
 
 class TaskManager:
@@ -100,6 +66,11 @@ class TaskManager:
             tasks were done, so a hung worker never blocks the job forever).
         first_task_id: ids start here (the master starts each run at a new
             value: a PS ledger from an earlier run never matches a new task).
+        epoch_barrier: an epoch's tasks are handed out only once the previous
+            epoch is done (its epoch-end evaluation sees exactly that epoch).
+
+    ``hold_training`` (set by the job core while an evaluation is due or runs)
+    stops handing out training tasks; held ones finish as usual.
     """
 
     def __init__(
@@ -117,6 +88,7 @@ class TaskManager:
         clock: Callable[[], float] = time.monotonic,
         initial_task_timeout_s: float = 600.0,
         first_task_id: int = 0,
+        epoch_barrier: bool = False,
     ):
         if records_per_task < 1:
             raise ValueError(f"records_per_task must be >= 1, got {records_per_task}")
@@ -142,7 +114,7 @@ class TaskManager:
         self._done_tasks: dict[int, Task] = {}
         self._todo: deque[Task] = deque()
         self._eval_todo: deque[Task] = deque()
-        self._doing: dict[int, _Doing] = {}
+        self._doing: dict[int, Doing] = {}
         self._workers_seen: set[int] = set()
         self._completed: set[int] = set()
         self._attempts: dict[int, int] = {}
@@ -152,9 +124,11 @@ class TaskManager:
         self.ledger: dict[int, EpochLedger] = {}
         self.prediction_ledger = EpochLedger()
         self.evaluation_records_completed = 0
-        self._eval_jobs: dict[int, _EvalJob] = {}
+        self._eval_jobs: dict[int, EvalJob] = {}
         self.failure: Optional[TaskFailure] = None
         self.counters: dict[str, int] = {}   # e.g. nonfinite_steps_skipped, summed over tasks
+        self.epoch_barrier = epoch_barrier
+        self.hold_training = False
         self.epoch_end_callbacks: list[Callable[[int], None]] = []
         self.evaluation_done_callbacks: list[Callable[[int], Any]] = []
         for name, start, end in make_tasks(prediction_shards, records_per_task):
@@ -188,7 +162,7 @@ class TaskManager:
         with self._lock:
             if not self._eval_pieces or model_version in self._eval_jobs:
                 return False
-            job = _EvalJob(model_version)
+            job = EvalJob(model_version)
             for name, start, end in self._eval_pieces:
                 task = self._new_task(TaskType.EVALUATION, name, start, end, -1, model_version)
                 job.remaining.add(task.task_id)
@@ -223,8 +197,8 @@ class TaskManager:
             if task is None:
                 return WAIT_TASK if not self._finished_locked() else NO_MORE_TASKS
             prev = self._doing.get(task.task_id)
-            past = prev.past | {_holder(prev.worker_id)} if prev else frozenset()
-            self._doing[task.task_id] = _Doing(task, worker_id, self._clock(), past)
+            past = prev.past | {holder(prev.worker_id)} if prev else frozenset()
+            self._doing[task.task_id] = Doing(task, worker_id, self._clock(), past)
             self._workers_seen.add(worker_id)
             if request_id:
                 self._last_get[worker_id] = (request_id, task)
@@ -237,7 +211,7 @@ class TaskManager:
             doing = self._doing.get(task_id)
             if doing is None:
                 return None, frozenset()
-            return doing.task, doing.past | {_holder(doing.worker_id)}
+            return doing.task, doing.past | {holder(doing.worker_id)}
 
     def task_exists(self, task_id: int) -> bool:
         """True for an id this manager handed out or created."""
@@ -256,13 +230,32 @@ class TaskManager:
                 task = self._eval_todo.popleft()
             elif task_type != TaskType.EVALUATION:
                 if not self._todo and self._epochs_created < self.num_epochs and \
-                        self._train_pieces:
+                        self._train_pieces and not self.hold_training and \
+                        not (self.epoch_barrier and self._epoch_open()):
                     self._create_epoch()
-                if self._todo:
-                    task = self._todo.popleft()
+                task = self._pop_todo()
             # a reassigned straggler's task may have been finished by its first holder
             if task is None or task.task_id not in self._completed:
                 return task
+
+    def _pop_todo(self) -> Optional[Task]:
+        """The first queued task that may go out now (training is held back
+        while ``hold_training``; prediction tasks still go)."""
+        if not self.hold_training:
+            return self._todo.popleft() if self._todo else None
+        for i, task in enumerate(self._todo):
+            if task.type != TaskType.TRAINING:
+                del self._todo[i]
+                return task
+        return None
+
+    def _epoch_open(self) -> bool:
+        return any(n > 0 for n in self._epoch_open_tasks.values())
+
+    def training_held(self) -> int:
+        """How many training tasks workers hold now."""
+        with self._lock:
+            return sum(1 for d in self._doing.values() if d.task.type == TaskType.TRAINING)
 
     def report(self, task_id: int, worker_id: int, success: bool, error: str = "",
                traceback: str = "", fatal: bool = False,
@@ -456,10 +449,6 @@ class TaskManager:
             return {"todo": len(self._todo), "eval_todo": len(self._eval_todo),
                     "doing": len(self._doing), "completed": len(self._completed)}
 
-    def doing_workers(self) -> set[int]:
-        with self._lock:
-            return {d.worker_id for d in self._doing.values()}
-
     def epochs_report(self) -> list[dict[str, int]]:
         with self._lock:
             return [{"epoch": e, "records_completed": led.records_completed,
@@ -482,44 +471,9 @@ class TaskManager:
                     "records_redone": self.prediction_ledger.records_redone}
 
     def state_dict(self, partial: Optional[dict[int, int]] = None) -> dict[str, Any]:
-        """The data position: every training task not yet done, for resuming.
-
-        ``partial`` maps a task id in progress to the records of it already
-        trained (a checkpoint taken mid-task); those records count as done and
-        only the rest of the task is pending after a restore.
-        """
-        partial = partial or {}
-        with self._lock:
-            ledger = {e: dict(vars(led)) for e, led in self.ledger.items()}
-            pending = []
-            held = [d.task for d in self._doing.values()]
-            for task in list(held) + list(self._todo):
-                if task.type != TaskType.TRAINING:
-                    continue
-                done = partial.get(task.task_id, 0)
-                if done:
-                    ledger[task.epoch]["records_completed"] += done
-                    ledger[task.epoch]["records_applied"] += done
-                if task.start + done < task.end:
-                    pending.append([task.shard_name, task.start + done, task.end, task.epoch])
-            return {"epochs_created": self._epochs_created, "pending": pending,
-                    "ledger": ledger, "num_epochs": self.num_epochs}
+        """The data position (see :func:`task_state.data_position`)."""
+        return data_position(self, partial)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: only the pending tasks are left of
-        the epochs already created; later epochs are created as usual."""
-        with self._lock:
-            if self._doing or self._completed:
-                raise RuntimeError("load_state_dict on a task manager already in use")
-            self._todo = deque(t for t in self._todo if t.type != TaskType.TRAINING)
-            self._epochs_created = int(state["epochs_created"])
-            # a data position saved before records_applied existed: what was done was applied
-            self.ledger = {int(e): EpochLedger(**{"records_applied": v["records_completed"],
-                                                  **v}) for e, v in state["ledger"].items()}
-            self._epoch_open_tasks = {e: 0 for e in self.ledger}
-            for name, start, end, epoch in state["pending"]:
-                self._todo.append(self._new_task(TaskType.TRAINING, name, int(start), int(end),
-                                                 int(epoch)))
-                self._epoch_open_tasks[int(epoch)] = self._epoch_open_tasks.get(int(epoch), 0) + 1
-            logger.info("resumed data position: epoch %d, %d pending task(s)",
-                        max(self._epochs_created - 1, 0), len(state["pending"]))
+        """Resume from :meth:`state_dict` (see :func:`task_state.load_data_position`)."""
+        load_data_position(self, state)

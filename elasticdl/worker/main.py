@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -23,6 +24,8 @@ from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
 
 logger = logging.getLogger("elasticdl.worker")
+
+VERSION_REPORT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -101,11 +104,14 @@ def run_worker(args: WorkerArgs) -> int:
 
             sink = PredictionSink(job_dir_for(spec), spec.prediction_output_format,
                                   model_spec.prediction_outputs_processor)
+        # the version goes with every task result; between results, for progress,
+        # at most every VERSION_REPORT_S (evaluations are the master's decision)
+        client.version = lambda: trainer.model_version
+        last_report = [time.monotonic()]
+
         def report_version(version: int) -> None:
-            # exactly at evaluation steps (so evaluations carry the right version),
-            # and every 20 versions for progress
-            due = spec.evaluation_steps and version % spec.evaluation_steps == 0
-            if due or version % 20 == 0:
+            if time.monotonic() - last_report[0] >= VERSION_REPORT_S:
+                last_report[0] = time.monotonic()
                 client.report_version(version)
 
         if hasattr(trainer, "run"):  # AllreduceTrainer drives its own elastic loop
