@@ -81,7 +81,7 @@ def _readers(spec: JobSpec) -> dict:
 def build_core(spec: JobSpec) -> JobCore:
     """The job core for this run (tasks from the job's data, schedule, report)."""
     start = 0
-    if spec.checkpoint_dir_for_init and spec.job_type in (JobType.TRAIN, JobType.EVALUATE):
+    if spec.checkpoint_dir_for_init:  # the version workers load (train, evaluate, predict)
         start = start_version_of(spec.checkpoint_dir_for_init)
     # a new task id range per run: no task matches a PS ledger of an earlier run
     return JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
