@@ -45,6 +45,9 @@ class JobReport:
         """One evaluation of the model at ``model_version`` (the version it actually
         evaluated), run for ``reasons`` (``periodic``, ``epoch_end``, ``final``,
         ``evaluate``); the ``final`` one's metrics are ``final_metrics``."""
+        if "final" in reasons:  # a PS rollback after the final one: this one is final
+            for entry in self.evaluations:
+                entry["reasons"] = [r for r in entry["reasons"] if r != "final"]
         self.evaluations.append({"model_version": model_version, "metrics": dict(metrics),
                                  "reasons": list(reasons), "epoch": epoch})
         if "final" in reasons or "evaluate" in reasons:

@@ -83,6 +83,7 @@ class JobCore:
         self._pending: Optional[dict[str, Any]] = None   # {"reasons", "epoch"}
         self._running: Optional[dict[str, Any]] = None   # {"version", "reasons", "epoch"}
         self._begun = False
+        self._epochs_ended: set[int] = set()
         self._manage = manage_evaluations
         task_manager.evaluation_done_callbacks.append(self._on_evaluation_done)
         if manage_evaluations:
@@ -254,7 +255,13 @@ class JobCore:
         if self.job_type != JobType.TRAIN:
             return
         with self._lock:
-            self._request_evaluation("epoch_end", epoch)
+            if epoch in self._epochs_ended:
+                # a PS rollback reopened a finished epoch: its end was evaluated once
+                logger.info("epoch %d ended again (PS rollback); its epoch-end evaluation "
+                            "ran already", epoch)
+            else:
+                self._epochs_ended.add(epoch)
+                self._request_evaluation("epoch_end", epoch)
             if epoch >= self.tm.num_epochs - 1 and self.tm.training_records_left() == 0:
                 self._request_evaluation("final", epoch)
 
@@ -284,7 +291,8 @@ class JobCore:
                              "minibatches_out": self._minibatches_out},
                 "evaluation": {"last_evaluated": self._last_evaluated,
                                "pending": self._pending, "running": self._running,
-                               "begun": self._begun},
+                               "begun": self._begun,
+                               "epochs_ended": sorted(self._epochs_ended)},
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -301,6 +309,7 @@ class JobCore:
             e = state["evaluation"]
             self._last_evaluated = e["last_evaluated"]
             self._pending, self._running, self._begun = e["pending"], e["running"], e["begun"]
+            self._epochs_ended = set(e["epochs_ended"])
 
 
 def start_version_of(path: str) -> int:

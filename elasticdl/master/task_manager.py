@@ -41,10 +41,12 @@ from elasticdl.master.task_state import (  # noqa: F401 - EpochLedger, make_task
     Doing,
     EpochLedger,
     EvalJob,
+    applied_short,
     data_position,
     holder,
     load_data_position,
     make_tasks,
+    requeue_unapplied,
 )
 
 logger = logging.getLogger(__name__)
@@ -310,50 +312,12 @@ class TaskManager:
                 cb(eval_done)
 
     def _short(self, task: Task, applied: int, counters: Mapping[str, int]) -> bool:
-        """Whether a task reported done still has records the PS did not apply."""
-        at = counters.get("applied_at_version")
-        if at is not None and at < self.rollback_version:
-            logger.warning("task %d: applied records read at PS version %d, before the "
-                           "rollback to %d; re-queued", task.task_id, at, self.rollback_version)
-            return True
-        expected = min(task.num_records, counters.get("records_read", task.num_records))
-        expected -= counters.get("records_skipped", 0)  # --skip_nonfinite_steps
-        if applied < expected:
-            logger.warning("task %d reported done but the PS applied %d of its %d records; "
-                           "re-queued (it resumes after the applied minibatches)",
-                           task.task_id, applied, expected)
-            return True
-        return False
+        return applied_short(self, task, applied, counters)
 
     def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
-        """The PS rolled back to a checkpoint whose ledgers hold ``applied``
-        (task -> records applied on every PS): done training tasks not fully in
-        it are re-queued (their records leave the epoch's counts). Returns them."""
-        with self._lock:
-            self.rollback_version = new_version
-            lost = []
-            for task_id in sorted(self._completed):
-                counted = self._applied_by_task.get(task_id)
-                if counted is None or applied.get(task_id, 0) >= counted:
-                    continue
-                task = self._find_done(task_id)
-                led = self.ledger[task.epoch]
-                led.records_completed -= task.num_records
-                led.records_applied -= counted
-                led.tasks_completed -= 1
-                if self._epoch_open_tasks.get(task.epoch, 0) == 0:
-                    logger.warning("epoch %d was complete; reopened by the rollback", task.epoch)
-                self._epoch_open_tasks[task.epoch] = self._epoch_open_tasks.get(task.epoch, 0) + 1
-                self._completed.discard(task_id)
-                del self._applied_by_task[task_id]
-                self._requeue(task, redone=counted - applied.get(task_id, 0))
-                lost.append(task_id)
-            logger.warning("PS rollback (versions continue at %d): %d done task(s) re-queued: %s",
-                           new_version, len(lost), lost)
-            return lost
-
-    def _find_done(self, task_id: int) -> Task:
-        return self._done_tasks[task_id]
+        """The PS rolled back to a checkpoint whose ledgers hold ``applied`` (task ->
+        records applied on every PS); see :func:`task_state.requeue_unapplied`."""
+        return requeue_unapplied(self, applied, new_version)
 
     def _count_done(self, task: Task) -> tuple[Optional[int], Optional[int]]:
         if task.type == TaskType.TRAINING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -186,3 +186,50 @@ def load_data_position(tm: TaskManager, state: dict[str, Any]) -> None:
             tm._epoch_open_tasks[int(epoch)] = tm._epoch_open_tasks.get(int(epoch), 0) + 1
         logger.info("resumed data position: epoch %d, %d pending task(s)",
                     max(tm._epochs_created - 1, 0), len(state["pending"]))
+
+
+def applied_short(tm: TaskManager, task: Task, applied: int,
+                  counters: Mapping[str, int]) -> bool:
+    """Whether a task reported done still has records the PS did not apply."""
+    at = counters.get("applied_at_version")
+    if at is not None and at < tm.rollback_version:
+        logger.warning("task %d: applied records read at PS version %d, before the "
+                       "rollback to %d; re-queued", task.task_id, at, tm.rollback_version)
+        return True
+    expected = min(task.num_records, counters.get("records_read", task.num_records))
+    expected -= counters.get("records_skipped", 0)  # --skip_nonfinite_steps
+    if applied < expected:
+        logger.warning("task %d reported done but the PS applied %d of its %d records; "
+                       "re-queued (it resumes after the applied minibatches)",
+                       task.task_id, applied, expected)
+        return True
+    return False
+
+
+def requeue_unapplied(tm: TaskManager, applied: dict[int, int], new_version: int
+                      ) -> list[int]:
+    """The PS rolled back to a checkpoint whose ledgers hold ``applied``
+    (task -> records applied on every PS): done training tasks not fully in
+    it are re-queued (their records leave the epoch's counts). Returns them."""
+    with tm._lock:
+        tm.rollback_version = new_version
+        lost = []
+        for task_id in sorted(tm._completed):
+            counted = tm._applied_by_task.get(task_id)
+            if counted is None or applied.get(task_id, 0) >= counted:
+                continue
+            task = tm._done_tasks[task_id]
+            led = tm.ledger[task.epoch]
+            led.records_completed -= task.num_records
+            led.records_applied -= counted
+            led.tasks_completed -= 1
+            if tm._epoch_open_tasks.get(task.epoch, 0) == 0:
+                logger.warning("epoch %d was complete; reopened by the rollback", task.epoch)
+            tm._epoch_open_tasks[task.epoch] = tm._epoch_open_tasks.get(task.epoch, 0) + 1
+            tm._completed.discard(task_id)
+            del tm._applied_by_task[task_id]
+            tm._requeue(task, redone=counted - applied.get(task_id, 0))
+            lost.append(task_id)
+        logger.warning("PS rollback (versions continue at %d): %d done task(s) re-queued: %s",
+                       new_version, len(lost), lost)
+        return lost
