@@ -241,12 +241,13 @@ class TaskManager:
                 return task
 
     def _pop_todo(self) -> Optional[Task]:
-        """The first queued task that may go out now (training is held back
-        while ``hold_training``; prediction tasks still go)."""
+        """The first queued task that may go out now: while ``hold_training`` only
+        prediction tasks and a timed-out straggler's training task (the barrier
+        waits for that work, not for the hung holder)."""
         if not self.hold_training:
             return self._todo.popleft() if self._todo else None
         for i, task in enumerate(self._todo):
-            if task.type != TaskType.TRAINING:
+            if task.type != TaskType.TRAINING or task.task_id in self._doing:
                 del self._todo[i]
                 return task
         return None
@@ -255,9 +256,11 @@ class TaskManager:
         return any(n > 0 for n in self._epoch_open_tasks.values())
 
     def training_held(self) -> int:
-        """How many training tasks workers hold now."""
+        """How many training tasks workers hold now (a reassigned straggler's copy
+        counts while someone else holds it again)."""
         with self._lock:
-            return sum(1 for d in self._doing.values() if d.task.type == TaskType.TRAINING)
+            return sum(1 for d in self._doing.values()
+                       if d.task.type == TaskType.TRAINING and d.worker_id >= 0)
 
     def report(self, task_id: int, worker_id: int, success: bool, error: str = "",
                traceback: str = "", fatal: bool = False,

@@ -232,3 +232,20 @@ def test_evaluate_job_evaluates_its_start_version_once():
     assert core.report.evaluations == [{"model_version": 77, "metrics": {"acc": 1.0},
                                         "reasons": ["evaluate"], "epoch": None}]
     assert core.report.final_metrics == {"acc": 1.0}
+
+
+def test_a_hung_worker_does_not_block_a_due_evaluation():
+    now = [0.0]
+    tm = TaskManager([("t", 0, 40)], [("v", 0, 20)], records_per_task=20,
+                     task_timeout_s=30, clock=lambda: now[0])
+    core = JobCore(tm, JobReport("j", "Local", "local", 2, 0), Schedule(evaluation_steps=2),
+                   minibatch_size=10)
+    hung, other = core.get(0), core.get(1)
+    core.report_task(other.task_id, 1, True, model_version=2)  # an evaluation is due
+    assert core.get(1).type == TaskType.WAIT  # worker 0 still holds training
+    now[0] = 31.0  # worker 0 holds its task past the timeout
+    again = core.get(1)
+    assert again.task_id == hung.task_id  # its work goes to another worker...
+    core.report_task(again.task_id, 1, True, model_version=4)
+    ev = core.get(1)  # ...and the evaluation starts without waiting for worker 0
+    assert (ev.type, ev.model_version) == (TaskType.EVALUATION, 4)
