@@ -120,11 +120,11 @@ def test_evaluation_triggered_by_versions(tmp_path):
     assert core.get(0).type == TaskType.WAIT
     core.report_task(first.task_id, 0, True, model_version=15)
     assert core.get(0).type == TaskType.WAIT
-    core.report_task(first.task_id + 1, 0, True, model_version=20)
+    core.report_task(first.task_id + 1, 0, True, model_version=18)
     # encoded the bug before: labelled 20 (the multiple) while the model was at 23;
     # now labelled with the version the model has when its evaluation starts
     task = core.get(0)
-    assert task.type == TaskType.EVALUATION and task.model_version == 20
+    assert task.type == TaskType.EVALUATION and task.model_version == 18
 
 
 @pytest.fixture
