@@ -1,4 +1,5 @@
-"""Evaluations describe the model they evaluated, per strategy, through the CLI:
+"""Evaluations describe the model they evaluated, per strategy (PS sync and
+async), through the CLI:
 one epoch-end evaluation per epoch, the final one at the report's
 ``model_version``, each version evaluated once, and ``final_metrics`` equal to
 what ``elasticdl evaluate --checkpoint_dir_for_init=<the job's output>``
@@ -20,6 +21,8 @@ STRATEGIES = {
     "local": {"distribution_strategy": "Local"},
     "ps": {"distribution_strategy": "ParameterServerStrategy", "num_workers": 2,
            "num_ps_pods": 1, "grads_to_wait": 2},
+    "ps-async": {"distribution_strategy": "ParameterServerStrategy", "num_workers": 2,
+                 "num_ps_pods": 2, "use_async": "true"},
     "allreduce": {"distribution_strategy": "AllreduceStrategy", "num_workers": 2},
 }
 
