@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterator
 from typing import IO, Any, Optional
 
+from elasticdl.cluster import k8s_access as access
 from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.api import ClusterError, ReplicaType
 from elasticdl.common.job_spec import JobSpec
@@ -242,6 +243,6 @@ def stop(job_name: str, namespace: str = "default", kubeconfig: Optional[str] = 
 
 def rbac(namespace: str = "default", out: IO[str] = sys.stdout) -> int:
     """Print the ServiceAccount, Role and RoleBinding the master pod needs."""
-    out.write(mf.rbac_yaml(namespace))
+    out.write(access.rbac_yaml(namespace))
     return OK
 

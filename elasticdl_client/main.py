@@ -20,9 +20,10 @@ from typing import Any
 
 import fire
 
-from elasticdl.common.enums import ClusterKind, JobType, Strategy
+from elasticdl.common.enums import ClusterKind, JobType
 from elasticdl.common.job_spec import JobSpec, JobSpecError, cli_fields, job_spec_from_flags
 from elasticdl.common.log_utils import configure_logging
+from elasticdl.common.strategy import entry_for
 
 logger = logging.getLogger("elasticdl")
 
@@ -47,7 +48,13 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
         return
     configure_logging(spec.log_level)
     from elasticdl.api.model_spec import ModelSpecError
+    from elasticdl.common.advice import config_warnings, effective_batch_note
     from elasticdl.data.api import DataError
+
+    for warning in config_warnings(spec):
+        logger.warning("%s", warning)
+    if effective_batch_note(spec):
+        logger.info("%s", effective_batch_note(spec))
 
     try:
         report = _dispatch(spec)
@@ -68,14 +75,16 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
 
 def runs_in_process(spec: JobSpec) -> bool:
     """Local strategy: training in this process; evaluate/predict with one worker too."""
-    if spec.cluster != ClusterKind.LOCAL or spec.distribution_strategy != Strategy.LOCAL:
+    if spec.cluster != ClusterKind.LOCAL or \
+            not entry_for(spec.distribution_strategy).in_process_training:
         return False
     return spec.job_type == JobType.TRAIN or spec.num_workers == 1
 
 
 def _dispatch(spec: JobSpec) -> dict[str, Any] | None:
     if spec.cluster == ClusterKind.K8S:
-        if spec.distribution_strategy == Strategy.LOCAL and spec.job_type == JobType.TRAIN:
+        if entry_for(spec.distribution_strategy).in_process_training and \
+                spec.job_type == JobType.TRAIN:
             raise UsageError("--distribution_strategy=Local trains in this process; pick "
                              "ParameterServerStrategy or AllreduceStrategy for Kubernetes")
         from elasticdl_client import k8s

@@ -9,9 +9,9 @@ it. They are imported lazily (PEP 562), so importing ``elasticdl.api.model_spec`
 from typing import Any
 
 _COLLECTIVE = "elasticdl.elastic.collective"
-_RUNNER = "elasticdl.elastic.runner"
+_STATE = "elasticdl.elastic.state"
 _LAZY = {"all_gather": _COLLECTIVE, "all_reduce": _COLLECTIVE, "CollectiveError": _COLLECTIVE,
-         "ElasticState": _RUNNER, "StepAborted": _RUNNER,
+         "ElasticState": _STATE, "StepAborted": _STATE,
          "TrainLoopContext": "elasticdl.elastic.dataset"}
 
 __all__ = sorted(_LAZY)

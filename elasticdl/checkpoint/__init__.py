@@ -2,5 +2,7 @@
 
 :mod:`elasticdl.checkpoint.api` is the surface every other package uses;
 ``paths`` is the torch-free layout (the master uses it), ``single`` the
-single-writer files (Local, allreduce), ``ps_shards`` the per-PS files.
+single-writer files (Local, allreduce), ``ps_shards`` the per-PS files, and
+``data_position`` (torch-free) what records a checkpoint's model was trained
+on and the task-manager state a job resumes from.
 """

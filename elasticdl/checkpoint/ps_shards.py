@@ -3,6 +3,7 @@
 Layout (shared with :mod:`elasticdl.checkpoint.single`)::
 
     checkpoint_dir/version-N/ps-<i>-of-<n>.pt   one per PS
+    checkpoint_dir/version-N/trained-ps-<i>-of-<n>.json   its data position
     checkpoint_dir/version-N/DONE               once all n shards are there
 
 Each PS writes its own file; after writing, a PS that sees all ``n`` files
@@ -24,6 +25,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from elasticdl.checkpoint import data_position
 from elasticdl.checkpoint import single as ckpt
 from elasticdl.ps.parameters import TableSpec, dense_owner
 from elasticdl.ps.shard import PSShard
@@ -51,7 +53,14 @@ def save_shard(shard: PSShard, checkpoint_dir: str, version: Optional[int] = Non
     n = shard.config.num_ps
     vdir = ckpt.version_dir(checkpoint_dir, version)
     path = shard_path(vdir, shard.config.ps_id, n)
+    mb = shard.config.minibatch_size
+    if mb > 0:  # the data position: which records these parameters were trained on
+        data_position.write_trained(
+            vdir, f"ps-{shard.config.ps_id}-of-{n}",
+            ((task, (k - 1) * mb, records) for task, k, records, _ in
+             state["ledger"]["log"].tolist()))
     ckpt.save_file(state, path)
+    shard.last_checkpoint_version = max(shard.last_checkpoint_version, version)
     if all(os.path.exists(shard_path(vdir, i, n)) for i in range(n)):
         ckpt.mark_done(checkpoint_dir, version, keep_max)
         logger.info("checkpoint version %d complete (%d shards) in %s", version, n, vdir)

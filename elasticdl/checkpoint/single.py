@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from elasticdl.checkpoint import data_position
 from elasticdl.checkpoint.paths import (  # noqa: F401 - re-exported
     DONE,
     CheckpointError,
@@ -48,8 +49,14 @@ def mark_done(checkpoint_dir: str, version: int, keep_max: int = 0) -> None:
 
 def save_single(checkpoint_dir: str, version: int, state: dict[str, Any],
                 keep_max: int = 0) -> str:
-    """Write a single-writer checkpoint (Local and allreduce strategies)."""
+    """Write a single-writer checkpoint (Local and allreduce strategies).
+
+    A ``data_position`` in ``state`` (Local) is also written torch-free
+    (``data_position.json``), so the checkpoint resumes in every mode.
+    """
     path = os.path.join(version_dir(checkpoint_dir, version), "model.pt")
+    if isinstance(state.get("data_position"), dict):
+        data_position.write_position(os.path.dirname(path), state["data_position"])
     save_file(state, path)
     mark_done(checkpoint_dir, version, keep_max)
     logger.info("checkpoint of model version %d saved to %s", version, path)
@@ -63,5 +70,9 @@ def load_single(path: str, map_location: Optional[str] = "cpu") -> dict[str, Any
     if not os.path.exists(file):
         raise CheckpointError(f"{vdir} holds no model.pt (a parameter-server checkpoint?)")
     state = torch.load(file, map_location=map_location, weights_only=True)
+    if "data_position" not in state and data_position.read_trained(vdir) is not None and \
+            os.path.exists(os.path.join(os.path.dirname(vdir), data_position.TABLE)):
+        # written by an allreduce group: its position resumes a Local job as well
+        state["data_position"] = data_position.read_position(vdir)
     logger.info("loaded checkpoint %s (model version %s)", file, state.get("model_version"))
     return state

@@ -3,9 +3,8 @@
 The master pod builds one with :meth:`KubernetesCluster.from_job_spec`. It
 creates PS and worker pods (and one ClusterIP Service per PS, whose DNS name
 is the PS address) owned by the master pod, so deleting the master deletes the
-job. A watch thread lists the job's pods, then watches them from the list's
-``resourceVersion``; after a dropped connection it resumes from the last
-version seen, and after ``410 Gone`` it lists again and reconciles. Pod
+job. A :class:`~elasticdl.cluster.k8s_watch.PodWatcher` lists the job's pods, then
+watches them (resuming after drops, listing again after ``410 Gone``); pod
 statuses become :class:`ReplicaEvent` s per :mod:`elasticdl.cluster.pod_status`.
 
 Environment read by :meth:`from_job_spec` (set by Kubernetes or the stand-in
@@ -25,8 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kubernetes import client, watch
+from kubernetes import client
 
+from elasticdl.cluster import k8s_access as access
 from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.api import (
     Cluster,
@@ -41,12 +41,11 @@ from elasticdl.cluster.k8s_api import (
     api_error,
     delete_object,
     is_status,
-    list_pods,
     load_api_client,
-    short_error,
     to_model,
     uid_of,
 )
+from elasticdl.cluster.k8s_watch import PodWatcher
 from elasticdl.cluster.pod_status import Pod, PodState, pod_state, replica_of
 from elasticdl.common import auth
 from elasticdl.common.job_spec import JobSpec
@@ -100,13 +99,10 @@ class KubernetesCluster(Cluster):
         self._created: dict[str, str] = {}  # pod name -> uid of the incarnation we made
         self._services: set[str] = set()
         self._events: queue.Queue[ReplicaEvent] = queue.Queue()
-        self._stop = threading.Event()
-        self._watch: Optional[watch.Watch] = None
-        self._rv = ""
-        rv = self._relist()
-        self._thread = threading.Thread(target=self._watch_loop, args=(rv,),
-                                        name="k8s-pod-watch", daemon=True)
-        self._thread.start()
+        self._closed = threading.Event()
+        self._watcher = PodWatcher(self._core, self.namespace, self._selector,
+                                   self._watch_timeout_s, self._on_pod, self._reconcile)
+        self._watcher.start(self._watcher.relist())
 
     @classmethod
     def from_job_spec(cls, job_spec: JobSpec, job_dir: Optional[str] = None,
@@ -155,7 +151,7 @@ class KubernetesCluster(Cluster):
         return f"{self._pod_ip}:{mf.replica_port(self._port_base, ReplicaType.MASTER, 0)}"
 
     def create_replica(self, spec: ReplicaSpec) -> None:
-        if self._stop.is_set():
+        if self._closed.is_set():
             raise ClusterError("cluster is closed")
         if spec.type == ReplicaType.MASTER:
             raise ClusterError("the master pod is created by the client, not the cluster")
@@ -168,7 +164,7 @@ class KubernetesCluster(Cluster):
         except ValueError as e:
             raise ClusterError(f"cannot build the pod of {spec.name}: {e}") from None
         if self._job_secrets is not None:
-            mf.with_secret_env(manifest, self.job_spec.job_name, self._ensure_secret())
+            access.with_secret_env(manifest, self.job_spec.job_name, self._ensure_secret())
         if spec.type == ReplicaType.PS and spec.port:
             self._ensure_service(spec.index, spec.port)
         name = manifest["metadata"]["name"]
@@ -203,15 +199,10 @@ class KubernetesCluster(Cluster):
         Deletion failures are logged, not raised: owner references still clean
         up when the master pod goes.
         """
-        if self._stop.is_set():
+        if self._closed.is_set():
             return
-        self._stop.set()
-        deadline = time.monotonic() + self._watch_timeout_s + 15
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            current = self._watch  # stop() only cuts a stream that has begun: repeat
-            if current is not None:
-                current.stop()
-            self._thread.join(timeout=0.05)
+        self._closed.set()
+        self._watcher.stop(self._watch_timeout_s + 15)
         with self._lock:
             live = {name for name, uid in self._created.items()
                     if self._owner is None or not self._is_terminal(uid)}
@@ -229,7 +220,7 @@ class KubernetesCluster(Cluster):
                     logger.error("%s", api_error(e, f"delete service {svc}"))
         if self._owner is None and self._secret_keys is not None:
             try:  # owned by the master pod otherwise: it goes with the pod
-                self._delete_secret(mf.job_secret_name(self.job_spec.job_name))
+                self._delete_secret(access.job_secret_name(self.job_spec.job_name))
             except ClusterError as e:
                 failed.append(str(e))
         if failed:
@@ -246,8 +237,8 @@ class KubernetesCluster(Cluster):
                 return self._secret_keys
             assert self._job_secrets is not None
             data = self._job_secrets.data()
-            body = to_model(client.V1Secret, mf.job_secret(self.job_spec, data, self._owner))
-            name = mf.job_secret_name(self.job_spec.job_name)
+            body = to_model(client.V1Secret, access.job_secret(self.job_spec, data, self._owner))
+            name = access.job_secret_name(self.job_spec.job_name)
             for attempt in (1, 2):
                 try:
                     self._core.create_namespaced_secret(self.namespace, body,
@@ -369,72 +360,13 @@ class KubernetesCluster(Cluster):
         tracked = self._pods.get(uid)
         return bool(tracked and tracked.state and tracked.state.terminal)
 
-    def _relist(self) -> str:
-        """List the job's pods, reconcile, return the list's resourceVersion."""
-        try:
-            pods, rv = list_pods(self._core, self.namespace, self._selector)
-        except API_ERRORS as e:
-            raise api_error(e, f"list pods in namespace {self.namespace}") from None
-        seen = set()
-        for pod in pods:
-            seen.add(pod["metadata"]["uid"])
-            self._on_pod(pod, deleted=False)
+    def _reconcile(self, seen: set[str]) -> None:
+        """After a list: pods we track that the list no longer has were deleted
+        while we were not watching."""
         with self._lock:
             gone = [t for uid, t in self._pods.items() if uid not in seen and t.pod]
-        for tracked in gone:  # deleted while we were not watching
+        for tracked in gone:
             self._on_pod(tracked.pod, deleted=True)
-        return rv
-
-    def _watch_loop(self, rv: str) -> None:
-        """List once, then watch from the last resourceVersion seen, until closed."""
-        self._rv = rv
-        backoff = 0.1
-        while not self._stop.is_set():
-            try:
-                if not self._rv:
-                    self._rv = self._relist()
-                self._watch_once()
-                backoff = 0.1
-            except API_ERRORS as e:
-                if self._stop.is_set():
-                    break
-                if is_status(e, 410):
-                    logger.info("watch expired at resourceVersion %s; listing again", self._rv)
-                    self._rv = ""
-                    continue
-                logger.warning("pod watch interrupted (%s); resuming from resourceVersion %s "
-                               "in %.1f s", short_error(e), self._rv or "(list)", backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-            except ClusterError as e:
-                logger.error("%s; retrying in %.1f s", e, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-            except Exception:  # noqa: BLE001 - a dead watch would hang the master silently
-                logger.exception("pod watch failed unexpectedly; listing again in %.1f s",
-                                 backoff)
-                self._rv = ""
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-
-    def _watch_once(self) -> None:
-        """One watch request; ``self._rv`` follows every event (resume point)."""
-        w = watch.Watch(return_type="object")  # events as the API sent them (dicts)
-        self._watch = w
-        if self._stop.is_set():
-            return
-        for event in w.stream(self._core.list_namespaced_pod, self.namespace,
-                              label_selector=self._selector, resource_version=self._rv,
-                              allow_watch_bookmarks=True,
-                              timeout_seconds=self._watch_timeout_s,
-                              _request_timeout=(REQUEST_TIMEOUT[0], self._watch_timeout_s + 10)):
-            pod = event["raw_object"]
-            self._rv = str(((pod or {}).get("metadata") or {}).get("resourceVersion")
-                           or self._rv)
-            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                self._on_pod(pod, deleted=event["type"] == "DELETED")
-            if self._stop.is_set():
-                w.stop()
 
     def _on_pod(self, pod: Pod, deleted: bool) -> None:
         replica = replica_of(pod)

@@ -25,11 +25,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from elasticdl.cluster.api import ReplicaSpec, ReplicaType
-from elasticdl.common import auth
 from elasticdl.common import resources as res
 from elasticdl.common.job_spec import JobSpec
 
@@ -347,67 +346,3 @@ def to_yaml(manifests: list[Manifest]) -> str:
     import yaml
 
     return "---\n".join(yaml.safe_dump(m, sort_keys=False, width=100) for m in manifests)
-
-
-# ----------------------------------------------------------------- RBAC
-RBAC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rbac.yaml")
-
-
-def rbac_manifests(namespace: str = "default") -> list[Manifest]:
-    """ServiceAccount, Role and RoleBinding of ``rbac.yaml`` for ``namespace``."""
-    import yaml
-
-    with open(RBAC_FILE, encoding="utf-8") as f:
-        docs = [d for d in yaml.safe_load_all(f) if d]
-    for doc in docs:
-        doc["metadata"]["namespace"] = namespace
-        for subject in doc.get("subjects", []):
-            subject["namespace"] = namespace
-    return docs
-
-
-def rbac_yaml(namespace: str = "default") -> str:
-    """``rbac.yaml`` with ``namespace`` filled in, ready for ``kubectl apply -f -``."""
-    return to_yaml(rbac_manifests(namespace))
-
-
-# ----------------------------------------------------------------- job secret
-# The job token (and TLS certificate/key) live in one Secret owned by the master
-# pod; PS and worker pods read them by env (secretKeyRef), so the values never
-# appear in a pod spec. See docs/security.md.
-SECRET_ENV_KEYS = ((auth.TOKEN_ENV, auth.TOKEN_KEY), (auth.TLS_CERT_ENV, auth.CERT_KEY),
-                   (auth.TLS_KEY_ENV, auth.KEY_KEY))
-
-
-def job_secret_name(job_name: str) -> str:
-    return f"elasticdl-{job_name}-token"
-
-
-def job_secret(job_spec: JobSpec, data: Mapping[str, str],
-               owner: Optional[Manifest] = None) -> Manifest:
-    """The job's Secret; ``data`` maps keys (``token``, ``tls.crt``, ``tls.key``) to
-    base64 values."""
-    metadata: Manifest = {"name": job_secret_name(job_spec.job_name),
-                          "namespace": job_spec.namespace,
-                          "labels": {"app": APP, LABEL_JOB: job_spec.job_name}}
-    if owner:
-        metadata["ownerReferences"] = [dict(owner)]
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata,
-            "data": dict(data)}
-
-
-def secret_env(job_name: str, keys: Sequence[str]) -> list[Manifest]:
-    """Env entries reading the Secret's ``keys`` (of SECRET_ENV_KEYS)."""
-    return [{"name": env, "valueFrom": {"secretKeyRef": {"name": job_secret_name(job_name),
-                                                         "key": key}}}
-            for env, key in SECRET_ENV_KEYS if key in keys]
-
-
-def with_secret_env(pod: Manifest, job_name: str, keys: Sequence[str]) -> Manifest:
-    """``pod`` with the secret env added to its container (plain values of the same
-    names, e.g. from ``--envs``, are dropped: the Secret wins)."""
-    refs = secret_env(job_name, keys)
-    names = {r["name"] for r in refs}
-    container = pod["spec"]["containers"][0]
-    container["env"] = [e for e in container.get("env", []) if e["name"] not in names] + refs
-    return pod

@@ -28,11 +28,6 @@ def _k8s(job_spec: Any, job_dir: str) -> Cluster:
 _BACKENDS: dict[str, Callable[[Any, str], Cluster]] = {"local": _local, "k8s": _k8s}
 
 
-def register_cluster(name: str, factory: Callable[[Any, str], Cluster]) -> None:
-    """Add a backend (tests register fakes this way)."""
-    _BACKENDS[name] = factory
-
-
 def create_cluster(name: str, job_spec: Any, job_dir: str) -> Cluster:
     """Build the backend ``name``. Raises ValueError for an unknown name."""
     try:

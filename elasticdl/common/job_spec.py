@@ -17,6 +17,7 @@ from typing import Any
 
 from elasticdl.common import resources as res
 from elasticdl.common.enums import ClusterKind, JobType, Strategy
+from elasticdl.common.strategy import entry_for
 from elasticdl.data.registry import parse_reader_params
 
 STRATEGIES = tuple(s.value for s in Strategy)
@@ -211,12 +212,13 @@ class JobSpec:
                                f"is required to {self.job_type} (the model to use)")
         if self.job_type == JobType.PREDICT and not self.output:
             raise JobSpecError("output", "is required to predict (where outputs go)")
-        if self.job_type == JobType.TRAIN and self.distribution_strategy == Strategy.LOCAL and \
+        strategy = entry_for(self.distribution_strategy)
+        if self.job_type == JobType.TRAIN and strategy.in_process_training and \
                 self.num_workers > 1:
             raise JobSpecError("num_workers", "Local strategy trains in one process; use "
                                "ParameterServerStrategy or AllreduceStrategy for "
                                f"{self.num_workers} workers")
-        if self.use_async and self.distribution_strategy != Strategy.PS:
+        if self.use_async and not strategy.supports_async:
             raise JobSpecError("use_async", "only applies to ParameterServerStrategy")
 
     # ------------------------------------------------------------- helpers

@@ -65,9 +65,6 @@ class Progress:
             self._last_log = now
             self._log()
 
-    def set_fields(self, **fields: Any) -> None:
-        self._fields.update(fields)
-
     def _format_fields(self) -> dict[str, str]:
         return {k: (f"{v:.4f}" if isinstance(v, float) else str(v))
                 for k, v in self._fields.items()}

@@ -7,7 +7,6 @@ caller prefixes it with the flag name.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 _GPU_VENDORS = {"gpu": "nvidia.com/gpu"}
@@ -56,11 +55,6 @@ def parse_resources(text: str) -> dict[str, str]:
         name = _GPU_VENDORS.get(key, key).replace("ephemeral_storage", "ephemeral-storage")
         resources[name] = value
     return resources
-
-
-def gpu_count(resources: Mapping[str, str]) -> int:
-    """Number of GPUs a parsed resource dict asks for."""
-    return sum(int(v) for k, v in resources.items() if k.endswith("/gpu"))
 
 
 def parse_envs(text: str) -> dict[str, str]:

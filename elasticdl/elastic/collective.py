@@ -264,17 +264,6 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: ProcessGroup = None
     return _AllReduce.apply(tensor, group, op == "mean")
 
 
-def allreduce_mean(value: float, group: ProcessGroup = None,
-                   device: Optional[torch.device] = None) -> float:
-    """Average a Python number over the ranks (metrics, losses for logging)."""
-    if not dist.is_initialized():
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    with guard("all_reduce"):
-        dist.all_reduce(t, group=group)
-    return float(t.item()) / dist.get_world_size(group)
-
-
 # ----------------------------------------------------------------- state broadcast
 @dataclass(frozen=True)
 class _TensorSlot:

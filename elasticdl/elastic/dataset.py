@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ import torch
 from elasticdl.common.task import Task, TaskType
 from elasticdl.elastic import collective
 from elasticdl.elastic.runner import ElasticRunner, ElasticState, RoundStatus
+from elasticdl.worker.poller import TaskPoller, minibatch_count, minibatch_slice
 from elasticdl.worker.task_source import TaskSource
 
 logger = logging.getLogger(__name__)
@@ -134,20 +134,27 @@ class ElasticDataset:
         return tag
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        idle_since: Optional[float] = None
+        poller = TaskPoller(self.source, self.wait_s, self.max_wait_s)
+        group_done = False
+
+        def idle_round() -> bool:  # while the master says WAIT: join the group's rounds
+            nonlocal group_done
+            status = self.runner.flush().status
+            group_done = status == RoundStatus.DONE
+            return status == RoundStatus.IDLE  # pause only when nothing happened
+
         while True:
             self._skip_unstepped()
             tag = self._next_tag()
             if tag is not None:
-                idle_since = None
                 features, labels = self._make(tag)
                 self._current = tag
                 yield features, labels
                 continue
-            task = self.source.get_task()
+            task = poller.poll(while_waiting=idle_round)
             if task.type == TaskType.TRAINING:
                 records = self.read(task)
-                n = -(-len(records) // self.minibatch_size)
+                n = minibatch_count(len(records), self.minibatch_size)
                 self._queue.append(_TaskState(task, records, n))
                 if n == 0:
                     self._report(self._queue.pop())
@@ -158,16 +165,9 @@ class ElasticDataset:
                 self.run_other_task(task)
                 continue
             if task.type == TaskType.WAIT:
-                result = self.runner.flush()
-                if result.status == RoundStatus.DONE:
+                if group_done:
                     self._stopped()
                     return
-                if result.status == RoundStatus.IDLE:
-                    now = time.monotonic()
-                    idle_since = now if idle_since is None else idle_since
-                    if now - idle_since >= self.max_wait_s:
-                        raise TimeoutError(f"no training data for {now - idle_since:.0f} s")
-                    time.sleep(self.wait_s)
                 continue
             # NONE: the master has nothing left for anyone
             if self.runner.pending:
@@ -186,16 +186,14 @@ class ElasticDataset:
             if state.cursor < state.num_batches:
                 i = state.cursor
                 state.cursor += 1
-                start = i * self.minibatch_size
-                n = min(self.minibatch_size, len(state.records) - start)
+                s = minibatch_slice(i, len(state.records), self.minibatch_size)
                 self.task = state.task
-                return BatchTag(state, i, n)
+                return BatchTag(state, i, s.stop - s.start)
         return None
 
     def _make(self, tag: BatchTag) -> tuple[Any, Any]:
-        start = tag.index * self.minibatch_size
-        chunk = tag.state.records[start:start + tag.records]
-        return self.feed(chunk, tag.state.task, start)
+        s = minibatch_slice(tag.index, len(tag.state.records), self.minibatch_size)
+        return self.feed(tag.state.records[s], tag.state.task, s.start)
 
     def _skip_unstepped(self) -> None:
         tag = self.take_current()

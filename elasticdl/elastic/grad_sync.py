@@ -140,10 +140,6 @@ class GradientAllreducer:
         close()
         return buckets
 
-    @property
-    def num_buckets(self) -> int:
-        return len(self._buckets)
-
     # ------------------------------------------------------------- control
     def begin(self, meta: list[float], group: Optional[dist.ProcessGroup] = None) -> None:
         """Start a step: launch the all-reduce of ``meta`` (``meta[0]``: this
@@ -228,11 +224,6 @@ class GradientAllreducer:
             bucket.ready.clear()
             bucket.prior = None
         return pending
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     # --------------------------------------------------------------- hooks
     def _hook(self, index: int) -> Any:

@@ -38,6 +38,7 @@ class CommPlanLike(Protocol):
     master_addr: str
     master_port: int
     ready: bool
+    aborting: bool
 
 
 class CommClient(Protocol):
@@ -255,7 +256,7 @@ class ElasticGroup:
             plan = self.comm.get_comm_plan(self._last_version)
         except ConnectionError:
             return False  # the master is briefly unreachable: keep waiting
-        if getattr(plan, "aborting", False):
+        if plan.aborting:
             return True
         return bool(plan.ready) and int(plan.plan_version) != self._last_version
 

@@ -326,11 +326,13 @@ def start_version_of(path: str) -> int:
 def report_for(spec: Any, tm: Optional[TaskManager] = None, **fields: Any) -> JobReport:
     """The job report of ``spec`` (every mode builds it here); ``tm`` gives the
     dataset sizes, ``fields`` e.g. a failure at start-up."""
+    from elasticdl.common.strategy import entry_for
+
     local = spec.distribution_strategy == Strategy.LOCAL
-    ps = spec.distribution_strategy == Strategy.PS and spec.job_type == JobType.TRAIN
     sizes: dict[str, Any] = {} if tm is None else {"training_records": tm.training_records,
                                    "validation_records": tm.evaluation_records,
                                    "prediction_records": tm.prediction_records}
     return JobReport(spec.job_name, spec.distribution_strategy,
                      "local" if local else spec.cluster, 1 if local else spec.num_workers,
-                     spec.num_ps_pods if ps else 0, job_type=spec.job_type, **sizes, **fields)
+                     entry_for(spec.distribution_strategy).num_ps(spec), job_type=spec.job_type,
+                     **sizes, **fields)

@@ -25,12 +25,14 @@ from elasticdl.cluster.api import (
     ReplicaSpec,
     ReplicaType,
 )
-from elasticdl.common.enums import JobType, Strategy
+from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
+from elasticdl.common.strategy import entry_for
 from elasticdl.master import ps_rollback
 from elasticdl.master.job import JobCore
 from elasticdl.master.policy import Action, RelaunchPolicy
+from elasticdl.master.rendezvous import RendezvousHandler
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,8 @@ class JobController:
 
     def __init__(self, spec: JobSpec, cluster: Cluster, core: JobCore,
                  master_addr: str, report_dir: str,
-                 rendezvous: Optional[Any] = None, policy: Optional[RelaunchPolicy] = None,
+                 rendezvous: Optional[RendezvousHandler] = None,
+                 policy: Optional[RelaunchPolicy] = None,
                  finish_timeout_s: float = 120.0, report_interval_s: float = 5.0):
         self.spec = spec
         self.cluster = cluster
@@ -123,14 +126,13 @@ class JobController:
 
     def start(self) -> None:
         """Launch the PS (ParameterServerStrategy) and the workers."""
-        if self.spec.distribution_strategy == Strategy.PS and \
-                self.spec.job_type == JobType.TRAIN:
-            for i in range(self.spec.num_ps_pods):
-                port, addr = self.cluster.endpoint(ReplicaType.PS, i)
-                self._ps_ports.append(port)
-                self.ps_addrs.append(addr)
-            for i in range(self.spec.num_ps_pods):
-                self._launch_ps(i)
+        num_ps = entry_for(self.spec.distribution_strategy).ps_to_launch(self.spec)
+        for i in range(num_ps):
+            port, addr = self.cluster.endpoint(ReplicaType.PS, i)
+            self._ps_ports.append(port)
+            self.ps_addrs.append(addr)
+        for i in range(num_ps):
+            self._launch_ps(i)
         for _ in range(self.spec.num_workers):
             self._launch_worker()
 
@@ -172,7 +174,7 @@ class JobController:
         """Allreduce: members the rendezvous left out of a plan for not checking in
         (hung: stopped, deadlocked, swapping) are stopped; their exit relaunches them
         through the usual path (reason ``deleted``), and their tasks are re-queued."""
-        if self.rendezvous is None or not hasattr(self.rendezvous, "take_excluded"):
+        if self.rendezvous is None:
             return
         for worker_id in self.rendezvous.take_excluded():
             alive = self.book.is_live(worker_id)

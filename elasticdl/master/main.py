@@ -21,16 +21,19 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
+from elasticdl.checkpoint import data_position
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.cluster.registry import create_cluster
 from elasticdl.common import auth
 from elasticdl.common.datasets import create_readers
-from elasticdl.common.enums import JobType, Strategy
+from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
+from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
 from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
+from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.servicer import MasterServicer, start_master_server
 
 logger = logging.getLogger("elasticdl.master")
@@ -84,12 +87,15 @@ def build_core(spec: JobSpec) -> JobCore:
     if spec.checkpoint_dir_for_init:  # the version workers load (train, evaluate, predict)
         start = start_version_of(spec.checkpoint_dir_for_init)
     # a new task id range per run: no task matches a PS ledger of an earlier run
-    return JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
+    core = JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
                              start_version=start)
+    if spec.job_type == JobType.TRAIN:  # resume the data position; record this run's tasks
+        data_position.attach(core.tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)
+    return core
 
 
-def _rendezvous(spec: JobSpec, host: str) -> Optional[object]:
-    if spec.distribution_strategy != Strategy.ALLREDUCE or spec.job_type != JobType.TRAIN:
+def _rendezvous(spec: JobSpec, host: str) -> Optional[RendezvousHandler]:
+    if not entry_for(spec.distribution_strategy).rendezvous_needed(spec):
         return None
     from elasticdl.cluster.process import free_port
     from elasticdl.master.rendezvous import Rendezvous

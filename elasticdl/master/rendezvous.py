@@ -63,7 +63,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,35 @@ class _Round:
     last_join: Optional[float] = None
     failed_at: Optional[float] = None   # a member failed or was removed
     checked_in: set[int] = field(default_factory=set)
+
+
+class RendezvousHandler(Protocol):
+    """What the master's servicer and job controller need of a rendezvous
+    (:class:`Rendezvous` is the implementation; tests may pass their own)."""
+
+    def join(self, worker_id: int, host: str, port: int) -> CommPlan:
+        """A worker asks to be a member; returns its view of the plan.
+
+        Raises:
+            MemberConflict: ``worker_id`` is a live member joined from elsewhere.
+        """
+        ...
+
+    def get_comm_plan(self, worker_id: int, known_version: int) -> CommPlan:
+        """The current plan as ``worker_id`` sees it (a check-in)."""
+        ...
+
+    def report_failure(self, worker_id: int, plan_version: int, reason: str) -> CommPlan:
+        """A member saw a collective of plan ``plan_version`` fail."""
+        ...
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget a worker whose process is gone."""
+        ...
+
+    def take_excluded(self) -> list[int]:
+        """Workers left out of a plan for not checking in, since the last call."""
+        ...
 
 
 class Rendezvous:

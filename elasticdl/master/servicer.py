@@ -21,6 +21,7 @@ from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_servic
 from elasticdl.common.task import TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
 from elasticdl.master.job import JobCore, VersionError
+from elasticdl.master.rendezvous import MemberConflict, RendezvousHandler
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 
@@ -99,7 +100,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             replica is still checked.
     """
 
-    def __init__(self, core: JobCore, rendezvous: Optional[Any] = None,
+    def __init__(self, core: JobCore, rendezvous: Optional[RendezvousHandler] = None,
                  require_identity: bool = False):
         self.core = core
         self.rendezvous = rendezvous
@@ -213,7 +214,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         if not self.core.task_exists(task_id):
             raise _Invalid(f"unknown task_id {task_id}")
 
-    def _rdzv(self) -> Any:
+    def _rdzv(self) -> RendezvousHandler:
         if self.rendezvous is None:
             raise _Invalid("this job has no rendezvous (not AllreduceStrategy)")
         return self.rendezvous
@@ -231,8 +232,6 @@ class MasterServicer(pb_grpc.MasterServicer):
         if not request.host or len(request.host) > MAX_NAME or not 0 <= request.port < 65536:
             raise _Invalid(f"join needs a host and a port in 0..65535 (0: none), got "
                            f"{request.host!r}:{request.port}")
-        from elasticdl.master.rendezvous import MemberConflict
-
         try:
             return self._plan(self._rdzv().join(worker_id, request.host, request.port))
         except MemberConflict as e:

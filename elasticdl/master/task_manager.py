@@ -96,6 +96,8 @@ class TaskManager:
             raise ValueError(f"records_per_task must be >= 1, got {records_per_task}")
         self._lock = threading.RLock()
         self._clock = clock
+        # called with every task created, before it can be handed out (data position table)
+        self.task_created_callbacks: list[Callable[[Task], None]] = []
         self._records_per_task = records_per_task
         self._train_pieces = make_tasks(training_shards, records_per_task)
         self._eval_pieces = make_tasks(evaluation_shards, records_per_task)
@@ -141,6 +143,8 @@ class TaskManager:
                   model_version: int = -1) -> Task:
         task = Task(self._next_id, typ, name, start, end, epoch, model_version)
         self._next_id += 1
+        for cb in self.task_created_callbacks:
+            cb(task)
         return task
 
     def _create_epoch(self) -> None:

@@ -29,6 +29,7 @@ from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.common import auth
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.log_utils import configure_logging
+from elasticdl.common.schedule import Schedule
 from elasticdl.ps.server import start_server, tune_malloc
 from elasticdl.ps.servicer import PServicer
 from elasticdl.ps.shard import PSShard, ShardConfig
@@ -95,13 +96,17 @@ def shard_config(args: PSArgs) -> ShardConfig:
                        sync_wait_s=args.sync_wait_s, sync_wait_min_s=args.sync_wait_min_s,
                        checkpoint_dir=spec.checkpoint_dir,
                        checkpoint_steps=spec.checkpoint_steps,
-                       keep_checkpoint_max=spec.keep_checkpoint_max)
+                       keep_checkpoint_max=spec.keep_checkpoint_max,
+                       minibatch_size=spec.minibatch_size)
 
 
 def checkpoint_every_n(shard: PSShard) -> None:
-    """``on_version`` hook: write the shard every ``checkpoint_steps`` versions."""
+    """``on_version`` hook: write the shard every ``checkpoint_steps`` versions (the
+    job's one :class:`Schedule` rule; every PS applies versions one by one, so all
+    PS write the same versions)."""
     cfg = shard.config
-    if cfg.checkpoint_dir and cfg.checkpoint_steps and shard.version % cfg.checkpoint_steps == 0:
+    schedule = Schedule(checkpoint_steps=cfg.checkpoint_steps if cfg.checkpoint_dir else 0)
+    if schedule.checkpoint_due(shard.version, shard.last_checkpoint_version):
         ps_ckpt.save_shard(shard, cfg.checkpoint_dir, shard.version, cfg.keep_checkpoint_max)
 
 

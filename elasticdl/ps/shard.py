@@ -75,6 +75,8 @@ class ShardConfig:
     checkpoint_dir: str = ""
     checkpoint_steps: int = 0
     keep_checkpoint_max: int = 0
+    minibatch_size: int = 0   # records per minibatch: a ledger's minibatch k starts at
+    #                           (k - 1) * minibatch_size in its task (data position)
 
     def __post_init__(self) -> None:
         if not 0 <= self.ps_id < self.num_ps:
@@ -108,6 +110,7 @@ class PSShard:
         self._wait_scale = 1.0
         self._cond = threading.Condition(threading.RLock())
         self._on_version = on_version
+        self.last_checkpoint_version = 0   # the version last written (or restored)
         self.awaiting_rollback = False  # set by a relaunched PS until the master rolls back
 
     # ------------------------------------------------------------ state
@@ -146,6 +149,7 @@ class PSShard:
                 optimizer.load_state_dict(optimizer_state)
             self.params, self.optimizer, self.row_optimizer = params, optimizer, row_optimizer
             self.ledger.load_state_dict(ledger)
+            self.last_checkpoint_version = params.version
             self._drop_group()
             self._cond.notify_all()
             logger.info("PS %d initialised at version %d: %d dense, %d tables, %d applied "

@@ -33,6 +33,7 @@ and runs evaluation/prediction tasks with the shared ``TaskLoop.run_task``.
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -41,9 +42,12 @@ import torch
 
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.checkpoint import api as ckpt
+from elasticdl.checkpoint import data_position
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader
+from elasticdl.elastic.collective import CollectiveError
 from elasticdl.elastic.dataset import ElasticDataset, TrainLoopContext
 from elasticdl.elastic.group import CommClient, ElasticGroup, default_backend
 from elasticdl.elastic.runner import (
@@ -53,6 +57,8 @@ from elasticdl.elastic.runner import (
     RoundStatus,
     StepAborted,
 )
+from elasticdl.elastic.trained import TrainedRecords
+from elasticdl.worker.poller import TaskPoller
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop, feed_records
 from elasticdl.worker.task_source import TaskSource
@@ -92,6 +98,10 @@ class AllreduceTrainer(Trainer):
         self.optimizer = local.optimizer
         self._compute_loss = local.compute_loss
         self.state = ElasticState(self.model, self.optimizer)
+        # the data position: what every member trained, agreed at each checkpoint step
+        self.trained = TrainedRecords(job_spec.minibatch_size)
+        self.state.register("trained_records", self.trained)
+        self.schedule = Schedule.from_spec(job_spec)
         backend = default_backend(device, job_spec.comm_backend)
         self.group = ElasticGroup(comm, host, backend, device, job_spec.collective_timeout_s,
                                   port=port, rendezvous_timeout_s=rendezvous_timeout_s)
@@ -139,6 +149,7 @@ class AllreduceTrainer(Trainer):
 
     def _count_lost(self, tags: list[Any]) -> None:
         self._lost += len(tags)
+        self.trained.lost(tags)
 
     def _after_round(self, result: RoundResult) -> None:
         if result.status != RoundStatus.STEPPED:
@@ -146,18 +157,38 @@ class AllreduceTrainer(Trainer):
         loss = result.outputs[-1] if result.outputs else None
         if loss is not None:
             self.last_loss = loss
-        js = self.job_spec
         version = result.version
-        if js.checkpoint_dir and js.checkpoint_steps and version % js.checkpoint_steps == 0 \
-                and self.group.rank == 0:
-            ckpt.save(js.checkpoint_dir, version, self.state_dict(),
-                             js.keep_checkpoint_max)
+        if self.schedule.checkpoint_steps:
+            self.trained.stepped(result.tags)
+        # every member decides alike: the same versions and the same agreed last_saved
+        # (broadcast with the state); a round counted after a failure (recovered) is
+        # not a step the others saw here, so no checkpoint collective starts there
+        if not result.recovered and self.schedule.checkpoint_due(version,
+                                                                 self.trained.last_saved):
+            self._checkpoint(version)
         for cb in self._on_step:
             cb(version, loss)
 
+    def _checkpoint(self, version: int) -> None:
+        """All members agree on the records in the model of ``version``; rank 0 writes
+        them (``trained-group.json``, the data position) and the checkpoint."""
+        try:
+            self.trained.gather(version, self.group.world_size, self.device)
+        except CollectiveError as e:
+            logger.warning("checkpoint of version %d skipped: the group failed while "
+                           "agreeing on its data position (%s)", version, str(e)[:200])
+            return
+        if self.group.rank != 0:
+            return
+        js = self.job_spec
+        data_position.write_trained(ckpt.version_dir(js.checkpoint_dir, version), "group",
+                                    self.trained.entries())
+        ckpt.save(js.checkpoint_dir, version, self.state_dict(), js.keep_checkpoint_max)
+
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "model_version": self.state.model_version, "counters": dict(self.state.counters)}
+                "model_version": self.state.model_version, "counters": dict(self.state.counters),
+                "trained_records": self.trained.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume (e.g. ``--checkpoint_dir_for_init``) before :meth:`run`; the most
@@ -167,6 +198,8 @@ class AllreduceTrainer(Trainer):
             self.optimizer.load_state_dict(state["optimizer"])
         self.state.model_version = int(state.get("model_version", 0))
         self.state.counters.update(state.get("counters", {}))
+        self.trained.load_state_dict(state.get("trained_records",
+                                               {"last_saved": self.state.model_version}))
 
     def close(self) -> None:
         """Leave the group (idempotent)."""
@@ -213,6 +246,14 @@ class AllreduceTrainer(Trainer):
         dataset = ElasticDataset(self.runner, source, read, feed,
                                  self.job_spec.minibatch_size, run_other_task=loop.run_task,
                                  wait_s=wait_s)
+        dataset_lost = self.runner.on_lost
+
+        def on_lost(tags: list[Any]) -> None:
+            self.trained.lost(tags)   # not in the model: not part of the data position
+            if dataset_lost is not None:
+                dataset_lost(tags)
+
+        self.runner.on_lost = on_lost
         self.runner.start()
         try:
             if self.spec.train_loop is not None:
@@ -243,15 +284,12 @@ class AllreduceTrainer(Trainer):
                            "function trained the %d remaining minibatch(es)", leftover)
 
     def _serve_rest(self, source: TaskSource, loop: TaskLoop, wait_s: float) -> None:
-        import time
-
+        poller = TaskPoller(source, wait_s, loop.max_wait_s)
         while True:
-            task = source.get_task()
+            task = poller.next_task()
             if task.type == TaskType.NONE:
                 return
-            if task.type == TaskType.WAIT:
-                time.sleep(wait_s)
-            elif task.type == TaskType.TRAINING:
+            if task.type == TaskType.TRAINING:
                 logger.error("training task %d after the group finished; handing it back",
                              task.task_id)
                 source.report_task(task, "allreduce group already finished")

@@ -1,6 +1,6 @@
 """The worker process: ``python -m elasticdl.worker.main --worker_id=N ...``.
 
-Builds the trainer the strategy asks for, runs the shared task loop against
+Builds the :class:`WorkerRuntime` the strategy registry names, runs it against
 the master, and on the way out exports the final model when the master asks
 this worker to. Its first exception is sent to the master (message and
 traceback) before the process exits non-zero, so the job report names the
@@ -17,11 +17,14 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from elasticdl.common.enums import JobType, Strategy
+from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
+
+if TYPE_CHECKING:
+    from elasticdl.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger("elasticdl.worker")
 
@@ -57,32 +60,14 @@ def parse_args(argv: Optional[list[str]] = None) -> WorkerArgs:
     return WorkerArgs(a.worker_id, a.master_addr, spec, ps, host)
 
 
-def build_trainer(args: WorkerArgs, model_spec: Any, client: Any) -> Any:
-    """The Trainer for this job's strategy and type."""
-    from elasticdl.worker.trainer import LocalTrainer, select_device
+def build_runtime(args: WorkerArgs, model_spec: Any, client: Any) -> WorkerRuntime:
+    """The runtime the strategy registry names for this job's strategy and type."""
+    from elasticdl.common.strategy import runtime_class
+    from elasticdl.worker.runtime import RuntimeContext
 
-    spec = args.job_spec
-    device = select_device(spec.device)
-    if spec.job_type != JobType.TRAIN:
-        from elasticdl.checkpoint.api import load_for_inference
-
-        trainer = LocalTrainer(model_spec, device, spec.seed)
-        load_for_inference(trainer, spec.checkpoint_dir_for_init)
-        return trainer
-    if spec.distribution_strategy == Strategy.PS:
-        from elasticdl.worker.ps_trainer import PSTrainer
-
-        return PSTrainer(model_spec, list(args.ps_addrs), spec, args.worker_id, device)
-    if spec.distribution_strategy == Strategy.ALLREDUCE:
-        from elasticdl.worker.allreduce_trainer import AllreduceTrainer
-
-        member = AllreduceTrainer(model_spec, spec, args.worker_id, device, client, args.host)
-        if spec.checkpoint_dir_for_init:  # model, optimizer, version; not the data position
-            from elasticdl.checkpoint.api import load
-
-            member.load_state_dict(load(spec.checkpoint_dir_for_init, str(device)))
-        return member
-    raise ValueError(f"strategy {spec.distribution_strategy} does not run distributed workers")
+    ctx = RuntimeContext(model_spec, args.job_spec, args.worker_id, comm=client,
+                         ps_addrs=args.ps_addrs, host=args.host)
+    return runtime_class(args.job_spec).build(ctx)
 
 
 def run_worker(args: WorkerArgs) -> int:
@@ -90,14 +75,13 @@ def run_worker(args: WorkerArgs) -> int:
     from elasticdl.common.datasets import create_readers
     from elasticdl.worker.master_client import MasterClient
     from elasticdl.worker.prediction import PredictionSink
-    from elasticdl.worker.task_loop import TaskLoop
 
     spec = args.job_spec
     client = MasterClient(args.master_addr, args.worker_id)
     try:
         model_spec = load_from_job_spec(spec)
         readers = create_readers(spec, model_spec.custom_data_reader)
-        trainer = build_trainer(args, model_spec, client)
+        runtime = build_runtime(args, model_spec, client)
         sink = None
         if spec.job_type == JobType.PREDICT:
             from elasticdl.common.job_dirs import job_dir_for
@@ -106,7 +90,7 @@ def run_worker(args: WorkerArgs) -> int:
                                   model_spec.prediction_outputs_processor)
         # the version goes with every task result; between results, for progress,
         # at most every VERSION_REPORT_S (evaluations are the master's decision)
-        client.version = lambda: trainer.model_version
+        client.version = lambda: runtime.model_version
         last_report = [time.monotonic()]
 
         def report_version(version: int) -> None:
@@ -114,22 +98,15 @@ def run_worker(args: WorkerArgs) -> int:
                 last_report[0] = time.monotonic()
                 client.report_version(version)
 
-        if hasattr(trainer, "run"):  # AllreduceTrainer drives its own elastic loop
-            stats = trainer.run(client, readers, prediction_sink=sink,
-                                on_step=[lambda version, loss: report_version(version)])
-        else:
-            loop = TaskLoop(client, trainer, model_spec, readers, spec.minibatch_size,
-                            worker_id=args.worker_id, prediction_sink=sink,
-                            skip_nonfinite_steps=spec.skip_nonfinite_steps,
-                            after_train_step=[lambda task, done, loss:
-                                              report_version(trainer.model_version)])
-            stats = loop.run()
-        client.report_version(trainer.model_version)
-        if client.export_model and spec.job_type == JobType.TRAIN:
-            _export(trainer, spec)
-        close = getattr(trainer, "close", None)
-        if close is not None:
-            close()
+        try:
+            stats = runtime.run(client, readers, sink, on_version=report_version)
+            client.report_version(runtime.model_version)
+            if client.export_model and spec.job_type == JobType.TRAIN:
+                from elasticdl.common.job_dirs import job_dir_for
+
+                runtime.export(job_dir_for(spec))
+        finally:
+            runtime.close()
         logger.info("worker %d done: %s", args.worker_id, stats)
         return 0
     except Exception as e:  # sent to the master as the root cause, then exit 1
@@ -144,17 +121,6 @@ def run_worker(args: WorkerArgs) -> int:
         return 1
     finally:
         client.close()
-
-
-def _export(trainer: Any, spec: JobSpec) -> None:
-    from elasticdl.checkpoint.api import export_model
-    from elasticdl.common.job_dirs import job_dir_for
-
-    export = getattr(trainer, "export_model", None)
-    if export is not None:  # PS: pull the final parameters first
-        export(job_dir_for(spec))
-    else:
-        export_model(trainer.model, job_dir_for(spec))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -16,9 +16,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Optional, TypeVar
 
 import grpc
 import numpy as np
@@ -28,30 +28,15 @@ from elasticdl.common import auth, chunk_wire
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.wire import GRPC_OPTIONS
 from elasticdl.proto import elasticdl_pb2 as pb
-from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps.parameters import TableSpec, dense_owner
+from elasticdl.worker.ps_stream import Identity, PSStub, PushStream
+
+__all__ = ["Identity", "PSClient", "PSError", "PSNotInitializedError", "PSStub", "PushStream"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Ready = Optional[Callable[[], None]]
 ROLLBACK_PENDING = "waiting for the master's rollback"  # in a PS's UNAVAILABLE details
-Identity = tuple[int, int, int]  # task id, minibatch (1-based; 0: none), records
-
-
-class PSStub(pb_grpc.PServerStub):
-    """The generated stub, with the two bulk streams (de)serialised by
-    :mod:`~elasticdl.common.chunk_wire` (same wire format, fewer copies)."""
-
-    def __init__(self, channel: grpc.Channel):
-        super().__init__(channel)
-        self.push_gradient_chunks = channel.stream_unary(
-            "/elasticdl.PServer/push_gradient_chunks", request_serializer=chunk_wire.serialize,
-            response_deserializer=pb.PushGradientsResponse.FromString)
-        self.pull_dense_chunks = channel.unary_stream(
-            "/elasticdl.PServer/pull_dense_chunks",
-            request_serializer=pb.PullDenseRequest.SerializeToString,
-            response_deserializer=chunk_wire.parse_dense_chunk)
 
 
 class PSError(RuntimeError):
@@ -64,111 +49,6 @@ class PSNotInitializedError(PSError):
     def __init__(self, ps: int, message: str):
         super().__init__(message)
         self.ps = ps
-
-
-class PushStream:
-    """A ``push_gradient_chunks`` call fed while backward still runs.
-
-    ``put_*`` may be called from autograd hooks: they only queue the tensor
-    (with an optional ``ready`` callable, e.g. a CUDA event's synchronize);
-    the gRPC request iterator encodes and sends it. :meth:`finish` closes the
-    stream and returns ``(accepted, version)``.
-    """
-
-    def __init__(self, client: PSClient, ps: int, version: int, worker_id: int,
-                 identity: Identity = (0, 0, 0)):
-        self._client = client
-        self.ps = ps
-        task_id, minibatch, num_records = identity
-        self._header = {"version": version, "worker_id": worker_id, "task_id": task_id,
-                        "minibatch": minibatch, "num_records": num_records}
-        self._items: list[tuple[str, str, Any, Ready]] = []
-        self._closed = False
-        self._aborted = False
-        self._cond = threading.Condition()
-        self._future = client.submit(ps, self._call, "push_gradient_chunks")
-
-    def put_dense(self, name: str, grad: torch.Tensor, ready: Ready = None) -> None:
-        self._put(("dense", name, grad, ready))
-
-    def put_sparse(self, table: str, ids: np.ndarray, grad: torch.Tensor,
-                   ready: Ready = None) -> None:
-        self._put(("sparse", table, (ids, grad), ready))
-
-    def put_buffer(self, name: str, value: torch.Tensor) -> None:
-        self._put(("buffer", name, value, None))
-
-    def _put(self, item: tuple[str, str, Any, Ready]) -> None:
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("push stream already finished")
-            self._items.append(item)
-            self._cond.notify()
-
-    def finish(self) -> tuple[bool, int]:
-        self.close()
-        return self._future.result()
-
-    def close(self) -> None:
-        """End the stream: the PS applies what it received."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-    def abort(self) -> None:
-        """Cancel the push: the PS discards what it received."""
-        with self._cond:
-            self._aborted = self._closed = True
-            self._cond.notify()
-
-    def _call(self, stub: PSStub) -> tuple[bool, int]:
-        resp = stub.push_gradient_chunks(self._requests(), timeout=self._client.rpc_timeout_s)
-        return resp.accepted, resp.version
-
-    def _requests(self) -> Iterator[Union[bytes, pb.GradientChunk]]:
-        """Replays every queued item (so a retry after a reconnect resends all)."""
-        header: Optional[dict[str, Any]] = dict(self._header)
-        i = 0
-        deadline = time.monotonic() + self._client.rpc_timeout_s
-        while True:
-            with self._cond:
-                while i >= len(self._items) and not self._closed:
-                    if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                        raise TimeoutError("push stream: no gradient queued in time")
-                if self._aborted:
-                    raise RuntimeError("push aborted by the worker")
-                if i >= len(self._items):
-                    break
-                kind, name, value, ready = self._items[i]
-            i += 1
-            if ready is not None:
-                ready()
-            for msg in self._encode(kind, name, value, header):
-                header = None
-                yield msg
-        if header is not None:  # nothing at all for this PS: the push still counts
-            yield pb.GradientChunk(**header)
-
-    def _encode(self, kind: str, name: str, value: Any,
-                header: Optional[dict[str, Any]]) -> Iterator[Union[bytes, pb.GradientChunk]]:
-        """Messages of one item; ``header`` goes into the first (the stream's first)."""
-        if kind == "dense":
-            t = value.detach().contiguous()
-            for _, parts in chunk_wire.tensor_chunks_wire(
-                    name, codec.byte_view(t), codec.dtype_name(t.dtype), tuple(t.shape),
-                    self._client.chunk_bytes):
-                yield chunk_wire.gradient_chunk_bytes(parts, **(header or {}))
-                header = None
-            return
-        if kind == "sparse":
-            ids, grad = value
-            msg = pb.GradientChunk(sparse=pb.EmbeddingRows(
-                table=name, id_tensor=codec.encode_ids(ids), values=codec.encode(grad)))
-        else:
-            msg = pb.GradientChunk(buffer=codec.encode(value, name))
-        if header:
-            msg.MergeFrom(pb.GradientChunk(**header))
-        yield msg
 
 
 class PSClient:

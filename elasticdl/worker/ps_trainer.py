@@ -21,9 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -36,23 +34,10 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.task import Task
 from elasticdl.ps.server import tune_malloc
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
+from elasticdl.worker.ps_push import PushSession
 from elasticdl.worker.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-Staged = tuple[torch.Tensor, Optional[Callable[[], None]]]
-
-
-def _stage(t: torch.Tensor) -> Staged:
-    """A CPU copy of a gradient: asynchronous (pinned + event) for CUDA tensors."""
-    if t.device.type != "cuda":
-        return t.detach(), None
-    cpu = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    cpu.copy_(t.detach(), non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return cpu, event.synchronize
-
 
 KILL_AFTER_STEPS_ENV = "ELASTICDL_TEST_KILL_AFTER_STEPS"
 
@@ -65,81 +50,6 @@ def _kill_hook(worker_id: int) -> int:
         return -1
     worker, _, steps = value.partition(":")
     return int(steps) if int(worker) == worker_id else -1
-
-
-class _PushSession:
-    """One step's gradient pushes to the PS in ``targets``."""
-
-    def __init__(self, trainer: PSTrainer, targets: list[int]):
-        self.t = trainer
-        self.targets = set(targets)
-        self.streams = {i: trainer.client.open_push_stream(i, trainer.versions[i],
-                                                           trainer.worker_id, trainer.identity)
-                        for i in targets if trainer.streaming[i]}
-        self.dense: dict[int, dict[str, torch.Tensor]] = {i: {} for i in targets}
-        self.sparse: dict[int, list[tuple[str, np.ndarray, torch.Tensor]]] = \
-            {i: [] for i in targets}
-        self.waits: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
-
-    def on_dense(self, name: str, grad: torch.Tensor) -> None:
-        ps = self.t.owner[name]
-        if ps not in self.targets:
-            return
-        staged, ready = _stage(grad)
-        if ps in self.streams:
-            self.streams[ps].put_dense(name, staged, ready)
-            return
-        with self._lock:
-            self.dense[ps][name] = staged
-            if ready is not None:
-                self.waits.append(ready)
-
-    def on_sparse(self, table: str, ids: np.ndarray, grad: torch.Tensor) -> None:
-        staged, ready = _stage(grad)
-        parts = [(ps, pos) for ps, pos in enumerate(self.t.client.partition_ids(ids))
-                 if ps in self.targets and pos.shape[0]]
-        if len(parts) > 1 and ready is not None:
-            ready()  # rows are split on the CPU: the copy must be complete first
-            ready = None
-        for ps, pos in parts:
-            part = staged if pos.shape[0] == ids.shape[0] else \
-                staged.index_select(0, torch.from_numpy(pos))
-            if ps in self.streams:
-                self.streams[ps].put_sparse(table, ids[pos], part, ready)
-            else:
-                with self._lock:
-                    self.sparse[ps].append((table, ids[pos], part))
-                    if ready is not None:
-                        self.waits.append(ready)
-
-    def abort(self) -> None:
-        for stream in self.streams.values():
-            stream.abort()
-
-    def finish(self, buffers: dict[str, torch.Tensor]) -> dict[int, Any]:
-        """Send what is left; per PS ``(accepted, version)`` or the exception raised."""
-        for wait in self.waits:
-            wait()
-        parts = self.t.client.partition({n: b.detach().cpu() for n, b in buffers.items()})
-        futures = {}
-        for ps in self.targets:
-            if ps in self.streams:
-                for name, value in parts[ps].items():
-                    self.streams[ps].put_buffer(name, value)
-                self.streams[ps].close()
-            else:
-                futures[ps] = self.t.client.push_gradients(
-                    ps, self.t.versions[ps], self.dense[ps], self.sparse[ps], parts[ps],
-                    self.t.worker_id, self.t.identity)
-        out: dict[int, Any] = {}
-        for ps in self.targets:
-            try:
-                out[ps] = self.streams[ps].finish() if ps in self.streams \
-                    else futures[ps].result()
-            except PSNotInitializedError as e:
-                out[ps] = e
-        return out
 
 
 class PSTrainer(Trainer):
@@ -181,7 +91,7 @@ class PSTrainer(Trainer):
         self.versions = [-1] * self.client.num_ps      # of the parameters held here
         self.ps_versions = [-1] * self.client.num_ps   # newest each PS reported
         self.steps = 0
-        self._session: Optional[_PushSession] = None
+        self._session: Optional[PushSession] = None
         for name, p in self.params.items():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(
@@ -345,7 +255,7 @@ class PSTrainer(Trainer):
     def _step(self, features: Any, labels: Any,
               targets: list[int]) -> tuple[torch.Tensor, dict[int, Any]]:
         self.model.zero_grad(set_to_none=True)
-        session = _PushSession(self, targets)
+        session = PushSession(self, targets)
         self._session = session
         try:
             loss = self.compute_loss(features, labels)

@@ -10,7 +10,6 @@ non-zero and the master's relaunch policy decides what happens next.
 from __future__ import annotations
 
 import logging
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader, MalformedRecordError
+from elasticdl.worker.poller import DEFAULT_MAX_WAIT_S, TaskPoller, minibatch_count, minibatch_slice
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_source import Metric, TaskSource
 from elasticdl.worker.trainer import NonFiniteError, Trainer, batch_size_of, to_device
@@ -81,7 +81,7 @@ class TaskLoop:
                  worker_id: int = 0, prediction_sink: Optional[PredictionSink] = None,
                  after_train_step: Sequence[StepCallback] = (),
                  after_task: Sequence[Callable[[Task], None]] = (),
-                 wait_s: float = 0.2, max_wait_s: float = 3600.0,
+                 wait_s: float = 0.2, max_wait_s: float = DEFAULT_MAX_WAIT_S,
                  skip_nonfinite_steps: bool = False):
         self.source = source
         self.trainer = trainer
@@ -100,18 +100,17 @@ class TaskLoop:
         self._metrics = spec.metrics()
 
     def run(self) -> LoopStats:
-        waited = 0.0
+        """Run tasks until the source has none left.
+
+        Raises:
+            TimeoutError: told to wait for ``max_wait_s`` in a row.
+            DataError / Exception: a task failed (reported first, see the module).
+        """
+        poller = TaskPoller(self.source, self.wait_s, self.max_wait_s)
         while True:
-            task = self.source.get_task()
+            task = poller.next_task()
             if task.type == TaskType.NONE:
                 return self.stats
-            if task.type == TaskType.WAIT:
-                if waited >= self.max_wait_s:
-                    raise TimeoutError(f"told to wait for {waited:.0f} s; giving up")
-                time.sleep(self.wait_s)
-                waited += self.wait_s
-                continue
-            waited = 0.0
             if self.stats.tasks == 0:
                 logger.info("worker %d: first task %d (%s, records %d-%d of %s)",
                             self.worker_id, task.task_id, MODES.get(task.type, task.type),
@@ -164,11 +163,11 @@ class TaskLoop:
 
     def _minibatches(self, task: Task, records: Sequence[Any]):
         mode = MODES[task.type]
-        for i in range(0, len(records), self.minibatch_size):
-            chunk = records[i:i + self.minibatch_size]
-            features, labels = feed_records(self.spec.feed, chunk, mode, task.shard_name,
-                                            task.start + i)
-            yield i + len(chunk), features, labels
+        for k in range(minibatch_count(len(records), self.minibatch_size)):
+            s = minibatch_slice(k, len(records), self.minibatch_size)
+            features, labels = feed_records(self.spec.feed, records[s], mode, task.shard_name,
+                                            task.start + s.start)
+            yield s.stop, features, labels
 
     def _train(self, task: Task, records: Sequence[Any]) -> None:
         applied = self.trainer.start_task(task)  # pushed by an earlier holder: skipped

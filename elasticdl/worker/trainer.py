@@ -1,8 +1,10 @@
 """Running minibatches through a model: the part of a step that touches torch.
 
-:class:`Trainer` is what the task loop drives. :class:`LocalTrainer` keeps the
-model and optimizer in this process (Local strategy; allreduce builds on it);
-the parameter-server trainer pulls and pushes around the same calls.
+:class:`Trainer` is what the task loop drives, one minibatch at a time; the
+worker's :class:`~elasticdl.worker.runtime.WorkerRuntime` owns one and runs it.
+:class:`LocalTrainer` keeps the model and optimizer in this process (Local
+strategy; allreduce builds on it); the parameter-server trainer pulls and
+pushes around the same calls.
 """
 
 from __future__ import annotations
@@ -95,7 +97,15 @@ def call_model(model: torch.nn.Module, features: Any) -> Any:
 
 
 class Trainer(ABC):
-    """One model replica's view of training."""
+    """One model replica's step interface: what the :class:`TaskLoop` drives.
+
+    A trainer trains one minibatch (:meth:`train_minibatch`), computes outputs
+    for evaluation and prediction (:meth:`forward`) and, for exactly-once
+    training, hears where each step belongs (:meth:`start_task`,
+    :meth:`set_position`, :meth:`finish_task`). It does not run tasks, export
+    or close: that is the worker's :class:`~elasticdl.worker.runtime.WorkerRuntime`,
+    which owns a trainer.
+    """
 
     model: torch.nn.Module
     device: torch.device

@@ -222,12 +222,12 @@ def make_namespace(api: Any, user_is_admin: bool, timeout_s: float = 60.0) -> st
     """
     from kubernetes import client, utils
 
-    from elasticdl.cluster import manifests as mf
+    from elasticdl.cluster import k8s_access as access
 
     ns = f"t-{uuid.uuid4().hex[:8]}"
     core = client.CoreV1Api(api)
     core.create_namespace({"metadata": {"name": ns, "labels": {"elasticdl-test": "1"}}})
-    docs = mf.rbac_manifests(ns)
+    docs = access.rbac_manifests(ns)
     if not user_is_admin:  # the person submitting: exactly the Role of `elasticdl rbac`
         docs.append({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
                      "metadata": {"name": "elasticdl-user", "namespace": ns},

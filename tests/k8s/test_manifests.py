@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from elasticdl.cluster import k8s_access as access
 from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.api import ReplicaSpec, ReplicaType
 from elasticdl.common.job_spec import JobSpec
@@ -103,7 +104,7 @@ def test_every_manifest_validates(variant):
 
 @pytest.mark.parametrize("namespace", ["default", "ml-team"])
 def test_rbac_validates_and_is_minimal(namespace):
-    docs = mf.rbac_manifests(namespace)
+    docs = access.rbac_manifests(namespace)
     assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding"]
     for doc in docs:
         validate(doc)
@@ -113,7 +114,7 @@ def test_rbac_validates_and_is_minimal(namespace):
                      "pods/log": {"get"}, "services": {"create", "delete"},
                      "secrets": {"create", "delete"}}  # the job token's Secret; no read
     assert docs[2]["subjects"][0]["namespace"] == namespace
-    assert "namespace: " + namespace in mf.rbac_yaml(namespace)
+    assert "namespace: " + namespace in access.rbac_yaml(namespace)
 
 
 def test_master_pod_carries_the_job_spec(tmp_path):
@@ -220,7 +221,7 @@ def test_priorities():
 def test_yaml_round_trip():
     import yaml
 
-    objs = [mf.master_pod(spec())] + mf.rbac_manifests()
+    objs = [mf.master_pod(spec())] + access.rbac_manifests()
     assert list(yaml.safe_load_all(mf.to_yaml(objs))) == objs
 
 
@@ -230,18 +231,18 @@ def test_job_secret_and_the_pods_reading_it():
     job = spec()
     secrets = auth.JobSecrets("k" * 43, b"CERT", b"KEY")
     owner = mf.owner_reference("elasticdl-j-master", "uid-1")
-    secret = mf.job_secret(job, secrets.data(), owner)
+    secret = access.job_secret(job, secrets.data(), owner)
     validate(secret)
     assert secret["metadata"]["ownerReferences"] == [owner]
     assert sorted(secret["data"]) == ["tls.crt", "tls.key", "token"]
     pod = mf.replica_pod(job, ReplicaSpec(job.job_name, ReplicaType.WORKER, 0,
                                           ("python", "-m", "x"),
                                           env={auth.TOKEN_ENV: "plain, from --envs"}))
-    mf.with_secret_env(pod, job.job_name, sorted(secret["data"]))
+    access.with_secret_env(pod, job.job_name, sorted(secret["data"]))
     validate(pod)
     env = pod["spec"]["containers"][0]["env"]
     token_env = [e for e in env if e["name"] == auth.TOKEN_ENV]
     assert token_env == [{"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-        "name": mf.job_secret_name(job.job_name), "key": "token"}}}]
+        "name": access.job_secret_name(job.job_name), "key": "token"}}}]
     assert {e["name"] for e in env} >= {auth.TLS_CERT_ENV, auth.TLS_KEY_ENV}
     assert "k" * 43 not in json.dumps(pod)

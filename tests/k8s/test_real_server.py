@@ -14,7 +14,7 @@ import logging
 
 import pytest
 
-from elasticdl.cluster import manifests as mf
+from elasticdl.cluster import k8s_access as access
 from elasticdl.cluster.api import Phase, ReplicaEvent, ReplicaType
 from elasticdl.cluster.kubernetes import create
 from elasticdl.cluster.manifests import pod_name
@@ -60,7 +60,7 @@ def test_every_manifest_passes_server_side_dry_run(server, user_core, variant):
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == \
                     requests["nvidia.com/gpu"]
     assert server.list("pods") == [] and server.list("services") == []  # nothing stored
-    for doc in mf.rbac_manifests(server.namespace):
+    for doc in access.rbac_manifests(server.namespace):
         doc["metadata"]["name"] = "dry-" + doc["metadata"]["name"]
         if doc["kind"] == "RoleBinding":
             doc["roleRef"]["name"] = "dry-elasticdl"
@@ -92,7 +92,7 @@ def test_watch_relists_after_410_gone(server, kubelet, caplog):
 
     if not server.plane.own:
         pytest.skip("needs the control plane's etcd (compaction) and `user`'s RoleBinding")
-    caplog.set_level(logging.INFO, logger="elasticdl.cluster.kubernetes")
+    caplog.set_level(logging.INFO, logger="elasticdl.cluster")
     ns = server.namespace
     rbac = client.RbacAuthorizationV1Api(server.admin)
     core = client.CoreV1Api(server.admin)

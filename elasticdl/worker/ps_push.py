@@ -1,0 +1,111 @@
+"""One training step's gradient pushes from a worker to its parameter servers.
+
+:class:`PushSession` takes each gradient from the autograd hooks as backward
+produces it and routes it to its PS: into that PS's open
+:class:`~elasticdl.worker.ps_stream.PushStream`, or, for PS whose dense part is
+small, into one unary push sent after backward. :func:`stage` makes the CPU
+copy (asynchronous for CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+from elasticdl.worker.ps_client import PSNotInitializedError
+
+if TYPE_CHECKING:
+    from elasticdl.worker.ps_trainer import PSTrainer
+
+Staged = tuple[torch.Tensor, Optional[Callable[[], None]]]
+
+
+def stage(t: torch.Tensor) -> Staged:
+    """A CPU copy of a gradient: asynchronous (pinned + event) for CUDA tensors."""
+    if t.device.type != "cuda":
+        return t.detach(), None
+    cpu = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    cpu.copy_(t.detach(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return cpu, event.synchronize
+
+
+
+class PushSession:
+    """One step's gradient pushes to the PS in ``targets``."""
+
+    def __init__(self, trainer: PSTrainer, targets: list[int]):
+        self.t = trainer
+        self.targets = set(targets)
+        self.streams = {i: trainer.client.open_push_stream(i, trainer.versions[i],
+                                                           trainer.worker_id, trainer.identity)
+                        for i in targets if trainer.streaming[i]}
+        self.dense: dict[int, dict[str, torch.Tensor]] = {i: {} for i in targets}
+        self.sparse: dict[int, list[tuple[str, np.ndarray, torch.Tensor]]] = \
+            {i: [] for i in targets}
+        self.waits: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def on_dense(self, name: str, grad: torch.Tensor) -> None:
+        ps = self.t.owner[name]
+        if ps not in self.targets:
+            return
+        staged, ready = stage(grad)
+        if ps in self.streams:
+            self.streams[ps].put_dense(name, staged, ready)
+            return
+        with self._lock:
+            self.dense[ps][name] = staged
+            if ready is not None:
+                self.waits.append(ready)
+
+    def on_sparse(self, table: str, ids: np.ndarray, grad: torch.Tensor) -> None:
+        staged, ready = stage(grad)
+        parts = [(ps, pos) for ps, pos in enumerate(self.t.client.partition_ids(ids))
+                 if ps in self.targets and pos.shape[0]]
+        if len(parts) > 1 and ready is not None:
+            ready()  # rows are split on the CPU: the copy must be complete first
+            ready = None
+        for ps, pos in parts:
+            part = staged if pos.shape[0] == ids.shape[0] else \
+                staged.index_select(0, torch.from_numpy(pos))
+            if ps in self.streams:
+                self.streams[ps].put_sparse(table, ids[pos], part, ready)
+            else:
+                with self._lock:
+                    self.sparse[ps].append((table, ids[pos], part))
+                    if ready is not None:
+                        self.waits.append(ready)
+
+    def abort(self) -> None:
+        for stream in self.streams.values():
+            stream.abort()
+
+    def finish(self, buffers: dict[str, torch.Tensor]) -> dict[int, Any]:
+        """Send what is left; per PS ``(accepted, version)`` or the exception raised."""
+        for wait in self.waits:
+            wait()
+        parts = self.t.client.partition({n: b.detach().cpu() for n, b in buffers.items()})
+        futures = {}
+        for ps in self.targets:
+            if ps in self.streams:
+                for name, value in parts[ps].items():
+                    self.streams[ps].put_buffer(name, value)
+                self.streams[ps].close()
+            else:
+                futures[ps] = self.t.client.push_gradients(
+                    ps, self.t.versions[ps], self.dense[ps], self.sparse[ps], parts[ps],
+                    self.t.worker_id, self.t.identity)
+        out: dict[int, Any] = {}
+        for ps in self.targets:
+            try:
+                out[ps] = self.streams[ps].finish() if ps in self.streams \
+                    else futures[ps].result()
+            except PSNotInitializedError as e:
+                out[ps] = e
+        return out

@@ -1,0 +1,265 @@
+"""What a worker runs: the :class:`WorkerRuntime` ABC and its implementations.
+
+A worker process (``elasticdl.worker.main``) asks the strategy registry
+(:mod:`elasticdl.common.strategy`) which runtime class the job needs, builds it
+from a :class:`RuntimeContext` and calls the same four things on every
+strategy: :meth:`~WorkerRuntime.run`, :meth:`~WorkerRuntime.export`,
+:meth:`~WorkerRuntime.close` and, for checkpoints,
+:meth:`~WorkerRuntime.state_dict` / :meth:`~WorkerRuntime.load_state_dict`.
+
+* :class:`LocalRuntime`: a model in this process (:class:`LocalTrainer`) driven
+  by the shared :class:`TaskLoop`; also every strategy's evaluate and predict
+  jobs (the model comes from ``--checkpoint_dir_for_init``).
+* :class:`PSRuntime`: :class:`PSTrainer` (parameters on the PS) driven by the
+  same task loop.
+* :class:`AllreduceRuntime`: one member of an elastic allreduce group; its
+  :meth:`AllreduceTrainer.run` drives its own elastic loop.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from elasticdl.api.model_spec import ModelSpec
+from elasticdl.checkpoint import api as ckpt
+from elasticdl.common.enums import JobType
+from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.task import TaskType
+from elasticdl.data.api import DataReader
+from elasticdl.elastic.group import CommClient
+from elasticdl.worker.prediction import PredictionSink
+from elasticdl.worker.task_loop import LoopStats, TaskLoop
+from elasticdl.worker.task_source import TaskSource
+from elasticdl.worker.trainer import LocalTrainer, Trainer, select_device
+
+if TYPE_CHECKING:
+    from elasticdl.worker.allreduce_trainer import AllreduceTrainer
+    from elasticdl.worker.ps_trainer import PSTrainer
+
+OnVersion = Callable[[int], None]
+Readers = dict[TaskType, DataReader]
+
+
+@dataclass(frozen=True)
+class RuntimeContext:
+    """Everything a runtime may need to build itself.
+
+    Attributes:
+        comm: the master's rendezvous as a client (allreduce only).
+        ps_addrs: ``host:port`` of each parameter server (PS only).
+        host: the address peers dial to reach this worker (allreduce only).
+    """
+
+    model_spec: ModelSpec
+    job_spec: JobSpec
+    worker_id: int = 0
+    device: Optional[torch.device] = None  # None: from ``job_spec.device``
+    comm: Optional[CommClient] = None
+    ps_addrs: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+
+    def resolved_device(self) -> torch.device:
+        return self.device if self.device is not None else select_device(self.job_spec.device)
+
+
+class WorkerRuntime(ABC):
+    """One worker's training, evaluation and prediction for one strategy."""
+
+    @classmethod
+    @abstractmethod
+    def build(cls, ctx: RuntimeContext) -> WorkerRuntime:
+        """The runtime for this job and worker.
+
+        Raises:
+            ModelSpecError: the model module's optimizer or model is unusable.
+            CheckpointError: ``--checkpoint_dir_for_init`` holds nothing usable.
+            RuntimeError: the device asked for is not available.
+        """
+
+    @property
+    @abstractmethod
+    def model_version(self) -> int:
+        """The version of the model this worker holds (steps applied)."""
+
+    @abstractmethod
+    def run(self, source: TaskSource, readers: Readers, sink: Optional[PredictionSink] = None,
+            on_version: Optional[OnVersion] = None) -> LoopStats:
+        """Run the master's tasks until it has none left.
+
+        Args:
+            source: the master (or an in-process task manager).
+            readers: the reader of each task type's dataset.
+            sink: where prediction outputs go (predict jobs).
+            on_version: called with the model version after every training step.
+
+        Raises:
+            DataError: bad data (the task was reported fatal first).
+            ConnectionError: the master (or a PS) cannot be reached.
+            TimeoutError: the master said WAIT for longer than the maximum wait.
+            Exception: any other failure of a step, after the task was reported
+                failed with its traceback.
+        """
+
+    @abstractmethod
+    def export(self, directory: str) -> list[str]:
+        """Write the final model (``model.pt``, a plain state dict) into
+        ``directory``; returns the paths written.
+
+        Raises:
+            OSError: the directory cannot be written.
+            ConnectionError: the parameters live elsewhere (PS) and cannot be read.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections and process groups; idempotent; never raises."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model", "model_version", ...}`` of this worker's current model.
+
+        Raises:
+            ConnectionError: the parameters live elsewhere (PS) and cannot be read.
+        """
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (e.g. from a checkpoint) before :meth:`run`.
+
+        Raises:
+            KeyError / RuntimeError: ``state`` does not match this model.
+            RuntimeError: this runtime's state is not held by the worker (PS).
+        """
+
+
+class TaskLoopRuntime(WorkerRuntime):
+    """A :class:`Trainer` driven by the shared :class:`TaskLoop`."""
+
+    def __init__(self, trainer: Trainer, job_spec: JobSpec, worker_id: int = 0):
+        self.trainer = trainer
+        self.job_spec = job_spec
+        self.worker_id = worker_id
+
+    @property
+    def model_version(self) -> int:
+        return self.trainer.model_version
+
+    def run(self, source: TaskSource, readers: Readers, sink: Optional[PredictionSink] = None,
+            on_version: Optional[OnVersion] = None) -> LoopStats:
+        after = []
+        if on_version is not None:
+            report = on_version
+            after.append(lambda task, done, loss: report(self.trainer.model_version))
+        loop = TaskLoop(source, self.trainer, self.trainer.spec, readers,
+                        self.job_spec.minibatch_size, worker_id=self.worker_id,
+                        prediction_sink=sink,
+                        skip_nonfinite_steps=self.job_spec.skip_nonfinite_steps,
+                        after_train_step=after)
+        return loop.run()
+
+
+class LocalRuntime(TaskLoopRuntime):
+    """Model and optimizer in this process; for evaluate and predict jobs the
+    model is loaded from ``--checkpoint_dir_for_init``."""
+
+    trainer: LocalTrainer
+
+    @classmethod
+    def build(cls, ctx: RuntimeContext) -> LocalRuntime:
+        spec = ctx.job_spec
+        trainer = LocalTrainer(ctx.model_spec, ctx.resolved_device(), spec.seed)
+        if spec.job_type != JobType.TRAIN:
+            ckpt.load_for_inference(trainer, spec.checkpoint_dir_for_init)
+        return cls(trainer, spec, ctx.worker_id)
+
+    def export(self, directory: str) -> list[str]:
+        return ckpt.export_model(self.trainer.model, directory)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+
+class PSRuntime(TaskLoopRuntime):
+    """Parameters on the parameter servers; the worker pulls and pushes."""
+
+    trainer: PSTrainer
+
+    @classmethod
+    def build(cls, ctx: RuntimeContext) -> PSRuntime:
+        from elasticdl.worker.ps_trainer import PSTrainer
+
+        trainer = PSTrainer(ctx.model_spec, list(ctx.ps_addrs), ctx.job_spec, ctx.worker_id,
+                            ctx.resolved_device())
+        return cls(trainer, ctx.job_spec, ctx.worker_id)
+
+    def export(self, directory: str) -> list[str]:
+        # the PS hold the newest parameters: pull them first
+        return self.trainer.export_model(directory)
+
+    def close(self) -> None:
+        self.trainer.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.trainer.state_dict_from_ps(),
+                "model_version": self.trainer.model_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise RuntimeError("a PS worker holds no state of its own: the parameter servers "
+                           "restore theirs from --checkpoint_dir_for_init")
+
+
+class AllreduceRuntime(WorkerRuntime):
+    """One member of an elastic allreduce group."""
+
+    def __init__(self, member: AllreduceTrainer):
+        self.member = member
+
+    @classmethod
+    def build(cls, ctx: RuntimeContext) -> AllreduceRuntime:
+        from elasticdl.worker.allreduce_trainer import AllreduceTrainer
+
+        if ctx.comm is None:
+            raise ValueError("the allreduce runtime needs the master's rendezvous (comm)")
+        spec = ctx.job_spec
+        device = ctx.resolved_device()
+        member = AllreduceTrainer(ctx.model_spec, spec, ctx.worker_id, device, ctx.comm,
+                                  ctx.host)
+        runtime = cls(member)
+        if spec.checkpoint_dir_for_init:  # model, optimizer, version; not the data position
+            runtime.load_state_dict(ckpt.load(spec.checkpoint_dir_for_init, str(device)))
+        return runtime
+
+    @property
+    def model_version(self) -> int:
+        return self.member.model_version
+
+    def run(self, source: TaskSource, readers: Readers, sink: Optional[PredictionSink] = None,
+            on_version: Optional[OnVersion] = None) -> LoopStats:
+        on_step = []
+        if on_version is not None:
+            report = on_version
+            on_step.append(lambda version, loss: report(version))
+        return self.member.run(source, readers, prediction_sink=sink, on_step=on_step)
+
+    def export(self, directory: str) -> list[str]:
+        return ckpt.export_model(self.member.model, directory)
+
+    def close(self) -> None:
+        self.member.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.member.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.member.load_state_dict(state)
