@@ -17,7 +17,8 @@ import time
 from elasticdl.cluster.process import free_port
 from elasticdl.common.task import TaskType
 from elasticdl.master.evaluation import EvaluationAggregator
-from elasticdl.master.servicer import MasterServicer, NullHooks, start_master_server
+from elasticdl.master.job import JobCore
+from elasticdl.master.servicer import MasterServicer, start_master_server
 from elasticdl.master.task_manager import TaskManager
 
 
@@ -69,8 +70,8 @@ def main() -> None:
     a = ap.parse_args()
     tm = TaskManager(prediction_shards=[("bench", 0, 50_000_000)], records_per_task=1)
     port = free_port()
-    server = start_master_server(MasterServicer(tm, EvaluationAggregator(), NullHooks()), port,
-                                 host="127.0.0.1")
+    server = start_master_server(MasterServicer(JobCore.for_tasks(tm, EvaluationAggregator())),
+                                 port, host="127.0.0.1")
     addr = f"127.0.0.1:{port}"
     dispatch, echo = [], []
     try:

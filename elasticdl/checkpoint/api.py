@@ -69,8 +69,20 @@ def export_model(model: torch.nn.Module, directory: str) -> list[str]:
 
 
 def load_for_inference(trainer: Any, path: str) -> int:
-    """Load model weights (and version) from a single-writer or PS checkpoint
-    into ``trainer.model``; returns the model version."""
+    """Load model weights (and version) into ``trainer.model`` from a single-writer
+    or PS checkpoint, or from a job's output (``--output``: its exported
+    ``model.pt``, a plain state dict; the version its report names); returns the
+    model version."""
+    from elasticdl.common.job_report import exported_model_version
+
+    exported = exported_model_version(path)
+    if exported is not None:
+        file = os.path.join(path, "model.pt")
+        state = torch.load(file, map_location=str(trainer.device), weights_only=True)
+        trainer.model.load_state_dict(state)
+        trainer.model_version = exported
+        logger.info("loaded exported model %s (model version %d)", file, exported)
+        return exported
     vdir = resolve(path)
     if os.path.exists(os.path.join(vdir, "model.pt")):
         state = single.load_single(vdir, map_location=str(trainer.device))

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -38,9 +39,28 @@ class JobReport:
     started: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def add_evaluation(self, model_version: int, metrics: dict[str, float]) -> None:
-        self.evaluations.append({"model_version": model_version, "metrics": dict(metrics)})
-        self.final_metrics = dict(metrics)
+    def add_evaluation(self, model_version: int, metrics: dict[str, float],
+                       reasons: Sequence[str] = ("periodic",),
+                       epoch: Optional[int] = None) -> None:
+        """One evaluation of the model at ``model_version`` (the version it actually
+        evaluated), run for ``reasons`` (``periodic``, ``epoch_end``, ``final``,
+        ``evaluate``); the ``final`` one's metrics are ``final_metrics``."""
+        if "final" in reasons:  # a PS rollback after the final one: this one is final
+            for entry in self.evaluations:
+                entry["reasons"] = [r for r in entry["reasons"] if r != "final"]
+        self.evaluations.append({"model_version": model_version, "metrics": dict(metrics),
+                                 "reasons": list(reasons), "epoch": epoch})
+        if "final" in reasons or "evaluate" in reasons:
+            self.final_metrics = dict(metrics)
+
+    def add_reasons(self, reasons: Sequence[str], epoch: Optional[int] = None) -> None:
+        """The last evaluation also serves ``reasons`` (its version is due again)."""
+        entry = self.evaluations[-1]
+        entry["reasons"] += [r for r in reasons if r not in entry["reasons"]]
+        if epoch is not None:
+            entry["epoch"] = epoch
+        if "final" in reasons or "evaluate" in reasons:
+            self.final_metrics = dict(entry["metrics"])
 
     def add_relaunch(self, replica: str, new_replica: str, reason: str,
                      exit_code: Optional[int]) -> None:
@@ -71,6 +91,18 @@ class JobReport:
         out.update(self.extra)
         return out
 
+    # the figures a restarted master carries on with (not its start time: the
+    # timings of the new master's run)
+    _STATE = ("status", "epochs", "relaunches", "evaluations", "final_metrics", "failure",
+              "extra")
+
+    def state_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps({k: getattr(self, k) for k in self._STATE}))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k in self._STATE:
+            setattr(self, k, json.loads(json.dumps(state[k])))
+
     def write(self, directory: str) -> str:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, REPORT_NAME)
@@ -85,3 +117,18 @@ class JobReport:
 def read_report(directory: str) -> dict[str, Any]:
     with open(os.path.join(directory, REPORT_NAME), encoding="utf-8") as f:
         return json.load(f)
+
+
+def exported_model_version(path: str) -> Optional[int]:
+    """For a job's output directory holding its exported ``model.pt`` (a plain
+    state dict, not a ``version-N`` checkpoint): the model version its report
+    names (0 without a report). None when ``path`` is not such a directory."""
+    if not os.path.isfile(os.path.join(path, "model.pt")) or \
+            os.path.exists(os.path.join(path, "DONE")):
+        return None
+    if any(n.startswith("version-") for n in os.listdir(path)):
+        return None  # a checkpoint directory
+    try:
+        return int(read_report(path).get("model_version", 0))
+    except (OSError, ValueError):
+        return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Optional
+from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -53,3 +53,18 @@ class EvaluationAggregator:
         if self._on_result is not None:
             self._on_result(model_version, result)
         return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """Partial sums of evaluations in progress and the results so far (JSON-able)."""
+        with self._lock:
+            return {"sums": {str(v): dict(s) for v, s in self._sums.items()},
+                    "weights": {str(v): dict(w) for v, w in self._weights.items()},
+                    "reported": {str(v): sorted(r) for v, r in self._reported.items()},
+                    "results": {str(v): dict(r) for v, r in self.results.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._sums = {int(v): dict(s) for v, s in state["sums"].items()}
+            self._weights = {int(v): dict(w) for v, w in state["weights"].items()}
+            self._reported = {int(v): set(r) for v, r in state["reported"].items()}
+            self.results = {int(v): dict(r) for v, r in state["results"].items()}

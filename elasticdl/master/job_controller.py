@@ -1,10 +1,10 @@
-"""The job controller: launches replicas and applies the relaunch policy.
+"""The job controller: the mechanics of a job on a cluster.
 
-It is the only piece that changes the cluster. It reacts to replica events
-(re-queues a dead worker's tasks, removes it from the rendezvous, relaunches
-it with a new id or drops it), to worker reports (model versions trigger
-evaluations; a worker's first exception becomes the job's root cause), and
-decides when the job has succeeded or failed.
+It is the only piece that changes the cluster: it launches and deletes
+replicas, polls their events, applies the relaunch policy's decision and the
+job core's bookkeeping (worker ids, lineages, failure counts, root cause,
+re-queued tasks: :class:`JobCore`), calls the PS for rollbacks, and writes the
+report the core keeps.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import grpc
@@ -27,22 +26,15 @@ from elasticdl.cluster.api import (
     ReplicaType,
 )
 from elasticdl.common.enums import JobType
-from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
 from elasticdl.common.strategy import entry_for
 from elasticdl.master import ps_rollback
+from elasticdl.master.job import JobCore
 from elasticdl.master.policy import Action, RelaunchPolicy
 from elasticdl.master.rendezvous import RendezvousHandler
-from elasticdl.master.task_manager import TaskManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _WorkerFailure:
-    message: str
-    traceback: str
 
 
 class JobController:
@@ -54,36 +46,26 @@ class JobController:
         report_dir: where ``job_report.json`` is (re)written.
     """
 
-    def __init__(self, spec: JobSpec, cluster: Cluster, task_manager: TaskManager,
-                 report: JobReport, master_addr: str, report_dir: str,
+    def __init__(self, spec: JobSpec, cluster: Cluster, core: JobCore,
+                 master_addr: str, report_dir: str,
                  rendezvous: Optional[RendezvousHandler] = None,
                  policy: Optional[RelaunchPolicy] = None,
                  finish_timeout_s: float = 120.0, report_interval_s: float = 5.0):
         self.spec = spec
         self.cluster = cluster
-        self.tm = task_manager
-        self.report = report
+        self.core = core
+        self.tm = core.tm
+        self.report = core.report
+        self.book = core.replicas
         self.master_addr = master_addr
         self.report_dir = report_dir
         self.rendezvous = rendezvous
         self.policy = policy or RelaunchPolicy(spec.relaunch_on_worker_failure)
         self.finish_timeout_s = finish_timeout_s
         self.report_interval_s = report_interval_s
-        self._lock = threading.Lock()
-        self._next_worker_id = 0
-        self._live_workers: set[int] = set()
-        self._lineage: dict[int, int] = {}          # worker id -> first id of its lineage
-        self._own_failures: dict[tuple[str, int], int] = {}
-        self._failures: dict[int, _WorkerFailure] = {}
-        self._first_failure: Optional[tuple[str, str, str]] = None
-        self._exporter: Optional[int] = None
-        self._exporter_done = False
-        self._max_version = 0
-        self._last_eval_version = 0
         self._finishing = False
         self.ps_addrs: list[str] = []
         self._ps_ports: list[int] = []
-        self.tm.epoch_end_callbacks.append(self._on_epoch_end)
 
     # ------------------------------------------------------------ replicas
     def _common_flags(self) -> list[str]:
@@ -129,18 +111,12 @@ class JobController:
             self._fail("master", f"PS rollback to checkpoint version {version} failed: {e}",
                        "")
             return
-        self.tm.rollback(applied, new_version)
-        with self._lock:
-            self._max_version = max(self._max_version, new_version)
+        self.core.rollback(applied, new_version)
         self.report.extra.setdefault("ps_rollbacks", []).append(
             {"checkpoint_version": version, "new_version": new_version})
 
     def _launch_worker(self, lineage: Optional[int] = None) -> int:
-        with self._lock:
-            worker_id = self._next_worker_id
-            self._next_worker_id += 1
-            self._live_workers.add(worker_id)
-            self._lineage[worker_id] = worker_id if lineage is None else lineage
+        worker_id = self.book.new_worker(lineage)
         cmd = ["python", "-m", "elasticdl.worker.main", f"--worker_id={worker_id}"]
         if self.ps_addrs:
             cmd.append(f"--ps_addrs={','.join(self.ps_addrs)}")
@@ -161,34 +137,9 @@ class JobController:
             self._launch_worker()
 
     # --------------------------------------------------------------- hooks
-    def on_version(self, worker_id: int, version: int) -> None:
-        steps = self.spec.evaluation_steps
-        with self._lock:
-            self._max_version = max(self._max_version, version)
-            due = steps and version >= self._last_eval_version + steps
-            if due:
-                self._last_eval_version = version - version % steps
-        if due:
-            self.tm.create_evaluation_tasks(self._last_eval_version)
-
-    def _on_epoch_end(self, epoch: int) -> None:
-        self.tm.create_evaluation_tasks(self._max_version)
-
     def on_worker_failure(self, worker_id: int, message: str, traceback: str) -> None:
         logger.error("worker %d reported: %s", worker_id, message)
-        with self._lock:
-            self._failures.setdefault(worker_id, _WorkerFailure(message, traceback))
-            if self._first_failure is None:
-                self._first_failure = (f"worker-{worker_id}", message, traceback)
-
-    def claim_export(self, worker_id: int) -> bool:
-        if self.spec.job_type != JobType.TRAIN:
-            return False
-        with self._lock:
-            if self._exporter is None:
-                self._exporter = worker_id
-                return True
-            return False
+        self.book.worker_reported(worker_id, message, traceback)
 
     # -------------------------------------------------------------- events
     def handle(self, event: ReplicaEvent) -> None:
@@ -197,13 +148,12 @@ class JobController:
         name = event.name
         if event.type == ReplicaType.WORKER:
             self._worker_gone(event)
-        key = (event.type.value, self._lineage.get(event.index, event.index)
-               if event.type == ReplicaType.WORKER else event.index)
+        key = f"{event.type.value}:" + str(self.book.lineage_of(event.index)
+                                           if event.type == ReplicaType.WORKER else event.index)
         counts_as_failure = event.phase == Phase.FAILED and event.reason not in (
             "killed", "deleted", "preempted")
-        if counts_as_failure:
-            self._own_failures[key] = self._own_failures.get(key, 0) + 1
-        decision = self.policy.decide(event, self._own_failures.get(key, 0), self._finishing)
+        failures = self.book.count_failure(key, counts_as_failure)
+        decision = self.policy.decide(event, failures, self._finishing)
         logger.info("%s %s (exit %s, %s): %s - %s", name, event.phase.value, event.exit_code,
                     event.reason, decision.action.value, decision.reason)
         if event.phase == Phase.FAILED and event.type == ReplicaType.WORKER:
@@ -214,15 +164,9 @@ class JobController:
             self._fail(name, decision.reason, "")
 
     def _worker_gone(self, event: ReplicaEvent) -> None:
-        with self._lock:
-            self._live_workers.discard(event.index)
-            if event.index == self._exporter:
-                if event.phase == Phase.SUCCEEDED:
-                    self._exporter_done = True
-                else:
-                    self._exporter = None  # another worker will export
+        self.book.worker_gone(event.index, event.phase == Phase.SUCCEEDED)
         if event.phase != Phase.SUCCEEDED:
-            self.tm.recover_tasks(event.index)
+            self.core.recover_tasks(event.index)
         if self.rendezvous is not None:
             self.rendezvous.remove_worker(event.index)
 
@@ -233,8 +177,7 @@ class JobController:
         if self.rendezvous is None:
             return
         for worker_id in self.rendezvous.take_excluded():
-            with self._lock:
-                alive = worker_id in self._live_workers
+            alive = self.book.is_live(worker_id)
             if not alive or self._finishing or self.tm.training_records_left() == 0:
                 continue  # gone already, or training is over (members left the group)
             logger.warning("worker %d made no progress and was left out of the allreduce "
@@ -249,18 +192,13 @@ class JobController:
             logger.error("could not stop hung worker %d: %s", worker_id, e)
 
     def _note_root_cause(self, event: ReplicaEvent) -> None:
-        with self._lock:
-            if self._first_failure is None:
-                failure = self._failures.get(event.index)
-                message = failure.message if failure else \
-                    f"exited with {event.exit_code} ({event.reason}) {event.message}".strip()
-                self._first_failure = (event.name, message,
-                                       failure.traceback if failure else "")
+        self.book.note_exit(event.index, event.name, f"exited with {event.exit_code} "
+                            f"({event.reason}) {event.message}".strip())
 
     def _relaunch(self, event: ReplicaEvent, reason: str) -> None:
         try:
             if event.type == ReplicaType.WORKER:
-                new_id = self._launch_worker(lineage=self._lineage.get(event.index, event.index))
+                new_id = self._launch_worker(lineage=self.book.lineage_of(event.index))
                 new_name = f"worker-{new_id}"
             else:
                 self._relaunch_ps(event.index)
@@ -309,12 +247,11 @@ class JobController:
                 f = self.tm.failure
                 self._fail(f"worker-{f.worker_id}", f.describe(), f.traceback)
                 break
-            if self.tm.finished():
+            if self.core.finished():
                 self._finishing = True
                 finished_at = finished_at or now
-                with self._lock:
-                    exported = self.spec.job_type != JobType.TRAIN or self._exporter_done
-                    live = len(self._live_workers)
+                exported = self.spec.job_type != JobType.TRAIN or self.book.exporter_done
+                live = self.book.num_live()
                 if exported and (live == 0 or now - finished_at > 10):
                     self.report.status = "succeeded"
                     break
@@ -323,9 +260,8 @@ class JobController:
                                f"{self.finish_timeout_s:.0f} s", "")
                     break
                 continue
-            with self._lock:
-                none_alive = not self._live_workers
-                first = self._first_failure
+            none_alive = self.book.num_live() == 0
+            first = self.book.first_failure
             if none_alive:
                 replica, msg, tb = first or ("master", "every worker is gone", "")
                 self._fail(replica, f"every worker has failed; first failure: {msg}", tb)
@@ -336,14 +272,7 @@ class JobController:
         return self.report.status
 
     def _write_report(self) -> None:
-        self.report.epochs = self.tm.epochs_report()
-        self.report.extra["records_predicted"] = self.tm.prediction_ledger.records_completed
-        if self.spec.job_type == JobType.PREDICT:
-            self.report.extra["prediction"] = self.tm.prediction_report()
-        self.report.extra["model_version"] = self._max_version
-        self.report.extra["nonfinite_steps_skipped"] = \
-            self.tm.counters.get("nonfinite_steps_skipped", 0)
-        self.report.write(self.report_dir)
+        self.core.refresh_report().write(self.report_dir)
 
     def _log_progress(self) -> None:
         done = sum(e["records_completed"] for e in self.report.epochs)
@@ -354,5 +283,5 @@ class JobController:
         eta = (total - done) / rate if rate > 0 else float("inf")
         logger.info("progress: %d/%d records (%.1f%%), %.1f records/s, ETA %s, workers %d, "
                     "model version %d", done, total, 100.0 * done / max(total, 1), rate,
-                    "?" if eta == float("inf") else f"{eta:.0f}s", len(self._live_workers),
-                    self._max_version)
+                    "?" if eta == float("inf") else f"{eta:.0f}s", self.book.num_live(),
+                    self.core.version)

@@ -25,18 +25,16 @@ from elasticdl.checkpoint import data_position
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.cluster.registry import create_cluster
 from elasticdl.common import auth
-from elasticdl.common.datasets import create_readers, shards_for
+from elasticdl.common.datasets import create_readers
 from elasticdl.common.enums import JobType
-from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
-from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.servicer import MasterServicer, start_master_server
-from elasticdl.master.task_manager import TaskManager
 
 logger = logging.getLogger("elasticdl.master")
 
@@ -83,18 +81,17 @@ def _readers(spec: JobSpec) -> dict:
         return create_readers(spec, model_spec.custom_data_reader)
 
 
-def build_task_manager(spec: JobSpec) -> TaskManager:
-    readers = _readers(spec)
-    tm = TaskManager(records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
-                       shuffle=spec.shuffle, seed=spec.seed,
-                       max_task_retries=spec.max_task_retries,
-                       task_timeout_s=spec.task_timeout_s,
-                       # a new id range per run: no task matches a PS ledger of an earlier run
-                       first_task_id=int(time.time() * 1000) << 16,
-                       **shards_for(readers, spec))
+def build_core(spec: JobSpec) -> JobCore:
+    """The job core for this run (tasks from the job's data, schedule, report)."""
+    start = 0
+    if spec.checkpoint_dir_for_init:  # the version workers load (train, evaluate, predict)
+        start = start_version_of(spec.checkpoint_dir_for_init)
+    # a new task id range per run: no task matches a PS ledger of an earlier run
+    core = JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
+                             start_version=start)
     if spec.job_type == JobType.TRAIN:  # resume the data position; record this run's tasks
-        data_position.attach(tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)
-    return tm
+        data_position.attach(core.tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)
+    return core
 
 
 def _rendezvous(spec: JobSpec, host: str) -> Optional[RendezvousHandler]:
@@ -119,24 +116,15 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     # replica gets it (local children inherit the environment, pods a Secret)
     job_secrets = auth.ensure_job_secrets(args.job_dir, spec.grpc_tls)
     os.environ.update(job_secrets.env())
-    tm = build_task_manager(spec)
-    report = JobReport(spec.job_name, spec.distribution_strategy, spec.cluster,
-                       spec.num_workers,
-                       entry_for(spec.distribution_strategy).num_ps(spec),
-                       job_type=spec.job_type, training_records=tm.training_records,
-                       validation_records=tm.evaluation_records,
-                       prediction_records=tm.prediction_records)
-    aggregator = EvaluationAggregator(on_result=report.add_evaluation)
-    tm.evaluation_done_callbacks.append(aggregator.complete)
-    if spec.job_type == JobType.EVALUATE:
-        version = ckpt_paths.version_of(ckpt_paths.resolve(spec.checkpoint_dir_for_init))
-        tm.create_evaluation_tasks(version)
+    core = build_core(spec)
+    report = core.report
+    core.begin()
     cluster = create_cluster(spec.cluster, spec, args.job_dir)
     rendezvous = _rendezvous(spec, args.host)
     master_addr = cluster.master_address() or f"{args.host}:{args.port}"
-    controller = JobController(spec, cluster, tm, report, master_addr, report_dir,
+    controller = JobController(spec, cluster, core, master_addr, report_dir,
                                rendezvous=rendezvous)
-    servicer = MasterServicer(tm, aggregator, controller, rendezvous, require_identity=True)
+    servicer = MasterServicer(core, rendezvous, require_identity=True)
     server = start_master_server(servicer, args.port, job_secrets=job_secrets)
     stop = stop or threading.Event()
     try:
@@ -168,11 +156,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return run_master(args, stop)
     except (DataError, ckpt_paths.CheckpointError, auth.AuthError) as e:
         logger.error("cannot start job: %s", e)
-        JobReport(args.job_spec.job_name, args.job_spec.distribution_strategy,
-                  args.job_spec.cluster, args.job_spec.num_workers, 0,
-                  job_type=args.job_spec.job_type, status="failed",
-                  failure={"replica": "master", "error": str(e), "traceback": ""}
-                  ).write(args.job_spec.output or args.job_dir)
+        report_for(args.job_spec, status="failed",
+                   failure={"replica": "master", "error": str(e), "traceback": ""}
+                   ).write(args.job_spec.output or args.job_dir)
         return 1
 
 

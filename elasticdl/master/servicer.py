@@ -2,17 +2,17 @@
 
 Invalid requests (negative worker ids, unknown task types, non-finite
 metrics, ...) are answered with ``INVALID_ARGUMENT`` and a message; the
-master keeps serving. The servicer only translates: the task manager, the
-evaluation aggregator, the rendezvous and the job controller do the work.
+master keeps serving. The servicer only translates: the job core
+(:class:`JobCore`: tasks, evaluations, versions, bookkeeping) and the
+rendezvous do the work.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 from concurrent import futures
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import grpc
 
@@ -20,25 +20,12 @@ from elasticdl.common import auth
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
 from elasticdl.common.task import TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
-from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.job import JobCore, VersionError
 from elasticdl.master.rendezvous import MemberConflict, RendezvousHandler
-from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-
-
-
-class JobHooks(Protocol):
-    """What the servicer tells the job controller."""
-
-    def on_version(self, worker_id: int, version: int) -> None: ...
-
-    def on_worker_failure(self, worker_id: int, message: str, traceback: str) -> None: ...
-
-    def claim_export(self, worker_id: int) -> bool: ...
-
 
 
 # what report_task_result may carry (see TaskManager.report)
@@ -74,6 +61,12 @@ def _text(what: str, value: str, limit: int = MAX_TEXT) -> str:
     return value
 
 
+def _version(version: int) -> int:
+    if not 0 <= version <= MAX_VERSION:
+        raise _Invalid(f"model_version must be in [0, {MAX_VERSION}], got {version}")
+    return version
+
+
 def _count(what: str, n: int) -> None:
     if n > MAX_ITEMS:
         raise _Invalid(f"more than {MAX_ITEMS} {what} ({n})")
@@ -88,7 +81,7 @@ def _validated(method):
                 raise _Invalid(request.error)
             self._check_caller(request, context)
             return method(self, request, context)
-        except _Invalid as e:
+        except (_Invalid, VersionError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(e)))
         except _Denied as e:
             logger.warning("%s refused: %s", method.__name__, short(str(e), 300))
@@ -107,12 +100,9 @@ class MasterServicer(pb_grpc.MasterServicer):
             replica is still checked.
     """
 
-    def __init__(self, task_manager: TaskManager, aggregator: EvaluationAggregator,
-                 hooks: JobHooks, rendezvous: Optional[RendezvousHandler] = None,
+    def __init__(self, core: JobCore, rendezvous: Optional[RendezvousHandler] = None,
                  require_identity: bool = False):
-        self.task_manager = task_manager
-        self.aggregator = aggregator
-        self.hooks = hooks
+        self.core = core
         self.rendezvous = rendezvous
         self.require_identity = require_identity
 
@@ -135,10 +125,9 @@ class MasterServicer(pb_grpc.MasterServicer):
         if request.task_type not in (pb.NONE, pb.TRAINING, pb.EVALUATION, pb.PREDICTION):
             raise _Invalid(f"cannot ask for task type {request.task_type}")
         wanted = None if request.task_type == pb.NONE else TaskType(request.task_type)
-        task = self.task_manager.get(worker_id, wanted, request_id=request.request_id)
+        task = self.core.get(worker_id, wanted, request_id=request.request_id)
         msg = task_to_proto(task)
-        if task.type == TaskType.NONE and self.task_manager.finished() and \
-                self.hooks.claim_export(worker_id):
+        if task.type == TaskType.NONE and self.core.claim_export(worker_id):
             msg.extended_config["export_model"] = "true"
         return msg
 
@@ -149,7 +138,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         _text("err_message", request.err_message)
         _text("err_traceback", request.err_traceback)
         _count("counters", len(request.counters))
-        task, holders = self.task_manager.held_task(request.task_id)
+        task, holders = self.core.held_task(request.task_id)
         if task is not None and worker_id not in holders:
             raise _Denied(f"worker {worker_id} does not hold task {request.task_id} "
                           f"(held by {sorted(holders)})")
@@ -160,8 +149,11 @@ class MasterServicer(pb_grpc.MasterServicer):
                 raise _Invalid(f"counter {c.name!r}={c.value}: known counters are "
                                f"{sorted(COUNTERS)}, values 0..{MAX_COUNTER}")
             counters[c.name] = c.value
-        self.task_manager.report(request.task_id, worker_id, ok, request.err_message,
-                                 request.err_traceback, request.fatal, counters)
+        version = None
+        if request.HasField("model_version"):
+            version = _version(request.model_version)
+        self.core.report_task(request.task_id, worker_id, ok, request.err_message,
+                              request.err_traceback, request.fatal, counters, version)
         return pb.Empty()
 
     @_validated
@@ -179,7 +171,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             if m.weight < 0:
                 raise _Invalid(f"metric {m.name} has negative weight {m.weight}")
             metrics.append((m.name, m.value, m.weight))
-        task, holders = self.task_manager.held_task(request.task_id)
+        task, holders = self.core.held_task(request.task_id)
         if task is None:  # finished (by a reassigned copy) or re-queued: nothing to add
             logger.info("metrics for task %d, held by nobody now, from worker %d: ignored",
                         request.task_id, worker_id)
@@ -192,34 +184,34 @@ class MasterServicer(pb_grpc.MasterServicer):
         if request.model_version != task.model_version:
             raise _Invalid(f"metrics for model version {request.model_version}, but task "
                            f"{request.task_id} evaluates version {task.model_version}")
-        self.aggregator.add(request.model_version, request.task_id, metrics)
+        self.core.report_evaluation(request.task_id, request.model_version, metrics)
         return pb.Empty()
 
     @_validated
     def report_version(self, request: pb.ReportVersionRequest, context: Any) -> pb.Empty:
         worker_id = _worker(request.worker_id)
-        if not 0 <= request.model_version <= MAX_VERSION:
-            raise _Invalid(f"model_version must be in [0, {MAX_VERSION}], got "
-                           f"{request.model_version}")
-        if not self.task_manager.has_worked(worker_id):
+        version = _version(request.model_version)
+        if not self.core.has_worked(worker_id):
             # a worker that never trained cannot have made a version; ignored, not an
             # error (a worker may end without ever getting a task)
             logger.warning("version %d from worker %d, which never had a task: ignored",
                            request.model_version, worker_id)
             return pb.Empty()
-        self.hooks.on_version(worker_id, request.model_version)
+        self.core.on_version(worker_id, version)  # VersionError: INVALID_ARGUMENT
         return pb.Empty()
 
     @_validated
     def report_failure(self, request: pb.ReportFailureRequest, context: Any) -> pb.Empty:
         worker_id = _worker(request.worker_id)
         _text("replica", request.replica, MAX_NAME)
-        self.hooks.on_worker_failure(worker_id, _text("err_message", request.err_message),
-                                     _text("err_traceback", request.err_traceback))
+        message = _text("err_message", request.err_message)
+        logger.error("worker %d reported: %s", worker_id, short(message, 300))
+        self.core.replicas.worker_reported(worker_id, message,
+                                           _text("err_traceback", request.err_traceback))
         return pb.Empty()
 
     def _known_task(self, task_id: int) -> None:
-        if not self.task_manager.task_exists(task_id):
+        if not self.core.task_exists(task_id):
             raise _Invalid(f"unknown task_id {task_id}")
 
     def _rdzv(self) -> RendezvousHandler:
@@ -282,21 +274,3 @@ def start_master_server(servicer: MasterServicer, port: int, host: str = "[::]",
     logger.info("master serving on port %d (%s)", bound, auth.describe(job_secrets))
     return server
 
-
-class NullHooks:
-    """Hooks that do nothing (benchmarks, unit tests)."""
-
-    def __init__(self) -> None:
-        self._export = threading.Lock()
-        self._claimed = False
-
-    def on_version(self, worker_id: int, version: int) -> None:
-        pass
-
-    def on_worker_failure(self, worker_id: int, message: str, traceback: str) -> None:
-        pass
-
-    def claim_export(self, worker_id: int) -> bool:
-        with self._export:
-            first, self._claimed = not self._claimed, True
-            return first

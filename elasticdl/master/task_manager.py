@@ -32,56 +32,24 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from elasticdl.common.task import NO_MORE_TASKS, WAIT_TASK, Task, TaskFailure, TaskType
+from elasticdl.master.task_state import (  # noqa: F401 - EpochLedger, make_tasks re-exported
+    SUMMED_COUNTERS,
+    Doing,
+    EpochLedger,
+    EvalJob,
+    applied_short,
+    data_position,
+    holder,
+    load_data_position,
+    make_tasks,
+    requeue_unapplied,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EpochLedger:
-    records_completed: int = 0
-    records_redone: int = 0
-    tasks_completed: int = 0
-    records_applied: int = 0
-
-
-# Counters of tasks that count as done, summed into TaskManager.counters (the
-# others, e.g. records_applied, are per-task figures the ledger uses directly).
-SUMMED_COUNTERS = frozenset({"nonfinite_steps_skipped", "records_skipped"})
-
-
-@dataclass
-class _Doing:
-    task: Task
-    worker_id: int
-    started: float
-    past: frozenset[int] = frozenset()  # earlier holders (reassigned stragglers)
-
-
-def _holder(encoded: int) -> int:
-    """A worker id from ``_Doing.worker_id`` (a reassigned straggler's is ``-1 - id``)."""
-    return encoded if encoded >= 0 else -1 - encoded
-
-
-@dataclass
-class _EvalJob:
-    model_version: int
-    remaining: set[int] = field(default_factory=set)
-
-
-def make_tasks(shards: Iterable[Sequence[Any]],
-               records_per_task: int) -> list[tuple[str, int, int]]:
-    """Cut ``(name, start, count)`` shards into ``(name, start, end)`` pieces."""
-    pieces = []
-    for name, start, count in shards:
-        end = start + count
-        for s in range(start, end, records_per_task):
-            pieces.append((name, s, min(s + records_per_task, end)))
-    return pieces
 
 
 class TaskManager:
@@ -100,6 +68,11 @@ class TaskManager:
             tasks were done, so a hung worker never blocks the job forever).
         first_task_id: ids start here (the master starts each run at a new
             value: a PS ledger from an earlier run never matches a new task).
+        epoch_barrier: an epoch's tasks are handed out only once the previous
+            epoch is done (its epoch-end evaluation sees exactly that epoch).
+
+    ``hold_training`` (set by the job core while an evaluation is due or runs)
+    stops handing out training tasks; held ones finish as usual.
     """
 
     def __init__(
@@ -117,6 +90,7 @@ class TaskManager:
         clock: Callable[[], float] = time.monotonic,
         initial_task_timeout_s: float = 600.0,
         first_task_id: int = 0,
+        epoch_barrier: bool = False,
     ):
         if records_per_task < 1:
             raise ValueError(f"records_per_task must be >= 1, got {records_per_task}")
@@ -144,7 +118,7 @@ class TaskManager:
         self._done_tasks: dict[int, Task] = {}
         self._todo: deque[Task] = deque()
         self._eval_todo: deque[Task] = deque()
-        self._doing: dict[int, _Doing] = {}
+        self._doing: dict[int, Doing] = {}
         self._workers_seen: set[int] = set()
         self._completed: set[int] = set()
         self._attempts: dict[int, int] = {}
@@ -154,9 +128,11 @@ class TaskManager:
         self.ledger: dict[int, EpochLedger] = {}
         self.prediction_ledger = EpochLedger()
         self.evaluation_records_completed = 0
-        self._eval_jobs: dict[int, _EvalJob] = {}
+        self._eval_jobs: dict[int, EvalJob] = {}
         self.failure: Optional[TaskFailure] = None
         self.counters: dict[str, int] = {}   # e.g. nonfinite_steps_skipped, summed over tasks
+        self.epoch_barrier = epoch_barrier
+        self.hold_training = False
         self.epoch_end_callbacks: list[Callable[[int], None]] = []
         self.evaluation_done_callbacks: list[Callable[[int], Any]] = []
         for name, start, end in make_tasks(prediction_shards, records_per_task):
@@ -192,7 +168,7 @@ class TaskManager:
         with self._lock:
             if not self._eval_pieces or model_version in self._eval_jobs:
                 return False
-            job = _EvalJob(model_version)
+            job = EvalJob(model_version)
             for name, start, end in self._eval_pieces:
                 task = self._new_task(TaskType.EVALUATION, name, start, end, -1, model_version)
                 job.remaining.add(task.task_id)
@@ -227,8 +203,8 @@ class TaskManager:
             if task is None:
                 return WAIT_TASK if not self._finished_locked() else NO_MORE_TASKS
             prev = self._doing.get(task.task_id)
-            past = prev.past | {_holder(prev.worker_id)} if prev else frozenset()
-            self._doing[task.task_id] = _Doing(task, worker_id, self._clock(), past)
+            past = prev.past | {holder(prev.worker_id)} if prev else frozenset()
+            self._doing[task.task_id] = Doing(task, worker_id, self._clock(), past)
             self._workers_seen.add(worker_id)
             if request_id:
                 self._last_get[worker_id] = (request_id, task)
@@ -241,7 +217,7 @@ class TaskManager:
             doing = self._doing.get(task_id)
             if doing is None:
                 return None, frozenset()
-            return doing.task, doing.past | {_holder(doing.worker_id)}
+            return doing.task, doing.past | {holder(doing.worker_id)}
 
     def task_exists(self, task_id: int) -> bool:
         """True for an id this manager handed out or created."""
@@ -260,13 +236,35 @@ class TaskManager:
                 task = self._eval_todo.popleft()
             elif task_type != TaskType.EVALUATION:
                 if not self._todo and self._epochs_created < self.num_epochs and \
-                        self._train_pieces:
+                        self._train_pieces and not self.hold_training and \
+                        not (self.epoch_barrier and self._epoch_open()):
                     self._create_epoch()
-                if self._todo:
-                    task = self._todo.popleft()
+                task = self._pop_todo()
             # a reassigned straggler's task may have been finished by its first holder
             if task is None or task.task_id not in self._completed:
                 return task
+
+    def _pop_todo(self) -> Optional[Task]:
+        """The first queued task that may go out now: while ``hold_training`` only
+        prediction tasks and a timed-out straggler's training task (the barrier
+        waits for that work, not for the hung holder)."""
+        if not self.hold_training:
+            return self._todo.popleft() if self._todo else None
+        for i, task in enumerate(self._todo):
+            if task.type != TaskType.TRAINING or task.task_id in self._doing:
+                del self._todo[i]
+                return task
+        return None
+
+    def _epoch_open(self) -> bool:
+        return any(n > 0 for n in self._epoch_open_tasks.values())
+
+    def training_held(self) -> int:
+        """How many training tasks workers hold now (a reassigned straggler's copy
+        counts while someone else holds it again)."""
+        with self._lock:
+            return sum(1 for d in self._doing.values()
+                       if d.task.type == TaskType.TRAINING and d.worker_id >= 0)
 
     def report(self, task_id: int, worker_id: int, success: bool, error: str = "",
                traceback: str = "", fatal: bool = False,
@@ -321,50 +319,12 @@ class TaskManager:
                 cb(eval_done)
 
     def _short(self, task: Task, applied: int, counters: Mapping[str, int]) -> bool:
-        """Whether a task reported done still has records the PS did not apply."""
-        at = counters.get("applied_at_version")
-        if at is not None and at < self.rollback_version:
-            logger.warning("task %d: applied records read at PS version %d, before the "
-                           "rollback to %d; re-queued", task.task_id, at, self.rollback_version)
-            return True
-        expected = min(task.num_records, counters.get("records_read", task.num_records))
-        expected -= counters.get("records_skipped", 0)  # --skip_nonfinite_steps
-        if applied < expected:
-            logger.warning("task %d reported done but the PS applied %d of its %d records; "
-                           "re-queued (it resumes after the applied minibatches)",
-                           task.task_id, applied, expected)
-            return True
-        return False
+        return applied_short(self, task, applied, counters)
 
     def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
-        """The PS rolled back to a checkpoint whose ledgers hold ``applied``
-        (task -> records applied on every PS): done training tasks not fully in
-        it are re-queued (their records leave the epoch's counts). Returns them."""
-        with self._lock:
-            self.rollback_version = new_version
-            lost = []
-            for task_id in sorted(self._completed):
-                counted = self._applied_by_task.get(task_id)
-                if counted is None or applied.get(task_id, 0) >= counted:
-                    continue
-                task = self._find_done(task_id)
-                led = self.ledger[task.epoch]
-                led.records_completed -= task.num_records
-                led.records_applied -= counted
-                led.tasks_completed -= 1
-                if self._epoch_open_tasks.get(task.epoch, 0) == 0:
-                    logger.warning("epoch %d was complete; reopened by the rollback", task.epoch)
-                self._epoch_open_tasks[task.epoch] = self._epoch_open_tasks.get(task.epoch, 0) + 1
-                self._completed.discard(task_id)
-                del self._applied_by_task[task_id]
-                self._requeue(task, redone=counted - applied.get(task_id, 0))
-                lost.append(task_id)
-            logger.warning("PS rollback (versions continue at %d): %d done task(s) re-queued: %s",
-                           new_version, len(lost), lost)
-            return lost
-
-    def _find_done(self, task_id: int) -> Task:
-        return self._done_tasks[task_id]
+        """The PS rolled back to a checkpoint whose ledgers hold ``applied`` (task ->
+        records applied on every PS); see :func:`task_state.requeue_unapplied`."""
+        return requeue_unapplied(self, applied, new_version)
 
     def _count_done(self, task: Task) -> tuple[Optional[int], Optional[int]]:
         if task.type == TaskType.TRAINING:
@@ -460,10 +420,6 @@ class TaskManager:
             return {"todo": len(self._todo), "eval_todo": len(self._eval_todo),
                     "doing": len(self._doing), "completed": len(self._completed)}
 
-    def doing_workers(self) -> set[int]:
-        with self._lock:
-            return {d.worker_id for d in self._doing.values()}
-
     def epochs_report(self) -> list[dict[str, int]]:
         with self._lock:
             return [{"epoch": e, "records_completed": led.records_completed,
@@ -486,44 +442,9 @@ class TaskManager:
                     "records_redone": self.prediction_ledger.records_redone}
 
     def state_dict(self, partial: Optional[dict[int, int]] = None) -> dict[str, Any]:
-        """The data position: every training task not yet done, for resuming.
-
-        ``partial`` maps a task id in progress to the records of it already
-        trained (a checkpoint taken mid-task); those records count as done and
-        only the rest of the task is pending after a restore.
-        """
-        partial = partial or {}
-        with self._lock:
-            ledger = {e: dict(vars(led)) for e, led in self.ledger.items()}
-            pending = []
-            held = [d.task for d in self._doing.values()]
-            for task in list(held) + list(self._todo):
-                if task.type != TaskType.TRAINING:
-                    continue
-                done = partial.get(task.task_id, 0)
-                if done:
-                    ledger[task.epoch]["records_completed"] += done
-                    ledger[task.epoch]["records_applied"] += done
-                if task.start + done < task.end:
-                    pending.append([task.shard_name, task.start + done, task.end, task.epoch])
-            return {"epochs_created": self._epochs_created, "pending": pending,
-                    "ledger": ledger, "num_epochs": self.num_epochs}
+        """The data position (see :func:`task_state.data_position`)."""
+        return data_position(self, partial)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: only the pending tasks are left of
-        the epochs already created; later epochs are created as usual."""
-        with self._lock:
-            if self._doing or self._completed:
-                raise RuntimeError("load_state_dict on a task manager already in use")
-            self._todo = deque(t for t in self._todo if t.type != TaskType.TRAINING)
-            self._epochs_created = int(state["epochs_created"])
-            # a data position saved before records_applied existed: what was done was applied
-            self.ledger = {int(e): EpochLedger(**{"records_applied": v["records_completed"],
-                                                  **v}) for e, v in state["ledger"].items()}
-            self._epoch_open_tasks = {e: 0 for e in self.ledger}
-            for name, start, end, epoch in state["pending"]:
-                self._todo.append(self._new_task(TaskType.TRAINING, name, int(start), int(end),
-                                                 int(epoch)))
-                self._epoch_open_tasks[int(epoch)] = self._epoch_open_tasks.get(int(epoch), 0) + 1
-            logger.info("resumed data position: epoch %d, %d pending task(s)",
-                        max(self._epochs_created - 1, 0), len(state["pending"]))
+        """Resume from :meth:`state_dict` (see :func:`task_state.load_data_position`)."""
+        load_data_position(self, state)

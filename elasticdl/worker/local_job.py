@@ -1,7 +1,8 @@
 """``--distribution_strategy=Local``: a whole job in one process.
 
-The master's task manager and evaluation aggregator run in-process behind a
-:class:`LocalTaskSource`; the worker's :class:`TaskLoop` is the same code the
+The master's :class:`JobCore` (tasks, ledger, schedule, evaluations, report)
+runs in process behind a :class:`LocalTaskSource`, with the same flags and
+rules as the gRPC master; the worker's :class:`TaskLoop` is the same code the
 distributed workers run.
 """
 
@@ -16,15 +17,13 @@ import torch
 
 from elasticdl.api.model_spec import ModelSpec, load_from_job_spec
 from elasticdl.checkpoint import api as ckpt
-from elasticdl.common.datasets import create_readers, shards_for
+from elasticdl.common.datasets import create_readers
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_dirs import job_dir_for
-from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
-from elasticdl.master.evaluation import EvaluationAggregator
-from elasticdl.master.task_manager import TaskManager
+from elasticdl.master.job import JobCore
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import TaskLoop
 from elasticdl.worker.task_source import LocalTaskSource
@@ -40,21 +39,15 @@ class LocalJob:
         self.spec = spec
         self.model_spec = model_spec or load_from_job_spec(spec)
         self.readers = create_readers(spec, self.model_spec.custom_data_reader)
-        self.task_manager = TaskManager(
-            records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
-            shuffle=spec.shuffle, seed=spec.seed, max_task_retries=spec.max_task_retries,
-            **shards_for(self.readers, spec))
+        self.core = JobCore.from_spec(spec, self.readers)
+        self.task_manager = self.core.tm
+        self.report = self.core.report
         self.out_dir = job_dir_for(spec)
-        self.report = JobReport(spec.job_name, spec.distribution_strategy, "local", 1, 0,
-                                job_type=spec.job_type,
-                                training_records=self.task_manager.training_records,
-                                validation_records=self.task_manager.evaluation_records,
-                                prediction_records=self.task_manager.prediction_records)
-        self.aggregator = EvaluationAggregator(on_result=self.report.add_evaluation)
-        self.task_manager.evaluation_done_callbacks.append(self.aggregator.complete)
+        self.source = LocalTaskSource(self.core, version=lambda: self.trainer.model_version)
         self.trainer = LocalTrainer(self.model_spec, select_device(spec.device), spec.seed)
         self._records_done_in_task: dict[int, int] = {}
         self.progress: Optional[Progress] = None
+        self._last_saved = 0
 
     # -------------------------------------------------------------- hooks
     def _after_train_step(self, task: Task, done: int, loss: torch.Tensor) -> None:
@@ -66,47 +59,44 @@ class LocalJob:
             if version % 10 == 0 or done == task.num_records:
                 fields["loss"] = float(loss)
             self.progress.update(done - prev, **fields)
-        spec = self.spec
-        if spec.evaluation_steps and version % spec.evaluation_steps == 0:
-            self.task_manager.create_evaluation_tasks(version)
-        if spec.checkpoint_dir and spec.checkpoint_steps and version % spec.checkpoint_steps == 0:
+        self.source.report_version(version)  # the core decides about evaluations
+        if self.core.schedule.checkpoint_due(version, self._last_saved):
             self.save_checkpoint(partial={task.task_id: done})
 
     def _after_task(self, task: Task) -> None:
         self._records_done_in_task.pop(task.task_id, None)
 
-    def _on_epoch_end(self, epoch: int) -> None:
-        self.task_manager.create_evaluation_tasks(self.trainer.model_version)
-
     def save_checkpoint(self, partial: Optional[dict[int, int]] = None) -> str:
         state = self.trainer.state_dict()
         state["data_position"] = self.task_manager.state_dict(partial)
+        self._last_saved = self.trainer.model_version
         return ckpt.save(self.spec.checkpoint_dir, self.trainer.model_version, state,
                                 self.spec.keep_checkpoint_max)
 
     def _restore(self) -> None:
         if self.spec.job_type != JobType.TRAIN:
             ckpt.load_for_inference(self.trainer, self.spec.checkpoint_dir_for_init)
+            self.core.start_at_version(self.trainer.model_version)
             return
         state = ckpt.load(self.spec.checkpoint_dir_for_init,
                                  map_location=str(self.trainer.device))
         self.trainer.load_state_dict(state)
         if "data_position" in state:
             self.task_manager.load_state_dict(state["data_position"])
+        self.core.start_at_version(self.trainer.model_version)
+        self._last_saved = self.trainer.model_version
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         spec, tm = self.spec, self.task_manager
         if spec.checkpoint_dir_for_init:
             self._restore()
-        if spec.job_type == JobType.EVALUATE:
-            tm.create_evaluation_tasks(self.trainer.model_version)
-        tm.epoch_end_callbacks.append(self._on_epoch_end)
+        self.core.begin()
         sink = None
         if spec.job_type == JobType.PREDICT:
             sink = PredictionSink(self.out_dir, spec.prediction_output_format,
                                   self.model_spec.prediction_outputs_processor)
-        loop = TaskLoop(LocalTaskSource(tm, self.aggregator), self.trainer, self.model_spec,
+        loop = TaskLoop(self.source, self.trainer, self.model_spec,
                         self.readers, spec.minibatch_size, prediction_sink=sink,
                         after_train_step=[self._after_train_step], after_task=[self._after_task],
                         skip_nonfinite_steps=spec.skip_nonfinite_steps)
@@ -118,7 +108,7 @@ class LocalJob:
         try:
             loop.run()
         except BaseException as e:
-            self.report.epochs = tm.epochs_report()
+            self.core.refresh_report()
             self.report.fail("worker-0", f"{type(e).__name__}: {e}", traceback.format_exc())
             self.report.write(self.out_dir)
             raise
@@ -127,7 +117,7 @@ class LocalJob:
                 self.progress.close()
         self.report.extra["nonfinite_steps_skipped"] = loop.stats.nonfinite_skipped
         if tm.failure is not None:  # a task failed --max_task_retries times
-            self.report.epochs = tm.epochs_report()
+            self.core.refresh_report()
             self.report.fail("worker-0", tm.failure.describe(), tm.failure.traceback)
             self.report.write(self.out_dir)
             raise TaskFailedError(tm.failure.describe())
@@ -136,13 +126,11 @@ class LocalJob:
             if spec.checkpoint_dir and spec.checkpoint_steps:
                 self.save_checkpoint()
             ckpt.export_model(self.trainer.model, self.out_dir)
-        self.report.epochs = tm.epochs_report()
+        self.core.refresh_report()
         self.report.status = "succeeded"
+        self.report.extra["nonfinite_steps_skipped"] = loop.stats.nonfinite_skipped
         self.report.extra["model_version"] = self.trainer.model_version
         self.report.extra["loop_wall_s"] = round(wall, 3)
-        self.report.extra["records_predicted"] = tm.prediction_ledger.records_completed
-        if spec.job_type == JobType.PREDICT:
-            self.report.extra["prediction"] = tm.prediction_report()
         path = self.report.write(self.out_dir)
         logger.info("job %s succeeded in %.1f s; report: %s", spec.job_name, wall, path)
         return self.report.to_dict()

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from elasticdl.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger("elasticdl.worker")
+
+VERSION_REPORT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,14 @@ def run_worker(args: WorkerArgs) -> int:
 
             sink = PredictionSink(job_dir_for(spec), spec.prediction_output_format,
                                   model_spec.prediction_outputs_processor)
+        # the version goes with every task result; between results, for progress,
+        # at most every VERSION_REPORT_S (evaluations are the master's decision)
+        client.version = lambda: runtime.model_version
+        last_report = [time.monotonic()]
 
         def report_version(version: int) -> None:
-            # exactly at evaluation steps (so evaluations carry the right version),
-            # and every 20 versions for progress
-            due = spec.evaluation_steps and version % spec.evaluation_steps == 0
-            if due or version % 20 == 0:
+            if time.monotonic() - last_report[0] >= VERSION_REPORT_S:
+                last_report[0] = time.monotonic()
                 client.report_version(version)
 
         try:

@@ -40,6 +40,9 @@ class MasterClient(TaskSource):
         self._stub = pb_grpc.MasterStub(self._channel)
         self.export_model = False
         self._request_id = 0
+        # the worker's model version, sent with every task result (set once the
+        # trainer exists)
+        self.version: Optional[Callable[[], int]] = None
 
     def close(self) -> None:
         self._channel.close()
@@ -79,10 +82,13 @@ class MasterClient(TaskSource):
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
                     fatal: bool = False, counters: Optional[Mapping[str, int]] = None) -> None:
-        self._call(self._stub.report_task_result, pb.ReportTaskResultRequest(
+        req = pb.ReportTaskResultRequest(
             task_id=task.task_id, worker_id=self.worker_id, err_message=error[:16000],
             err_traceback=traceback[-20000:], fatal=fatal,
-            counters=[pb.Counter(name=n, value=int(v)) for n, v in (counters or {}).items()]))
+            counters=[pb.Counter(name=n, value=int(v)) for n, v in (counters or {}).items()])
+        if self.version is not None:
+            req.model_version = max(int(self.version()), 0)
+        self._call(self._stub.report_task_result, req)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
         self._call(self._stub.report_evaluation_metrics, pb.ReportEvaluationMetricsRequest(

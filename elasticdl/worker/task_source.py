@@ -1,15 +1,16 @@
-"""Where a worker's tasks come from: the master over gRPC, or an in-process
-task manager (Local strategy). Both implement :class:`TaskSource`, so the
-worker's task loop is one piece of code for every strategy."""
+"""Where a worker's tasks come from: the master over gRPC, or the job core in
+process (Local strategy). Both implement :class:`TaskSource`, so the worker's
+task loop is one piece of code for every strategy."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import Optional
+from collections.abc import Callable, Mapping, Sequence
+from typing import Optional, Union
 
 from elasticdl.common.task import Task, TaskType
 from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.job import JobCore
 from elasticdl.master.task_manager import TaskManager
 
 Metric = tuple[str, float, int]  # name, value, weight (samples)
@@ -30,32 +31,47 @@ class TaskSource(ABC):
     def report_task(self, task: Task, error: str = "", traceback: str = "",
                     fatal: bool = False, counters: Optional[Mapping[str, int]] = None) -> None:
         """Report a task done (empty ``error``) or failed, with ``counters`` such as
-        ``records_applied`` (what the PS applied of it) or ``nonfinite_steps_skipped``."""
+        ``records_applied`` (what the PS applied of it) or ``nonfinite_steps_skipped``,
+        and the worker's model version after it."""
 
     @abstractmethod
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
         """Report one evaluation task's metrics (before :meth:`report_task`)."""
 
     def report_version(self, version: int) -> None:  # noqa: B027 - optional hook
-        """Tell the master the worker's model version (drives evaluation steps)."""
+        """Tell the master the worker's model version (progress; evaluations are
+        the master's decision)."""
 
 
 class LocalTaskSource(TaskSource):
-    """In-process master for the Local strategy."""
+    """The job core in process (Local strategy).
 
-    def __init__(self, task_manager: TaskManager, aggregator: EvaluationAggregator,
-                 worker_id: int = 0):
-        self.task_manager = task_manager
-        self.aggregator = aggregator
+    Args:
+        core: the job's :class:`JobCore`; a bare :class:`TaskManager` (tests,
+            tools) is wrapped in one that leaves evaluations to the caller.
+        version: the worker's model version, sent with every task result.
+    """
+
+    def __init__(self, core: Union[JobCore, TaskManager],
+                 aggregator: Optional[EvaluationAggregator] = None, worker_id: int = 0,
+                 version: Optional[Callable[[], int]] = None):
+        if isinstance(core, TaskManager):
+            core = JobCore.for_tasks(core, aggregator)
+        self.core = core
         self.worker_id = worker_id
+        self.version = version
 
     def get_task(self, task_type: Optional[TaskType] = None) -> Task:
-        return self.task_manager.get(self.worker_id, task_type)
+        return self.core.get(self.worker_id, task_type)
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
                     fatal: bool = False, counters: Optional[Mapping[str, int]] = None) -> None:
-        self.task_manager.report(task.task_id, self.worker_id, not error, error, traceback,
-                                 fatal, counters=counters)
+        version = self.version() if self.version is not None else None
+        self.core.report_task(task.task_id, self.worker_id, not error, error, traceback,
+                              fatal, counters=counters, model_version=version)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
-        self.aggregator.add(task.model_version, task.task_id, metrics)
+        self.core.report_evaluation(task.task_id, task.model_version, metrics)
+
+    def report_version(self, version: int) -> None:
+        self.core.on_version(self.worker_id, version)

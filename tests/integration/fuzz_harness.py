@@ -41,8 +41,9 @@ from elasticdl.cluster.process import free_port
 from elasticdl.common import auth
 from elasticdl.common.task import TaskType
 from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.job import JobCore
 from elasticdl.master.rendezvous import Rendezvous
-from elasticdl.master.servicer import MasterServicer, NullHooks, start_master_server
+from elasticdl.master.servicer import MasterServicer, start_master_server
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
@@ -105,10 +106,10 @@ class Target:
         self.tm.evaluation_done_callbacks.append(self.agg.complete)
         self.tm.create_evaluation_tasks(0)
         self.rdzv = Rendezvous("127.0.0.1", free_port, settle_s=0.0, checkin_timeout_s=1.0)
-        self.hooks = _Hooks()
+        self.core = JobCore.for_tasks(self.tm, self.agg)
         port = free_port()
         self.master = start_master_server(
-            MasterServicer(self.tm, self.agg, self.hooks, self.rdzv, require_identity=True),
+            MasterServicer(self.core, self.rdzv, require_identity=True),
             port, host="127.0.0.1", max_workers=32, job_secrets=job_secrets)
         self.addrs = {"Master": f"127.0.0.1:{port}", "PServer": f"127.0.0.1:{ps_port}"}
 
@@ -135,7 +136,7 @@ class Target:
             h.update(repr((sorted(self.rdzv._workers.items()), self.rdzv._version,
                            self.rdzv._plan, self.rdzv._round)).encode())
         h.update(repr((self.agg._sums, self.agg._reported, self.agg.results,
-                       self.hooks.events)).encode())
+                       self.core.version, self.core.replicas.state_dict())).encode())
         for root, _, files in sorted(os.walk(self.ckpt_dir)):
             h.update(repr((root, sorted(files))).encode())
         return h.hexdigest()
@@ -155,18 +156,6 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     return obj
-
-
-class _Hooks(NullHooks):
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple] = []
-
-    def on_version(self, worker_id: int, version: int) -> None:
-        self.events.append(("version", worker_id, version))
-
-    def on_worker_failure(self, worker_id: int, message: str, traceback: str) -> None:
-        self.events.append(("failure", worker_id, len(message)))
 
 
 # ------------------------------------------------------------------ calling

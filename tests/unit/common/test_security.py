@@ -18,7 +18,8 @@ import torch
 from elasticdl.cluster.process import free_port
 from elasticdl.common import auth
 from elasticdl.master.evaluation import EvaluationAggregator
-from elasticdl.master.servicer import MasterServicer, NullHooks, start_master_server
+from elasticdl.master.job import JobCore
+from elasticdl.master.servicer import MasterServicer, start_master_server
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
@@ -67,7 +68,7 @@ def servers(job_secrets: auth.JobSecrets) -> Iterator[dict]:
                                job_secrets=job_secrets)
     tm = TaskManager(training_shards=[("t", 0, 40)], records_per_task=10)
     port = free_port()
-    master = start_master_server(MasterServicer(tm, EvaluationAggregator(), NullHooks(),
+    master = start_master_server(MasterServicer(JobCore.for_tasks(tm, EvaluationAggregator()),
                                                 require_identity=True),
                                  port, host="127.0.0.1", job_secrets=job_secrets)
     try:

@@ -17,8 +17,9 @@ from elasticdl.checkpoint.single import mark_done, save_file, version_dir
 from elasticdl.cluster.process import free_port
 from elasticdl.common.task import TaskType
 from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.job import JobCore
 from elasticdl.master.rendezvous import Rendezvous
-from elasticdl.master.servicer import MasterServicer, NullHooks, start_master_server
+from elasticdl.master.servicer import MasterServicer, start_master_server
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
@@ -143,11 +144,11 @@ def test_push_of_a_version_the_ps_never_made_changes_nothing(version):
 
 # ---------------------------------------------------------------------- master
 @contextlib.contextmanager
-def master_server(tm: TaskManager, agg: EvaluationAggregator, hooks=None, rendezvous=None
+def master_server(tm: TaskManager, agg: EvaluationAggregator, core=None, rendezvous=None
                   ) -> Iterator[pb_grpc.MasterStub]:
     port = free_port()
-    server = start_master_server(MasterServicer(tm, agg, hooks or NullHooks(), rendezvous),
-                                 port, host="127.0.0.1")
+    core = core or JobCore.for_tasks(tm, agg)
+    server = start_master_server(MasterServicer(core, rendezvous), port, host="127.0.0.1")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield pb_grpc.MasterStub(channel)
@@ -229,25 +230,16 @@ def test_metrics_for_unknown_tasks_versions_or_from_non_holders_are_refused():
         assert agg.results == {5: {"acc": 0.5}}
 
 
-class _Hooks(NullHooks):
-    def __init__(self) -> None:
-        super().__init__()
-        self.versions: list[tuple[int, int]] = []
-
-    def on_version(self, worker_id: int, version: int) -> None:
-        self.versions.append((worker_id, version))
-
-
 def test_version_reports_count_only_from_workers_that_had_tasks():
     tm = TaskManager(training_shards=[("t", 0, 20)], records_per_task=10)
-    hooks = _Hooks()
-    with master_server(tm, EvaluationAggregator(), hooks=hooks) as stub:
+    core = JobCore.for_tasks(tm, minibatch_size=1)  # one task: up to 10 versions
+    with master_server(tm, EvaluationAggregator(), core=core) as stub:
         stub.report_version(pb.ReportVersionRequest(worker_id=3, model_version=10 ** 9),
                             timeout=30)
-        assert hooks.versions == []
+        assert core.version == 0
         stub.get_task(pb.GetTaskRequest(worker_id=3), timeout=30)
         stub.report_version(pb.ReportVersionRequest(worker_id=3, model_version=4), timeout=30)
-        assert hooks.versions == [(3, 4)]
+        assert core.version == 4
 
 
 def test_master_internal_errors_are_clear_statuses_and_it_keeps_serving():

@@ -11,11 +11,13 @@ import pytest
 from elasticdl.cluster.api import Phase, ReplicaEvent, ReplicaType
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import job_spec_from_flags
+from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import TaskType
 from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.job import JobCore
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.policy import Action, RelaunchPolicy
-from elasticdl.master.servicer import MasterServicer, NullHooks, start_master_server
+from elasticdl.master.servicer import MasterServicer, start_master_server
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
@@ -52,7 +54,8 @@ def controller(tmp_path, records=100, **flags):
     tm = TaskManager(prediction_shards=[("p", 0, records)], records_per_task=10)
     cluster = ScriptedCluster()
     report = JobReport("j", "Local", "local", 2, 0, job_type="predict")
-    ctl = JobController(spec, cluster, tm, report, "m:1", str(tmp_path), report_interval_s=0)
+    core = JobCore(tm, report, job_type=spec.job_type)
+    ctl = JobController(spec, cluster, core, "m:1", str(tmp_path), report_interval_s=0)
     return ctl, cluster, tm, report
 
 
@@ -102,17 +105,26 @@ def test_evaluation_triggered_by_versions(tmp_path):
                                          "num_ps_pods": 2})
     tm = TaskManager([("t", 0, 100)], [("v", 0, 10)], records_per_task=10)
     cluster = ScriptedCluster()
-    ctl = JobController(spec, cluster, tm, JobReport("j", "", "", 1, 2), "m:1",
-                        str(tmp_path))
+    core = JobCore(tm, JobReport("j", "", "", 1, 2), Schedule(evaluation_steps=10),
+                   minibatch_size=1)
+    ctl = JobController(spec, cluster, core, "m:1", str(tmp_path))
     ctl.start()
     assert cluster.names() == ["ps-0", "ps-1", "worker-0"]
     assert any("--ps_addrs=ps-0.svc:7000,ps-1.svc:7001" in a
                for a in cluster.created[-1].command)
-    ctl.on_version(0, 7)
-    assert tm.get(0).type == TaskType.TRAINING
-    ctl.on_version(0, 23)
-    task = tm.get(0)
-    assert task.type == TaskType.EVALUATION and task.model_version == 20
+    first = core.get(0)
+    assert first.type == TaskType.TRAINING
+    core.on_version(0, 7)
+    assert core.get(0).type == TaskType.TRAINING
+    core.on_version(0, 13)  # crossed 10: due, but two training tasks are still held
+    assert core.get(0).type == TaskType.WAIT
+    core.report_task(first.task_id, 0, True, model_version=15)
+    assert core.get(0).type == TaskType.WAIT
+    core.report_task(first.task_id + 1, 0, True, model_version=18)
+    # encoded the bug before: labelled 20 (the multiple) while the model was at 23;
+    # now labelled with the version the model has when its evaluation starts
+    task = core.get(0)
+    assert task.type == TaskType.EVALUATION and task.model_version == 18
 
 
 @pytest.fixture
@@ -122,7 +134,7 @@ def master_server():
     from elasticdl.cluster.process import free_port
 
     port = free_port()
-    server = start_master_server(MasterServicer(tm, agg, NullHooks()), port,
+    server = start_master_server(MasterServicer(JobCore.for_tasks(tm, agg)), port,
                                  host="127.0.0.1")
     yield tm, agg, f"127.0.0.1:{port}"
     server.stop(0)

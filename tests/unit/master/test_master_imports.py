@@ -14,7 +14,6 @@ import os, sys, tempfile
 import numpy as np
 import elasticdl.master.main as m
 from elasticdl.common.job_spec import job_spec_from_flags
-from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.servicer import MasterServicer, start_master_server
 
 d = tempfile.mkdtemp()
@@ -25,10 +24,11 @@ with open(f"{d}/val/a.csv", "w") as f:
 spec = job_spec_from_flags("train", {"model_zoo": d, "model_def": "nope.custom_model",
     "training_data": f"{d}/train", "validation_data": f"{d}/val", "num_workers": 2,
     "distribution_strategy": "AllreduceStrategy", "evaluation_steps": 5})
-tm = m.build_task_manager(spec)
+core = m.build_core(spec)
+tm = core.tm
 assert tm.training_records == 40 and tm.evaluation_records == 30, tm.training_records
 rdzv = m._rendezvous(spec, "127.0.0.1")
-server = start_master_server(MasterServicer(tm, EvaluationAggregator(), None, rdzv), 0)
+server = start_master_server(MasterServicer(core, rdzv), 0)
 server.stop(0)
 heavy = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "numpy.testing"))
 print("IMPORTED:", heavy)

@@ -295,7 +295,8 @@ def test_item12_hung_first_task_is_reassigned_without_three_durations():
 
 def test_item12_get_task_retry_after_lost_reply_orphans_nothing():
     from elasticdl.cluster.process import free_port
-    from elasticdl.master.servicer import MasterServicer, NullHooks, start_master_server
+    from elasticdl.master.job import JobCore
+    from elasticdl.master.servicer import MasterServicer, start_master_server
     from elasticdl.worker.master_client import MasterClient
 
     tm = TaskManager([("a", 0, 40)], records_per_task=10)
@@ -311,8 +312,8 @@ def test_item12_get_task_retry_after_lost_reply_orphans_nothing():
             return reply
 
     port = free_port()
-    server = start_master_server(LossyServicer(tm, EvaluationAggregator(), NullHooks()), port,
-                                 host="127.0.0.1")
+    server = start_master_server(LossyServicer(JobCore.for_tasks(tm, EvaluationAggregator())),
+                                 port, host="127.0.0.1")
     try:
         addr = f"127.0.0.1:{port}"
         client = MasterClient(addr, worker_id=1, call_timeout_s=10, unavailable_timeout_s=20)

@@ -154,3 +154,19 @@ def test_skip_nonfinite_steps_counts_and_exports_a_finite_model(nan_toy):
     assert report["nonfinite_steps_skipped"] >= 100 // 16
     state = torch.load(tmp / "out" / "model.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_evaluate_from_a_jobs_output_reproduces_its_final_metrics(toy):
+    """``--checkpoint_dir_for_init=<a job's --output>``: its exported model.pt (a
+    plain state dict) is what the final evaluation evaluated."""
+    _, tmp = toy
+    report = run_local_job(spec(tmp, num_epochs=2, evaluation_steps=7))
+    evals = report["evaluations"]
+    assert [e["epoch"] for e in evals if "epoch_end" in e["reasons"]] == [0, 1]
+    assert evals[-1]["reasons"] == ["epoch_end", "final"]
+    assert evals[-1]["model_version"] == report["model_version"] == 40
+    ev = run_local_job(spec(tmp, "evaluate", checkpoint_dir_for_init=str(tmp / "out"),
+                            output=str(tmp / "ev")))
+    assert [e["model_version"] for e in ev["evaluations"]] == [40]
+    assert ev["final_metrics"]["mse"] == pytest.approx(report["final_metrics"]["mse"],
+                                                       abs=1e-6, rel=0)

@@ -1,0 +1,338 @@
+"""The job core: every decision of a job, in one object with serialisable state.
+
+:class:`JobCore` owns the :class:`TaskManager` (tasks, per-epoch ledger), the
+:class:`EvaluationAggregator`, the :class:`Schedule`, the :class:`JobReport`,
+the job's model version and the relaunch bookkeeping (:class:`ReplicaBook`).
+The Local strategy runs it in process behind ``LocalTaskSource``; the gRPC
+master runs it behind its servicer, and the :class:`JobController` only
+applies its decisions on the cluster. :meth:`JobCore.state_dict` is a JSON-able
+dict a restarted master can continue from (:meth:`JobCore.load_state_dict`).
+
+Evaluation is a barrier. When one is due (the periodic rule of the Schedule,
+an epoch's end, the end of training), training tasks stop going out (workers
+are told WAIT); once no worker holds a training task any more the model no
+longer changes, and the evaluation tasks are created labelled with the job's
+version at that moment: the version they actually evaluate. Training resumes
+when the evaluation is complete. Reasons that fall on one version share one
+evaluation (``{"model_version", "metrics", "reasons", "epoch"}`` in the
+report); the final one runs after the last training task and before the
+model is exported, so ``final_metrics`` describe ``model.pt``. An epoch's
+tasks go out only once the previous epoch is done, so an epoch-end evaluation
+sees exactly the epochs up to its own.
+
+Versions. Workers report their model version with every task result and, for
+progress, now and then. A version is validated against an upper bound: each
+training minibatch makes at most one model version (Local and allreduce: one
+step; PS: one push applied per PS, sync ones fewer), so no honest client
+reports more than ``start + minibatches handed out`` (``start``: the version
+the job resumed from or the PS rolled back to, whichever is larger). Above
+that: :class:`VersionError` (INVALID_ARGUMENT on the wire). Older versions are
+accepted and never move the job's version back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from elasticdl.common.enums import JobType, Strategy
+from elasticdl.common.job_report import JobReport, exported_model_version
+from elasticdl.common.schedule import Schedule
+from elasticdl.common.task import Task, TaskType
+from elasticdl.master import task_state
+from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.replicas import ReplicaBook
+from elasticdl.master.task_manager import TaskManager
+
+logger = logging.getLogger(__name__)
+
+Metric = tuple[str, float, int]
+
+
+class VersionError(ValueError):
+    """A model version no task handed out so far could have produced."""
+
+
+class JobCore:
+    """Args:
+        minibatch_size: records per training step (bounds reported versions).
+        start_version: the model version the job starts from (a resumed checkpoint).
+        manage_evaluations: False leaves evaluations to whoever queues them on the
+            task manager (tests and tools around a bare task manager).
+    """
+
+    def __init__(self, task_manager: TaskManager, report: JobReport,
+                 schedule: Optional[Schedule] = None, *, minibatch_size: int = 64,
+                 job_type: JobType = JobType.TRAIN, start_version: int = 0,
+                 aggregator: Optional[EvaluationAggregator] = None,
+                 manage_evaluations: bool = True):
+        self.tm = task_manager
+        self.report = report
+        self.schedule = schedule or Schedule()
+        self.minibatch_size = minibatch_size
+        self.job_type = job_type
+        self.aggregator = aggregator or EvaluationAggregator()
+        self.replicas = ReplicaBook()
+        self._lock = threading.RLock()
+        self.version = self._start = self._last_due = start_version
+        self._minibatches_out = 0
+        self._last_evaluated: Optional[int] = None
+        self._pending: Optional[dict[str, Any]] = None   # {"reasons", "epoch"}
+        self._running: Optional[dict[str, Any]] = None   # {"version", "reasons", "epoch"}
+        self._begun = False
+        self._epochs_ended: set[int] = set()
+        self._manage = manage_evaluations
+        task_manager.evaluation_done_callbacks.append(self._on_evaluation_done)
+        if manage_evaluations:
+            task_manager.epoch_end_callbacks.append(self._on_epoch_end)
+            task_manager.epoch_barrier = job_type == JobType.TRAIN and \
+                task_manager.evaluation_records > 0
+
+    @classmethod
+    def for_tasks(cls, task_manager: TaskManager,
+                  aggregator: Optional[EvaluationAggregator] = None, **kwargs: Any) -> JobCore:
+        """A core around a bare task manager that leaves evaluations to its caller
+        (tests, benchmarks, tools)."""
+        kwargs.setdefault("manage_evaluations", False)
+        return cls(task_manager, JobReport("job", "", "", 1, 0), aggregator=aggregator,
+                   **kwargs)
+
+    @classmethod
+    def from_spec(cls, spec: Any, readers: Mapping[TaskType, Any], first_task_id: int = 0,
+                  start_version: int = 0) -> JobCore:
+        """The one place a job's task manager, schedule and report are built."""
+        from elasticdl.common.datasets import shards_for
+
+        tm = TaskManager(records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
+                         shuffle=spec.shuffle, seed=spec.seed,
+                         max_task_retries=spec.max_task_retries,
+                         task_timeout_s=spec.task_timeout_s, first_task_id=first_task_id,
+                         **shards_for(dict(readers), spec))
+        report = report_for(spec, tm)
+        return cls(tm, report, Schedule.from_spec(spec), minibatch_size=spec.minibatch_size,
+                   job_type=spec.job_type, start_version=start_version)
+
+    # ------------------------------------------------------------- versions
+    def start_at_version(self, version: int) -> None:
+        """The model the job starts from has ``version`` (a restored checkpoint)."""
+        with self._lock:
+            self.version = self._start = self._last_due = version
+
+    def version_bound(self) -> int:
+        with self._lock:
+            return max(self._start, self.tm.rollback_version) + self._minibatches_out
+
+    def on_version(self, worker_id: int, version: int) -> None:
+        """A worker's model version. Raises VersionError above :meth:`version_bound`."""
+        with self._lock:
+            bound = self.version_bound()
+            if version > bound:
+                raise VersionError(
+                    f"model version {version} from worker {worker_id} is ahead of what the "
+                    f"job could have produced ({bound}: start version plus the training "
+                    "minibatches handed out so far)")
+            if version <= self.version:
+                return  # stale or known: never moves anything back
+            self.version = version
+            if self.job_type == JobType.TRAIN and self.schedule.eval_due(version,
+                                                                          self._last_due):
+                self._last_due = version
+                self._request_evaluation("periodic", None)
+
+    # ---------------------------------------------------------------- tasks
+    def begin(self) -> None:
+        """Start the job (an evaluate job queues its one evaluation). Idempotent."""
+        with self._lock:
+            if not self._begun and self.job_type == JobType.EVALUATE:
+                self._request_evaluation("evaluate", None)
+            self._begun = True
+
+    def get(self, worker_id: int, task_type: Optional[TaskType] = None,
+            request_id: int = 0) -> Task:
+        """The next task for ``worker_id`` (see :meth:`TaskManager.get`)."""
+        with self._lock:
+            self._maybe_start_evaluation()
+            task = self.tm.get(worker_id, task_type, request_id)
+            if task.type == TaskType.TRAINING:
+                self._minibatches_out += -(-task.num_records // self.minibatch_size)
+            return task
+
+    def report_task(self, task_id: int, worker_id: int, success: bool, error: str = "",
+                    traceback: str = "", fatal: bool = False,
+                    counters: Optional[Mapping[str, int]] = None,
+                    model_version: Optional[int] = None) -> None:
+        """A task's outcome, with the reporter's model version after it.
+        Raises VersionError (nothing recorded) for a version from the future."""
+        with self._lock:
+            if model_version is not None:
+                self.on_version(worker_id, model_version)
+            self.tm.report(task_id, worker_id, success, error, traceback, fatal, counters)
+            self._maybe_start_evaluation()
+
+    def report_evaluation(self, task_id: int, model_version: int,
+                          metrics: Sequence[Metric]) -> None:
+        self.aggregator.add(model_version, task_id, metrics)
+
+    def recover_tasks(self, worker_id: int) -> list[Task]:
+        """Re-queue what a dead worker held."""
+        with self._lock:
+            lost = self.tm.recover_tasks(worker_id)
+            self._maybe_start_evaluation()
+            return lost
+
+    def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
+        """The PS rolled back to a checkpoint; versions continue at ``new_version``."""
+        with self._lock:
+            lost = self.tm.rollback(applied, new_version)
+            self.version = max(self.version, new_version)
+            return lost
+
+    def held_task(self, task_id: int) -> tuple[Optional[Task], frozenset[int]]:
+        return self.tm.held_task(task_id)
+
+    def task_exists(self, task_id: int) -> bool:
+        return self.tm.task_exists(task_id)
+
+    def has_worked(self, worker_id: int) -> bool:
+        return self.tm.has_worked(worker_id)
+
+    def finished(self) -> bool:
+        """Every task done and no evaluation due or running."""
+        with self._lock:
+            return self._pending is None and self._running is None and self.tm.finished()
+
+    def claim_export(self, worker_id: int) -> bool:
+        """Whether ``worker_id`` writes the final model (the first to ask, once done)."""
+        return self.job_type == JobType.TRAIN and self.finished() and \
+            self.replicas.claim_export(worker_id)
+
+    # ----------------------------------------------------------- evaluation
+    def _request_evaluation(self, reason: str, epoch: Optional[int]) -> None:
+        if not self.tm.evaluation_records or not self._manage:
+            return
+        target = self._running or self._pending
+        if target is None:
+            target = self._pending = {"reasons": [], "epoch": None}
+            self.tm.hold_training = True
+        if reason not in target["reasons"]:
+            target["reasons"].append(reason)
+        if epoch is not None:
+            target["epoch"] = epoch
+        logger.info("evaluation due (%s) at model version %d", ", ".join(target["reasons"]),
+                    self.version)
+
+    def _maybe_start_evaluation(self) -> None:
+        pending = self._pending
+        if pending is None or self.tm.training_held():
+            return
+        self._pending = None
+        version = self.version
+        if version == self._last_evaluated:  # this very model was evaluated already
+            self.report.add_reasons(pending["reasons"], pending["epoch"])
+            self.tm.hold_training = False
+            return
+        if not self.tm.create_evaluation_tasks(version):
+            logger.warning("model version %d was evaluated before; %s not repeated", version,
+                           pending["reasons"])
+            self.tm.hold_training = False
+            return
+        self._running = {"version": version, **pending}
+
+    def _on_evaluation_done(self, version: int) -> None:
+        running = self._running
+        if running is None or running["version"] != version:
+            return  # evaluation tasks queued on the task manager directly (tests, tools)
+        metrics = self.aggregator.complete(version)
+        self.report.add_evaluation(version, metrics, running["reasons"], running["epoch"])
+        self._last_evaluated = version
+        self._running = None
+        self.tm.hold_training = self._pending is not None
+
+    def _on_epoch_end(self, epoch: int) -> None:
+        if self.job_type != JobType.TRAIN:
+            return
+        with self._lock:
+            if epoch in self._epochs_ended:
+                # a PS rollback reopened a finished epoch: its end was evaluated once
+                logger.info("epoch %d ended again (PS rollback); its epoch-end evaluation "
+                            "ran already", epoch)
+            else:
+                self._epochs_ended.add(epoch)
+                self._request_evaluation("epoch_end", epoch)
+            if epoch >= self.tm.num_epochs - 1 and self.tm.training_records_left() == 0:
+                self._request_evaluation("final", epoch)
+
+    # --------------------------------------------------------------- report
+    def refresh_report(self) -> JobReport:
+        """Bring the report's figures up to date (the caller writes it)."""
+        tm, report = self.tm, self.report
+        report.epochs = tm.epochs_report()
+        report.extra["records_predicted"] = tm.prediction_ledger.records_completed
+        if self.job_type == JobType.PREDICT:
+            report.extra["prediction"] = tm.prediction_report()
+        report.extra["model_version"] = self.version
+        report.extra["nonfinite_steps_skipped"] = tm.counters.get("nonfinite_steps_skipped", 0)
+        return report
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The whole job state as a JSON-able dict."""
+        with self._lock:
+            return {
+                "tasks": task_state.dump(self.tm),
+                "replicas": self.replicas.state_dict(),
+                "report": self.report.state_dict(),
+                "aggregator": self.aggregator.state_dict(),
+                "versions": {"version": self.version, "start": self._start,
+                             "last_due": self._last_due,
+                             "minibatches_out": self._minibatches_out},
+                "evaluation": {"last_evaluated": self._last_evaluated,
+                               "pending": self._pending, "running": self._running,
+                               "begun": self._begun,
+                               "epochs_ended": sorted(self._epochs_ended)},
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (a core built from the same spec and data)."""
+        with self._lock:
+            state = json.loads(json.dumps(state))  # a private copy
+            task_state.restore(self.tm, state["tasks"], self.tm._clock())
+            self.replicas.load_state_dict(state["replicas"])
+            self.report.load_state_dict(state["report"])
+            self.aggregator.load_state_dict(state["aggregator"])
+            v = state["versions"]
+            self.version, self._start = int(v["version"]), int(v["start"])
+            self._last_due, self._minibatches_out = int(v["last_due"]), int(v["minibatches_out"])
+            e = state["evaluation"]
+            self._last_evaluated = e["last_evaluated"]
+            self._pending, self._running, self._begun = e["pending"], e["running"], e["begun"]
+            self._epochs_ended = set(e["epochs_ended"])
+
+
+def start_version_of(path: str) -> int:
+    """The model version of a checkpoint, or of a job's output with its exported
+    ``model.pt`` (the version its report names), to start from."""
+    from elasticdl.checkpoint import paths
+
+    exported = exported_model_version(path)
+    if exported is not None:
+        return exported
+    return paths.version_of(paths.resolve(path))
+
+
+def report_for(spec: Any, tm: Optional[TaskManager] = None, **fields: Any) -> JobReport:
+    """The job report of ``spec`` (every mode builds it here); ``tm`` gives the
+    dataset sizes, ``fields`` e.g. a failure at start-up."""
+    from elasticdl.common.strategy import entry_for
+
+    local = spec.distribution_strategy == Strategy.LOCAL
+    sizes: dict[str, Any] = {} if tm is None else {"training_records": tm.training_records,
+                                   "validation_records": tm.evaluation_records,
+                                   "prediction_records": tm.prediction_records}
+    return JobReport(spec.job_name, spec.distribution_strategy,
+                     "local" if local else spec.cluster, 1 if local else spec.num_workers,
+                     entry_for(spec.distribution_strategy).num_ps(spec), job_type=spec.job_type,
+                     **sizes, **fields)

@@ -1,0 +1,235 @@
+"""The task manager's state types and their JSON form.
+
+:class:`EpochLedger` is one epoch's figures in ``job_report.json``;
+:func:`dump` / :func:`restore` turn a whole :class:`TaskManager` (queues,
+held tasks, ledger, evaluation passes, ids) into a JSON-able dict and back:
+the part of the job core's state that master failover journals. No torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from elasticdl.common.task import Task, TaskFailure, TaskType
+
+if TYPE_CHECKING:
+    from elasticdl.master.task_manager import TaskManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EpochLedger:
+    records_completed: int = 0
+    records_redone: int = 0
+    tasks_completed: int = 0
+    records_applied: int = 0
+
+
+# Counters of tasks that count as done, summed into TaskManager.counters (the
+# others, e.g. records_applied, are per-task figures the ledger uses directly).
+SUMMED_COUNTERS = frozenset({"nonfinite_steps_skipped", "records_skipped"})
+
+
+@dataclass
+class Doing:
+    """A held task: its holder, since when, and earlier holders (reassigned
+    stragglers; a reassigned straggler's ``worker_id`` is ``-1 - id``)."""
+
+    task: Task
+    worker_id: int
+    started: float
+    past: frozenset[int] = frozenset()
+
+
+def holder(encoded: int) -> int:
+    """A worker id from ``Doing.worker_id``."""
+    return encoded if encoded >= 0 else -1 - encoded
+
+
+@dataclass
+class EvalJob:
+    model_version: int
+    remaining: set[int] = field(default_factory=set)
+
+
+def make_tasks(shards: Iterable[Sequence[Any]],
+               records_per_task: int) -> list[tuple[str, int, int]]:
+    """Cut ``(name, start, count)`` shards into ``(name, start, end)`` pieces."""
+    pieces = []
+    for name, start, count in shards:
+        end = start + count
+        for s in range(start, end, records_per_task):
+            pieces.append((name, s, min(s + records_per_task, end)))
+    return pieces
+
+
+def task_to_json(t: Task) -> list[Any]:
+    return [t.task_id, int(t.type), t.shard_name, t.start, t.end, t.epoch, t.model_version]
+
+
+def task_from_json(v: Sequence[Any]) -> Task:
+    return Task(int(v[0]), TaskType(int(v[1])), str(v[2]), int(v[3]), int(v[4]), int(v[5]),
+                int(v[6]))
+
+
+def dump(tm: TaskManager) -> dict[str, Any]:
+    """Everything a restarted master needs to go on exactly where ``tm`` is."""
+    with tm._lock:
+        failure = None
+        if tm.failure is not None:
+            f = tm.failure
+            failure = [task_to_json(f.task), f.worker_id, f.attempts, f.error, f.traceback]
+        return {
+            "next_id": tm._next_id,
+            "todo": [task_to_json(t) for t in tm._todo],
+            "eval_todo": [task_to_json(t) for t in tm._eval_todo],
+            "doing": [[task_to_json(d.task), d.worker_id, sorted(d.past)]
+                      for d in tm._doing.values()],
+            "done_tasks": [task_to_json(t) for t in tm._done_tasks.values()],
+            "completed": sorted(tm._completed),
+            "attempts": {str(k): v for k, v in tm._attempts.items()},
+            "applied_by_task": {str(k): v for k, v in tm._applied_by_task.items()},
+            "workers_seen": sorted(tm._workers_seen),
+            "durations": list(tm._durations),
+            "epochs_created": tm._epochs_created,
+            "epoch_open_tasks": {str(k): v for k, v in tm._epoch_open_tasks.items()},
+            "ledger": {str(e): vars(led).copy() for e, led in tm.ledger.items()},
+            "prediction_ledger": vars(tm.prediction_ledger).copy(),
+            "evaluation_records_completed": tm.evaluation_records_completed,
+            "eval_jobs": {str(v): sorted(j.remaining) for v, j in tm._eval_jobs.items()},
+            "counters": dict(tm.counters),
+            "rollback_version": tm.rollback_version,
+            "hold_training": tm.hold_training,
+            "failure": failure,
+        }
+
+
+def restore(tm: TaskManager, state: dict[str, Any], now: float) -> None:
+    """Put ``tm`` (built from the same shards and flags) in the state :func:`dump`
+    gave; held tasks count as handed out at ``now``."""
+    with tm._lock:
+        tm._next_id = int(state["next_id"])
+        tm._todo = deque(task_from_json(t) for t in state["todo"])
+        tm._eval_todo = deque(task_from_json(t) for t in state["eval_todo"])
+        tm._doing = {}
+        for t, worker, past in state["doing"]:
+            task = task_from_json(t)
+            tm._doing[task.task_id] = Doing(task, int(worker), now, frozenset(past))
+        tm._done_tasks = {t.task_id: t for t in map(task_from_json, state["done_tasks"])}
+        tm._completed = set(state["completed"])
+        tm._attempts = {int(k): int(v) for k, v in state["attempts"].items()}
+        tm._applied_by_task = {int(k): int(v) for k, v in state["applied_by_task"].items()}
+        tm._workers_seen = set(state["workers_seen"])
+        tm._durations = deque(state["durations"], maxlen=tm._durations.maxlen)
+        tm._epochs_created = int(state["epochs_created"])
+        tm._epoch_open_tasks = {int(k): int(v) for k, v in state["epoch_open_tasks"].items()}
+        tm.ledger = {int(e): EpochLedger(**v) for e, v in state["ledger"].items()}
+        tm.prediction_ledger = EpochLedger(**state["prediction_ledger"])
+        tm.evaluation_records_completed = int(state["evaluation_records_completed"])
+        tm._eval_jobs = {int(v): EvalJob(int(v), set(r)) for v, r in state["eval_jobs"].items()}
+        tm.counters = dict(state["counters"])
+        tm.rollback_version = int(state["rollback_version"])
+        tm.hold_training = bool(state["hold_training"])
+        tm._last_get = {}
+        tm.failure = None
+        if state["failure"] is not None:
+            t, worker, attempts, error, tb = state["failure"]
+            tm.failure = TaskFailure(task_from_json(t), int(worker), int(attempts), error, tb)
+
+
+def data_position(tm: TaskManager, partial: Optional[dict[int, int]] = None
+                  ) -> dict[str, Any]:
+    """The data position: every training task not yet done, for resuming.
+
+    ``partial`` maps a task id in progress to the records of it already
+    trained (a checkpoint taken mid-task); those records count as done and
+    only the rest of the task is pending after a restore.
+    """
+    partial = partial or {}
+    with tm._lock:
+        ledger = {e: dict(vars(led)) for e, led in tm.ledger.items()}
+        pending = []
+        held = [d.task for d in tm._doing.values()]
+        for task in list(held) + list(tm._todo):
+            if task.type != TaskType.TRAINING:
+                continue
+            done = partial.get(task.task_id, 0)
+            if done:
+                ledger[task.epoch]["records_completed"] += done
+                ledger[task.epoch]["records_applied"] += done
+            if task.start + done < task.end:
+                pending.append([task.shard_name, task.start + done, task.end, task.epoch])
+        return {"epochs_created": tm._epochs_created, "pending": pending,
+                "ledger": ledger, "num_epochs": tm.num_epochs}
+
+
+def load_data_position(tm: TaskManager, state: dict[str, Any]) -> None:
+    """Resume from :func:`data_position`: only the pending tasks are left of
+    the epochs already created; later epochs are created as usual."""
+    with tm._lock:
+        if tm._doing or tm._completed:
+            raise RuntimeError("load_state_dict on a task manager already in use")
+        tm._todo = deque(t for t in tm._todo if t.type != TaskType.TRAINING)
+        tm._epochs_created = int(state["epochs_created"])
+        # a data position saved before records_applied existed: what was done was applied
+        tm.ledger = {int(e): EpochLedger(**{"records_applied": v["records_completed"],
+                                              **v}) for e, v in state["ledger"].items()}
+        tm._epoch_open_tasks = {e: 0 for e in tm.ledger}
+        for name, start, end, epoch in state["pending"]:
+            tm._todo.append(tm._new_task(TaskType.TRAINING, name, int(start), int(end),
+                                         int(epoch)))
+            tm._epoch_open_tasks[int(epoch)] = tm._epoch_open_tasks.get(int(epoch), 0) + 1
+        logger.info("resumed data position: epoch %d, %d pending task(s)",
+                    max(tm._epochs_created - 1, 0), len(state["pending"]))
+
+
+def applied_short(tm: TaskManager, task: Task, applied: int,
+                  counters: Mapping[str, int]) -> bool:
+    """Whether a task reported done still has records the PS did not apply."""
+    at = counters.get("applied_at_version")
+    if at is not None and at < tm.rollback_version:
+        logger.warning("task %d: applied records read at PS version %d, before the "
+                       "rollback to %d; re-queued", task.task_id, at, tm.rollback_version)
+        return True
+    expected = min(task.num_records, counters.get("records_read", task.num_records))
+    expected -= counters.get("records_skipped", 0)  # --skip_nonfinite_steps
+    if applied < expected:
+        logger.warning("task %d reported done but the PS applied %d of its %d records; "
+                       "re-queued (it resumes after the applied minibatches)",
+                       task.task_id, applied, expected)
+        return True
+    return False
+
+
+def requeue_unapplied(tm: TaskManager, applied: dict[int, int], new_version: int
+                      ) -> list[int]:
+    """The PS rolled back to a checkpoint whose ledgers hold ``applied``
+    (task -> records applied on every PS): done training tasks not fully in
+    it are re-queued (their records leave the epoch's counts). Returns them."""
+    with tm._lock:
+        tm.rollback_version = new_version
+        lost = []
+        for task_id in sorted(tm._completed):
+            counted = tm._applied_by_task.get(task_id)
+            if counted is None or applied.get(task_id, 0) >= counted:
+                continue
+            task = tm._done_tasks[task_id]
+            led = tm.ledger[task.epoch]
+            led.records_completed -= task.num_records
+            led.records_applied -= counted
+            led.tasks_completed -= 1
+            if tm._epoch_open_tasks.get(task.epoch, 0) == 0:
+                logger.warning("epoch %d was complete; reopened by the rollback", task.epoch)
+            tm._epoch_open_tasks[task.epoch] = tm._epoch_open_tasks.get(task.epoch, 0) + 1
+            tm._completed.discard(task_id)
+            del tm._applied_by_task[task_id]
+            tm._requeue(task, redone=counted - applied.get(task_id, 0))
+            lost.append(task_id)
+        logger.warning("PS rollback (versions continue at %d): %d done task(s) re-queued: %s",
+                       new_version, len(lost), lost)
+        return lost
