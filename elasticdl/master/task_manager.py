@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import random
-import statistics
 import threading
 import time
 from collections import deque
@@ -48,6 +47,7 @@ from elasticdl.master.task_state import (  # noqa: F401 - EpochLedger, make_task
     make_tasks,
     requeue_unapplied,
 )
+from elasticdl.master.task_timeouts import TaskTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +62,8 @@ class TaskManager:
         num_epochs: passes over the training shards.
         shuffle: shuffle task order within each epoch (seeded by ``seed + epoch``).
         max_task_retries: attempts of one task before the job fails.
-        task_timeout_s: reassign a task held longer than this; 0 means three
-            times the median task duration seen so far, at least
-            ``min_task_timeout_s`` (``initial_task_timeout_s`` until three
-            tasks were done, so a hung worker never blocks the job forever).
+        task_timeout_s / min_task_timeout_s / initial_task_timeout_s: when a
+            held task goes to another worker (see :class:`TaskTimeouts`).
         first_task_id: ids start here (the master starts each run at a new
             value: a PS ledger from an earlier run never matches a new task).
         epoch_barrier: an epoch's tasks are handed out only once the previous
@@ -108,9 +106,7 @@ class TaskManager:
         self._shuffle = shuffle
         self._seed = seed
         self.max_task_retries = max_task_retries
-        self._task_timeout_s = task_timeout_s
-        self._min_task_timeout_s = min_task_timeout_s
-        self._initial_task_timeout_s = initial_task_timeout_s
+        self.timeouts = TaskTimeouts(task_timeout_s, min_task_timeout_s, initial_task_timeout_s)
         self._next_id = first_task_id
         self._last_get: dict[int, tuple[int, Task]] = {}  # worker -> (request id, task)
         self._applied_by_task: dict[int, int] = {}  # records_applied counted per task
@@ -122,7 +118,6 @@ class TaskManager:
         self._workers_seen: set[int] = set()
         self._completed: set[int] = set()
         self._attempts: dict[int, int] = {}
-        self._durations: deque[float] = deque(maxlen=200)
         self._epochs_created = 0
         self._epoch_open_tasks: dict[int, int] = {}
         self.ledger: dict[int, EpochLedger] = {}
@@ -306,7 +301,7 @@ class TaskManager:
             self._completed.add(task_id)
             for name in SUMMED_COUNTERS & counters.keys():
                 self.counters[name] = self.counters.get(name, 0) + int(counters[name])
-            self._durations.append(self._clock() - doing.started)
+            self.timeouts.record(self._clock() - doing.started)
             if task.type == TaskType.TRAINING:
                 self.ledger[task.epoch].records_applied += applied
                 self._applied_by_task[task_id] = applied
@@ -386,15 +381,8 @@ class TaskManager:
                             [t.task_id for t in lost])
             return lost
 
-    def _timeout(self) -> float:
-        if self._task_timeout_s > 0:
-            return self._task_timeout_s
-        if len(self._durations) < 3:
-            return max(self._initial_task_timeout_s, 3 * max(self._durations, default=0.0))
-        return max(self._min_task_timeout_s, 3 * statistics.median(self._durations))
-
     def _reassign_stragglers(self) -> None:
-        timeout = self._timeout()
+        timeout = self.timeouts.timeout()
         now = self._clock()
         for doing in list(self._doing.values()):
             if now - doing.started > timeout and doing.worker_id >= 0:

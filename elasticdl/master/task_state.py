@@ -95,7 +95,7 @@ def dump(tm: TaskManager) -> dict[str, Any]:
             "attempts": {str(k): v for k, v in tm._attempts.items()},
             "applied_by_task": {str(k): v for k, v in tm._applied_by_task.items()},
             "workers_seen": sorted(tm._workers_seen),
-            "durations": list(tm._durations),
+            "durations": list(tm.timeouts.durations),
             "epochs_created": tm._epochs_created,
             "epoch_open_tasks": {str(k): v for k, v in tm._epoch_open_tasks.items()},
             "ledger": {str(e): vars(led).copy() for e, led in tm.ledger.items()},
@@ -125,7 +125,7 @@ def restore(tm: TaskManager, state: dict[str, Any], now: float) -> None:
         tm._attempts = {int(k): int(v) for k, v in state["attempts"].items()}
         tm._applied_by_task = {int(k): int(v) for k, v in state["applied_by_task"].items()}
         tm._workers_seen = set(state["workers_seen"])
-        tm._durations = deque(state["durations"], maxlen=tm._durations.maxlen)
+        tm.timeouts.restore(state["durations"])
         tm._epochs_created = int(state["epochs_created"])
         tm._epoch_open_tasks = {int(k): int(v) for k, v in state["epoch_open_tasks"].items()}
         tm.ledger = {int(e): EpochLedger(**v) for e, v in state["ledger"].items()}
