@@ -109,3 +109,29 @@ class Cluster(ABC):
     def master_address(self) -> Optional[str]:
         """Address replicas dial to reach the master, if the backend fixes it."""
         return None
+
+    def adopt_replicas(self) -> list[ReplicaInfo]:
+        """After a master restart: the replicas of this job that still run (local:
+        from ``replicas.json`` pids; Kubernetes: pods by the job's labels), which
+        this cluster now watches and reports events for as if it had created them.
+
+        Backends that cannot adopt return an empty list (the master then starts
+        replicas anew). Raises ClusterError if the backend cannot be read.
+        """
+        return []
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """A running replica found by :meth:`Cluster.adopt_replicas`."""
+
+    type: ReplicaType
+    index: int
+    phase: Phase
+    port: int = 0          # the port it serves on (PS), 0 if none
+    address: str = ""      # the address others dial (PS), "" if none
+    ident: str = ""        # backend identity: a pid or a pod uid
+
+    @property
+    def name(self) -> str:
+        return f"{self.type.value}-{self.index}"
