@@ -247,7 +247,7 @@ class ElasticRunner:
         if self._need_fillers:
             self._exchange_fillers(micro)
         meta = [float(records), float(self.group.change_pending()), float(leaving)]
-        if self.trained is not None:  # who trains what: [world, slots, 3], own row filled
+        if self.trained is not None:  # who trains what: [world, slots, 4], own row filled
             meta += self.trained.encode([m.tag for m in micro], self.group.rank,
                                         self.group.world_size, max(self.global_microbatches, 1))
         self.grads.begin(meta)

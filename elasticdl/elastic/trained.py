@@ -2,7 +2,7 @@
 
 Each step's meta all-reduce (:mod:`elasticdl.elastic.grad_sync`) carries the
 identities of the step's microbatches — ``(task id, minibatch index,
-records)`` — in a small ``[world_size, k, 3]`` block every member fills its own
+records)`` — in a small ``[world_size, k, 4]`` block (the task id in two halves) every member fills its own
 row of, so the sum is the gather (no extra collective). When the step takes
 effect on a member (the optimizer stepped, the model version advanced), the
 member adds the whole block to its :class:`TrainedRecords`. So on every member
@@ -47,7 +47,10 @@ class TrainedRecords:
         minibatch_size: records per minibatch (a minibatch index -> offset).
     """
 
-    FIELDS = 3   # numbers per identity in a step's meta block
+    # numbers per identity in a step's (float64) meta block: the task id in two 32-bit
+    # halves (ids of a run start at a large base; float64 is exact only below 2**53),
+    # the minibatch index, the records (0: an empty slot)
+    FIELDS = 4
 
     def __init__(self, minibatch_size: int):
         self.minibatch_size = minibatch_size
@@ -66,7 +69,9 @@ class TrainedRecords:
         for tag in tags:
             ident = identity_of(tag)
             if ident is not None:
-                block[at:at + self.FIELDS] = [float(v) for v in ident]
+                task, index, records = ident
+                block[at:at + self.FIELDS] = [float(task >> 32), float(task & 0xFFFFFFFF),
+                                              float(index), float(records)]
             at += self.FIELDS
         return block
 
@@ -75,9 +80,9 @@ class TrainedRecords:
         returns how many were added."""
         added = 0
         for i in range(0, len(block) - self.FIELDS + 1, self.FIELDS):
-            task, index, records = (int(round(v)) for v in block[i:i + self.FIELDS])
+            high, low, index, records = (int(round(v)) for v in block[i:i + self.FIELDS])
             if records > 0:
-                self.agreed[(task, index * self.minibatch_size)] = records
+                self.agreed[((high << 32) + low, index * self.minibatch_size)] = records
                 added += 1
         return added
 

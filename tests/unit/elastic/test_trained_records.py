@@ -27,7 +27,7 @@ def _member(rank: int, port: int) -> dict[str, Any]:
                             world_size=WORLD)
     try:
         trained = TrainedRecords(minibatch_size=8)
-        tags = _tags(100 + rank, 4)
+        tags = _tags(2**60 + 100 + rank, 4)
         for step in range(3):   # two slots per member (gradient accumulation)
             mine = tags[step:step + 1] + ([None] if rank == 0 else [])   # None: filler
             block = torch.tensor([1.0] + trained.encode(mine, rank, WORLD, slots=2),
@@ -35,8 +35,8 @@ def _member(rank: int, port: int) -> dict[str, Any]:
             dist.all_reduce(block)
             trained.record(block.tolist()[1:])
         return {"entries": trained.entries(),
-                "done_0": sorted(trained.minibatches_of(100, 4)),
-                "done_1": sorted(trained.minibatches_of(101, 4))}
+                "done_0": sorted(trained.minibatches_of(2**60 + 100, 4)),
+                "done_1": sorted(trained.minibatches_of(2**60 + 101, 4))}
     finally:
         dist.destroy_process_group()
 
@@ -51,21 +51,22 @@ def test_every_member_records_every_members_minibatches_from_the_step_meta():
     finally:
         procs.close()
     assert got[0] == got[1]
-    assert got[0]["entries"] == [(100, o, 8) for o in (0, 8, 16)] + \
-        [(101, o, 8) for o in (0, 8, 16)]
+    assert got[0]["entries"] == [(2**60 + 100, o, 8) for o in (0, 8, 16)] + \
+        [(2**60 + 101, o, 8) for o in (0, 8, 16)]
     assert got[0]["done_0"] == got[0]["done_1"] == [0, 1, 2]
 
 
 def test_identities_survive_large_task_ids_and_the_state_round_trip():
+    # a run's task ids start at a large base: beyond float64's exact integers (2**53)
     trained = TrainedRecords(minibatch_size=4)
-    tags = _tags(2**40 + 7, 3, mb=4)
+    tags = _tags(117668364739280898, 3, mb=4)
     trained.record(trained.encode(tags[1:], rank=1, world_size=3, slots=2))
     assert trained.holds(tags[1]) and trained.holds(tags[2]) and not trained.holds(tags[0])
     assert not trained.holds(None)
     copy = TrainedRecords(4)
     copy.load_state_dict(trained.state_dict())
-    assert copy.minibatches_of(2**40 + 7, 3) == {1, 2}
-    assert copy.entries() == [(2**40 + 7, 4, 4), (2**40 + 7, 8, 4)]
+    assert copy.minibatches_of(117668364739280898, 3) == {1, 2}
+    assert copy.entries() == [(117668364739280898, 4, 4), (117668364739280898, 8, 4)]
 
 
 def test_more_microbatches_than_slots_is_an_error():
