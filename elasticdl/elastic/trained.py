@@ -2,8 +2,9 @@
 
 Each step's meta all-reduce (:mod:`elasticdl.elastic.grad_sync`) carries the
 identities of the step's microbatches — ``(task id, minibatch index,
-records)`` — in a small ``[world_size, k, 4]`` block (the task id in two halves) every member fills its own
-row of, so the sum is the gather (no extra collective). When the step takes
+records)``, the task id in two halves — in a small ``[world_size, k, 4]``
+block every member fills its own row of, so the sum is the gather (no extra
+collective). When the step takes
 effect on a member (the optimizer stepped, the model version advanced), the
 member adds the whole block to its :class:`TrainedRecords`. So on every member
 the set is exactly what its own model was trained on — its own minibatches and
