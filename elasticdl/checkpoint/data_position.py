@@ -19,7 +19,7 @@ of the interrupted epoch exactly once. Two files make that possible:
   records into the task). Parameter servers write one per PS from their
   applied-identity ledgers (a minibatch counts only when every PS applied
   it); allreduce rank 0 writes ``trained-group.json`` with what every member
-  trained up to N (gathered at the checkpoint step). Written before the
+  trained up to N (exchanged with every step's meta). Written before the
   version's ``DONE`` marker.
 
 :func:`resume_state` combines the newest complete checkpoint with the table of

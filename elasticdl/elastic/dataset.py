@@ -33,7 +33,10 @@ such work must take less than ``--collective_timeout_s``.
 Records accounting: a task is reported done only when the steps of all its
 minibatches are confirmed on every member (the next round's header), so the
 master's ``records_completed`` counts each record once whatever happens to the
-membership; tasks of a worker that died are re-queued by the master.
+membership; tasks of a worker that died are re-queued by the master. Every
+member knows which minibatches of every member are in the model
+(:mod:`elasticdl.elastic.trained`), so the next holder of a re-queued task
+skips those the dead worker had stepped: each record is trained once.
 """
 
 from __future__ import annotations
@@ -155,8 +158,8 @@ class ElasticDataset:
             if task.type == TaskType.TRAINING:
                 records = self.read(task)
                 n = minibatch_count(len(records), self.minibatch_size)
-                self._queue.append(_TaskState(task, records, n))
-                if n == 0:
+                self._queue.append(self._task_state(task, records, n))
+                if len(self._queue[-1].confirmed) == n:
                     self._report(self._queue.pop())
                 continue
             if task.type in (TaskType.EVALUATION, TaskType.PREDICTION):
@@ -177,12 +180,27 @@ class ElasticDataset:
             return
 
     # ------------------------------------------------------------ internals
+    def _task_state(self, task: Task, records: Sequence[Any], n: int) -> _TaskState:
+        """A new task; its minibatches already in the model (a task re-queued after
+        its holder died mid-task, whose steps the group applied) are skipped."""
+        state = _TaskState(task, records, n)
+        trained = self.runner.trained
+        if trained is not None and n:
+            state.confirmed = trained.minibatches_of(task.task_id, n)
+            if state.confirmed:
+                logger.info("task %d resumes: minibatch(es) %s of %d already in the model "
+                            "(stepped by an earlier holder); skipped", task.task_id,
+                            sorted(state.confirmed), n)
+        return state
+
     def _next_tag(self) -> Optional[BatchTag]:
         if self._redo:
             tag = self._redo.popleft()
             self.task = tag.state.task
             return tag
         for state in self._queue:
+            while state.cursor < state.num_batches and state.cursor in state.confirmed:
+                state.cursor += 1   # skipped: already in the model
             if state.cursor < state.num_batches:
                 i = state.cursor
                 state.cursor += 1

@@ -29,7 +29,14 @@ from the member with the highest model version. The round is then retried —
 unless the survivors' state shows it already took effect (a member completed it
 before the failure), in which case it counts as done. A member that had to
 join again (it was left out of a plan) cannot trust that its unconfirmed steps
-survived: they are handed back through ``on_lost`` to be trained again.
+survived: those the adopted model does not hold (per its ``trained`` records)
+are handed back through ``on_lost`` to be trained again.
+
+The meta all-reduce also carries the identities (task, minibatch) of every
+member's microbatches, so each member records, for every step that took effect
+on it, which minibatches of *every* member its model holds
+(:mod:`elasticdl.elastic.trained`) — what lets a task re-queued after its holder
+died skip the minibatches already in the model.
 
 The step function may run more than once for the same batch (retries); keep
 counts that must survive membership changes in ``ElasticState.counters``.
@@ -57,6 +64,7 @@ from elasticdl.elastic.state import (
     StepAborted,
     StepFn,
 )
+from elasticdl.elastic.trained import TrainedRecords
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +87,18 @@ class ElasticRunner:
         on_confirmed / on_lost: called with the tags of microbatches whose step
             is confirmed on every member / was lost and must be trained again.
         on_round: called after every round with the result.
+        trained: where every member's minibatches of each step that takes effect
+            are recorded (their identities ride on the step's meta all-reduce; see
+            :mod:`elasticdl.elastic.trained`); register it in ``state`` so it
+            travels with the model. None: not tracked.
     """
 
     def __init__(self, state: ElasticState, group: ElasticGroup, device: torch.device,
                  global_microbatches: int = 0, max_failures: int = 10,
                  on_confirmed: Optional[Callable[[list[Any]], None]] = None,
                  on_lost: Optional[Callable[[list[Any]], None]] = None,
-                 on_round: Optional[Callable[[RoundResult], None]] = None):
+                 on_round: Optional[Callable[[RoundResult], None]] = None,
+                 trained: Optional[TrainedRecords] = None):
         self.state = state
         self.group = group
         self.device = device
@@ -94,6 +107,7 @@ class ElasticRunner:
         self.on_confirmed = on_confirmed
         self.on_lost = on_lost
         self.on_round = on_round
+        self.trained = trained
         self.step_fn: Optional[StepFn] = None
         self.grads = GradientAllreducer(state.model.parameters(), state.model.buffers())
         self.confirmed_version = 0
@@ -167,7 +181,7 @@ class ElasticRunner:
             try:
                 if not self.group.active:
                     self._reform()
-                outputs, total, change, done = self._compute(micro, leaving)
+                outputs, total, change, done, block = self._compute(micro, leaving)
             except CollectiveError as e:
                 logger.info("collective failed: %s", str(e)[:200])
                 self._reset()
@@ -192,6 +206,8 @@ class ElasticRunner:
             self._confirm(start_version)
             if total > 0:
                 self.state.model_version += 1
+                if self.trained is not None:
+                    self.trained.record(block)
                 result = self._stepped(micro, outputs, start_version)
             else:
                 result = self._finish(RoundResult(RoundStatus.IDLE, start_version))
@@ -224,13 +240,17 @@ class ElasticRunner:
 
     # ------------------------------------------------------------- internals
     def _compute(self, micro: Sequence[Microbatch],
-                 leaving: bool) -> tuple[list[Any], float, bool, bool]:
+                 leaving: bool) -> tuple[list[Any], float, bool, bool, list[float]]:
         records = sum(m.records for m in micro)
         if micro and self.step_fn is None:
             raise RuntimeError("no step function: wrap one with ctx.step(fn) before the loop")
         if self._need_fillers:
             self._exchange_fillers(micro)
-        self.grads.begin([float(records), float(self.group.change_pending()), float(leaving)])
+        meta = [float(records), float(self.group.change_pending()), float(leaving)]
+        if self.trained is not None:  # who trains what: [world, slots, 4], own row filled
+            meta += self.trained.encode([m.tag for m in micro], self.group.rank,
+                                        self.group.world_size, max(self.global_microbatches, 1))
+        self.grads.begin(meta)
         plan = list(micro)
         if not plan and self._filler is not None and self.step_fn is not None:
             plan = [Microbatch(self._filler, 0)]
@@ -269,7 +289,7 @@ class ElasticRunner:
         total, change, done = self.grads.result[:3]
         if micro:
             self._filler = micro[-1].args
-        return outputs, total, change > 0, done > 0
+        return outputs, total, change > 0, done > 0, self.grads.result[3:]
 
     def _confirm(self, version: int) -> None:
         self.confirmed_version = max(self.confirmed_version, version)
@@ -294,6 +314,11 @@ class ElasticRunner:
         else:
             lost = [t for _, tags in self._unconfirmed for t in tags]
             self._unconfirmed = []
+            if self.trained is not None:  # the adopted model may hold them after all
+                held = [t for t in lost if self.trained.holds(t)]
+                lost = [t for t in lost if not self.trained.holds(t)]
+                if held and self.on_confirmed is not None:
+                    self.on_confirmed(held)
             logger.warning("re-joined the group: %d unconfirmed minibatch(es) will be "
                            "trained again", len(lost))
             if lost and self.on_lost is not None:

@@ -1,109 +1,103 @@
-"""Which records the group's model was trained on, agreed by every member.
+"""Which minibatches are in the group's model: every member's, known to every member.
 
-An allreduce checkpoint must record its data position (see
-:mod:`elasticdl.checkpoint.data_position`): the minibatches of every member
-whose steps are in the model. Each member keeps the minibatches it stepped
-since the last checkpoint; at a checkpoint step every member contributes them
-in two all-gathers (counts, then entries), so each ends up with the same union (completing
-the gather proves every member applied that step). The union is part of the
-elastic state, broadcast to members that join and saved with the checkpoint.
+Each step's meta all-reduce (:mod:`elasticdl.elastic.grad_sync`) carries the
+identities of the step's microbatches — ``(task id, minibatch index,
+records)``, the task id in two halves — in a small ``[world_size, k, 4]``
+block every member fills its own row of, so the sum is the gather (no extra
+collective). When the step takes
+effect on a member (the optimizer stepped, the model version advanced), the
+member adds the whole block to its :class:`TrainedRecords`. So on every member
+the set is exactly what its own model was trained on — its own minibatches and
+those of every other member, including one that died afterwards — and, being
+part of the elastic state, it travels with the model: the most advanced
+survivor's model and set are broadcast together after a membership change
+(also to joining and relaunched members).
 
-Minibatches handed back as *lost* (a member had to re-join and its
-unconfirmed steps are not in the model) are dropped before they are gathered;
-they are always newer than the last gather, since a completed gather confirms
-every step before it.
+Uses: a member that receives a training task skips the minibatches of it that
+are already in the model (a task re-queued after its holder died mid-task, see
+:class:`elasticdl.elastic.dataset.ElasticDataset`), so each record is trained
+once; a member that had to re-join keeps the steps the adopted model holds
+instead of training them again; a checkpoint records the set as its data
+position (:mod:`elasticdl.checkpoint.data_position`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Optional
-
-import torch
-import torch.distributed as dist
-
-from elasticdl.elastic import collective
-from elasticdl.elastic.collective import guard
 
 logger = logging.getLogger(__name__)
 
 Entry = tuple[int, int, int]   # task id, offset of the minibatch in the task, records
+Identity = tuple[int, int, int]   # task id, minibatch index, records (what a step exchanges)
+
+
+def identity_of(tag: Any) -> Optional[Identity]:
+    """A microbatch's identity from its tag (elastic dataset ``BatchTag``); None for
+    a filler step or a batch that is not a master task's."""
+    if not (hasattr(tag, "state") and hasattr(tag, "index") and hasattr(tag, "records")):
+        return None
+    return int(tag.state.task.task_id), int(tag.index), int(tag.records)
 
 
 class TrainedRecords:
-    """The group's agreed data position (``register``-ed into the elastic state).
+    """The minibatches in the model (``register``-ed into the elastic state).
 
     Args:
-        minibatch_size: records per minibatch (a tag's index -> offset).
+        minibatch_size: records per minibatch (a minibatch index -> offset).
     """
+
+    # numbers per identity in a step's (float64) meta block: the task id in two 32-bit
+    # halves (ids of a run start at a large base; float64 is exact only below 2**53),
+    # the minibatch index, the records (0: an empty slot)
+    FIELDS = 4
 
     def __init__(self, minibatch_size: int):
         self.minibatch_size = minibatch_size
         self.agreed: dict[tuple[int, int], int] = {}   # (task, offset) -> records
         self.last_saved = 0            # model version of the last checkpoint (agreed)
-        # own minibatches stepped since the last gather: (task, offset) -> records
-        self._mine: dict[tuple[int, int], int] = {}
 
-    # ------------------------------------------------------------- own steps
-    def _key(self, tag: Any) -> Optional[tuple[int, int]]:
-        if not (hasattr(tag, "state") and hasattr(tag, "index")):
-            return None   # a filler step or a batch that is not a master task's
-        return int(tag.state.task.task_id), int(tag.index) * self.minibatch_size
-
-    def stepped(self, tags: list[Any]) -> None:
-        """Tags (elastic dataset ``BatchTag``) of this member's microbatches in a step."""
+    # ----------------------------------------------------- per-step exchange
+    def encode(self, tags: Sequence[Any], rank: int, world_size: int,
+               slots: int) -> list[float]:
+        """This member's block of a step's meta: ``world_size * slots`` identities,
+        zeros but for this member's row (its microbatches' identities)."""
+        if len(tags) > slots:
+            raise RuntimeError(f"{len(tags)} microbatches in a step with room for {slots}")
+        block = [0.0] * (world_size * slots * self.FIELDS)
+        at = rank * slots * self.FIELDS
         for tag in tags:
-            key = self._key(tag)
-            if key is not None:
-                self._mine[key] = int(tag.records)
+            ident = identity_of(tag)
+            if ident is not None:
+                task, index, records = ident
+                block[at:at + self.FIELDS] = [float(task >> 32), float(task & 0xFFFFFFFF),
+                                              float(index), float(records)]
+            at += self.FIELDS
+        return block
 
-    def lost(self, tags: list[Any]) -> None:
-        """Tags whose steps are not in the model any more (trained again later)."""
-        for tag in tags:
-            key = self._key(tag)
-            if key is not None:
-                self._mine.pop(key, None)
+    def record(self, block: Sequence[float]) -> int:
+        """Add the identities of a summed meta block (a step that took effect);
+        returns how many were added."""
+        added = 0
+        for i in range(0, len(block) - self.FIELDS + 1, self.FIELDS):
+            high, low, index, records = (int(round(v)) for v in block[i:i + self.FIELDS])
+            if records > 0:
+                self.agreed[((high << 32) + low, index * self.minibatch_size)] = records
+                added += 1
+        return added
 
-    def _own_entries(self) -> list[Entry]:
-        return [(t, o, r) for (t, o), r in self._mine.items()]
+    # ------------------------------------------------------------- queries
+    def holds(self, tag: Any) -> bool:
+        """Whether the minibatch of ``tag`` is in the model."""
+        ident = identity_of(tag)
+        return ident is not None and \
+            (ident[0], ident[1] * self.minibatch_size) in self.agreed
 
-    # ------------------------------------------------------------- agreement
-    def gather(self, version: int, world_size: int,
-               device: Optional[torch.device] = None) -> None:
-        """Add every member's own minibatches to the agreed set (a collective every
-        member calls at the same step). Asynchronous collectives waited on with
-        :func:`collective.wait`, so a member's death aborts it as fast as a step's.
-
-        Raises:
-            CollectiveError: the gather failed; nothing changed.
-        """
-        device = device or torch.device("cpu")
-        mine = torch.tensor(self._own_entries(), dtype=torch.int64,
-                            device=device).reshape(-1, 3)
-        counts = self._all_gather(torch.tensor([mine.shape[0]], dtype=torch.int64,
-                                                device=device), world_size, "counts")
-        longest = max(int(c.item()) for c in counts)
-        padded = torch.zeros((longest, 3), dtype=torch.int64, device=device)
-        padded[:mine.shape[0]] = mine
-        parts = self._all_gather(padded, world_size, "entries")
-        for count, part in zip(counts, parts):
-            for task, offset, records in part[:int(count.item())].cpu().tolist():
-                self.agreed[(task, offset)] = records
-        self._mine = {}
-        self.last_saved = version
-
-    @staticmethod
-    def _all_gather(t: torch.Tensor, world_size: int, what: str) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(world_size)]
-        op = f"all_gather (trained records: {what})"
-        with guard(op):
-            work = dist.all_gather(out, t, async_op=True)
-        try:
-            collective.wait(work, op)
-        except BaseException:
-            collective.defer_dispose([work])   # disposed after the group, as step work
-            raise
-        return out
+    def minibatches_of(self, task_id: int, num_batches: int) -> set[int]:
+        """Indexes of the minibatches of task ``task_id`` in the model."""
+        mbs = self.minibatch_size
+        return {i for i in range(num_batches) if (task_id, i * mbs) in self.agreed}
 
     def entries(self) -> list[Entry]:
         return [(t, o, r) for (t, o), r in sorted(self.agreed.items())]

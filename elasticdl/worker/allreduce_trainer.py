@@ -47,7 +47,6 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader
-from elasticdl.elastic.collective import CollectiveError
 from elasticdl.elastic.dataset import ElasticDataset, TrainLoopContext
 from elasticdl.elastic.group import CommClient, ElasticGroup, default_backend
 from elasticdl.elastic.runner import (
@@ -98,7 +97,8 @@ class AllreduceTrainer(Trainer):
         self.optimizer = local.optimizer
         self._compute_loss = local.compute_loss
         self.state = ElasticState(self.model, self.optimizer)
-        # the data position: what every member trained, agreed at each checkpoint step
+        # the minibatches of every member in the model (exchanged with each step's meta):
+        # re-queued tasks skip them, checkpoints record them as their data position
         self.trained = TrainedRecords(job_spec.minibatch_size)
         self.state.register("trained_records", self.trained)
         self.schedule = Schedule.from_spec(job_spec)
@@ -107,7 +107,8 @@ class AllreduceTrainer(Trainer):
                                   port=port, rendezvous_timeout_s=rendezvous_timeout_s)
         micro = job_spec.num_workers if job_spec.fixed_global_batch_size else 0
         self.runner = ElasticRunner(self.state, self.group, device, global_microbatches=micro,
-                                    on_lost=self._count_lost, on_round=self._after_round)
+                                    on_lost=self._count_lost, on_round=self._after_round,
+                                    trained=self.trained)
         self.runner.step_fn = self._step
         self._lost = 0
         self._on_step: Sequence[OnStep] = ()
@@ -149,7 +150,6 @@ class AllreduceTrainer(Trainer):
 
     def _count_lost(self, tags: list[Any]) -> None:
         self._lost += len(tags)
-        self.trained.lost(tags)
 
     def _after_round(self, result: RoundResult) -> None:
         if result.status != RoundStatus.STEPPED:
@@ -158,11 +158,9 @@ class AllreduceTrainer(Trainer):
         if loss is not None:
             self.last_loss = loss
         version = result.version
-        if self.schedule.checkpoint_steps:
-            self.trained.stepped(result.tags)
-        # every member decides alike: the same versions and the same agreed last_saved
-        # (broadcast with the state); a round counted after a failure (recovered) is
-        # not a step the others saw here, so no checkpoint collective starts there
+        # every member decides alike: the same versions and the same last_saved
+        # (broadcast with the state); a round counted after a failure (recovered) was
+        # checkpointed (if due) by the member whose state was adopted
         if not result.recovered and self.schedule.checkpoint_due(version,
                                                                  self.trained.last_saved):
             self._checkpoint(version)
@@ -170,14 +168,10 @@ class AllreduceTrainer(Trainer):
             cb(version, loss)
 
     def _checkpoint(self, version: int) -> None:
-        """All members agree on the records in the model of ``version``; rank 0 writes
-        them (``trained-group.json``, the data position) and the checkpoint."""
-        try:
-            self.trained.gather(version, self.group.world_size, self.device)
-        except CollectiveError as e:
-            logger.warning("checkpoint of version %d skipped: the group failed while "
-                           "agreeing on its data position (%s)", version, str(e)[:200])
-            return
+        """Rank 0 writes the checkpoint of ``version`` and the minibatches of every
+        member its model holds (``trained-group.json``, the data position: every
+        member knows them, :mod:`elasticdl.elastic.trained`)."""
+        self.trained.last_saved = version
         if self.group.rank != 0:
             return
         js = self.job_spec
@@ -246,14 +240,7 @@ class AllreduceTrainer(Trainer):
         dataset = ElasticDataset(self.runner, source, read, feed,
                                  self.job_spec.minibatch_size, run_other_task=loop.run_task,
                                  wait_s=wait_s)
-        dataset_lost = self.runner.on_lost
 
-        def on_lost(tags: list[Any]) -> None:
-            self.trained.lost(tags)   # not in the model: not part of the data position
-            if dataset_lost is not None:
-                dataset_lost(tags)
-
-        self.runner.on_lost = on_lost
         self.runner.start()
         try:
             if self.spec.train_loop is not None:

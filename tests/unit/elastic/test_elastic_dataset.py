@@ -28,6 +28,7 @@ class ScriptedRunner:
         self.is_filler = False
         self.state: Any = None
         self.group: Any = None
+        self.trained: Any = None   # no record of what is in the model: nothing skipped
 
     def _next_round(self) -> None:
         tags, self.unconfirmed = self.unconfirmed, []
@@ -185,3 +186,21 @@ def test_train_loop_context_step_wrapper_passes_the_batch_tag():
     outs = [train_step(x, y) for x, y in ctx.dataset]
     assert outs == ["loss", "loss"] and seen == list(range(32)) and reported == [0]
     assert runner.step_fn is not None
+
+
+def test_a_requeued_tasks_minibatches_in_the_model_are_skipped():
+    """A task whose earlier holder died after stepping some of its minibatches: the
+    group's record of what is in the model says which; only the others are trained,
+    and the task still counts all its records."""
+    from elasticdl.elastic.trained import TrainedRecords
+
+    tm, ds, runner, reported = _setup(64, 32, 8)   # tasks 0 (0..31), 1 (32..63)
+    runner.trained = TrainedRecords(minibatch_size=8)
+    runner.trained.agreed.update({(0, 0): 8, (0, 16): 8, (1, 0): 8, (1, 8): 8,
+                                  (1, 16): 8, (1, 24): 8})   # task 1: all of it
+    seen: list[int] = []
+    _train(ds, runner, seen)
+    assert seen == list(range(8, 16)) + list(range(24, 32))
+    assert sorted(reported) == [0, 1]
+    assert tm.epochs_report()[0]["records_completed"] == 64
+    assert ds.records_trained == 16

@@ -1,45 +1,47 @@
-"""The allreduce data position: every member's stepped minibatches, agreed at a
-checkpoint step by a real 2-process gloo all_gather (lost steps left out)."""
+"""What every member knows is in the model: microbatch identities ride on the step's
+meta all-reduce (a real 2-process gloo all-reduce of the encoded blocks), each member
+records the summed block, a re-queued task's minibatches in it are skipped."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from elasticdl.common.task import Task, TaskType
+from elasticdl.elastic.dataset import BatchTag, _TaskState
+from elasticdl.elastic.trained import TrainedRecords
 from tests.integration.dist_procs import Procs, free_port
 
 WORLD = 2
 
 
-def _member(rank: int, port: int) -> dict[str, Any]:
-    import torch.distributed as dist
+def _tags(task_id: int, n: int, mb: int = 8) -> list[BatchTag]:
+    state = _TaskState(Task(task_id, TaskType.TRAINING, "s", 0, n * mb), list(range(n * mb)), n)
+    return [BatchTag(state, i, mb) for i in range(n)]
 
-    from elasticdl.common.task import Task, TaskType
-    from elasticdl.elastic.dataset import BatchTag, _TaskState
-    from elasticdl.elastic.trained import TrainedRecords
+
+def _member(rank: int, port: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
     try:
-        task = Task(100 + rank, TaskType.TRAINING, "s", 0, 32)
-        state = _TaskState(task, list(range(32)), 4)
-        tags = [BatchTag(state, i, 8) for i in range(4)]
         trained = TrainedRecords(minibatch_size=8)
-        trained.stepped(tags[:2])
-        trained.gather(version=10, world_size=WORLD)      # checkpoint at version 10
-        first = trained.entries()
-        trained.stepped(tags[2:] + [None])                # None: a filler step's tag
-        if rank == 1:
-            trained.lost([tags[3]])                       # re-joined: step not in the model
-        trained.gather(version=20, world_size=WORLD)
-        copy = TrainedRecords(8)
-        copy.load_state_dict(trained.state_dict())
-        return {"first": first, "second": trained.entries(), "last_saved": trained.last_saved,
-                "copy": copy.entries(), "copy_last": copy.last_saved}
+        tags = _tags(2**60 + 100 + rank, 4)
+        for step in range(3):   # two slots per member (gradient accumulation)
+            mine = tags[step:step + 1] + ([None] if rank == 0 else [])   # None: filler
+            block = torch.tensor([1.0] + trained.encode(mine, rank, WORLD, slots=2),
+                                 dtype=torch.float64)
+            dist.all_reduce(block)
+            trained.record(block.tolist()[1:])
+        return {"entries": trained.entries(),
+                "done_0": sorted(trained.minibatches_of(2**60 + 100, 4)),
+                "done_1": sorted(trained.minibatches_of(2**60 + 101, 4))}
     finally:
         dist.destroy_process_group()
 
 
-def test_members_agree_on_the_union_of_their_steps_without_the_lost_ones():
+def test_every_member_records_every_members_minibatches_from_the_step_meta():
     port = free_port()
     procs = Procs()
     try:
@@ -49,48 +51,29 @@ def test_members_agree_on_the_union_of_their_steps_without_the_lost_ones():
     finally:
         procs.close()
     assert got[0] == got[1]
-    assert got[0]["first"] == [(100, 0, 8), (100, 8, 8), (101, 0, 8), (101, 8, 8)]
-    assert got[0]["second"] == [(100, o, 8) for o in (0, 8, 16, 24)] + \
-        [(101, o, 8) for o in (0, 8, 16)]
-    assert got[0]["last_saved"] == got[0]["copy_last"] == 20
-    assert got[0]["copy"] == got[0]["second"]
+    assert got[0]["entries"] == [(2**60 + 100, o, 8) for o in (0, 8, 16)] + \
+        [(2**60 + 101, o, 8) for o in (0, 8, 16)]
+    assert got[0]["done_0"] == got[0]["done_1"] == [0, 1, 2]
 
 
-def _survivor(rank: int, port: int) -> dict[str, Any]:
-    import datetime
-    import os
+def test_identities_survive_large_task_ids_and_the_state_round_trip():
+    # a run's task ids start at a large base: beyond float64's exact integers (2**53)
+    trained = TrainedRecords(minibatch_size=4)
+    tags = _tags(117668364739280898, 3, mb=4)
+    trained.record(trained.encode(tags[1:], rank=1, world_size=3, slots=2))
+    assert trained.holds(tags[1]) and trained.holds(tags[2]) and not trained.holds(tags[0])
+    assert not trained.holds(None)
+    copy = TrainedRecords(4)
+    copy.load_state_dict(trained.state_dict())
+    assert copy.minibatches_of(117668364739280898, 3) == {1, 2}
+    assert copy.entries() == [(117668364739280898, 4, 4), (117668364739280898, 8, 4)]
 
-    import torch.distributed as dist
 
-    from elasticdl.common.task import Task, TaskType
-    from elasticdl.elastic.collective import CollectiveError
-    from elasticdl.elastic.dataset import BatchTag, _TaskState
-    from elasticdl.elastic.trained import TrainedRecords
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=20))
-    dist.barrier()
-    if rank == 1:
-        os._exit(0)   # dies before the checkpoint step's gather
-    task = Task(5, TaskType.TRAINING, "s", 0, 16)
+def test_more_microbatches_than_slots_is_an_error():
     trained = TrainedRecords(minibatch_size=8)
-    trained.stepped([BatchTag(_TaskState(task, list(range(16)), 2), 0, 8)])
     try:
-        trained.gather(version=4, world_size=WORLD)
-    except CollectiveError as e:
-        return {"error": str(e)[:80], "agreed": trained.entries(),
-                "last_saved": trained.last_saved, "mine": len(trained._mine)}
-    return {"error": None}
-
-
-def test_a_gather_a_member_died_in_fails_as_a_collective_error_and_changes_nothing():
-    port = free_port()
-    procs = Procs()
-    try:
-        for r in range(WORLD):
-            procs.start(r, _survivor, r, port)
-        got = procs.collect([0], timeout_s=120)[0]
-    finally:
-        procs.close()
-    assert got["error"] and "trained records" in got["error"]
-    assert got["agreed"] == [] and got["last_saved"] == 0 and got["mine"] == 1
+        trained.encode(_tags(1, 3), rank=0, world_size=1, slots=2)
+    except RuntimeError as e:
+        assert "room for 2" in str(e)
+    else:
+        raise AssertionError("no error")
