@@ -71,7 +71,7 @@ class LocalJob:
         state["data_position"] = self.task_manager.state_dict(partial)
         self._last_saved = self.trainer.model_version
         return ckpt.save(self.spec.checkpoint_dir, self.trainer.model_version, state,
-                                self.spec.keep_checkpoint_max)
+                         self.spec.keep_checkpoint_max)
 
     def _restore(self) -> None:
         if self.spec.job_type != JobType.TRAIN:
@@ -79,7 +79,7 @@ class LocalJob:
             self.core.start_at_version(self.trainer.model_version)
             return
         state = ckpt.load(self.spec.checkpoint_dir_for_init,
-                                 map_location=str(self.trainer.device))
+                          map_location=str(self.trainer.device))
         self.trainer.load_state_dict(state)
         if "data_position" in state:
             self.task_manager.load_state_dict(state["data_position"])
