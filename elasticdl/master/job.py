@@ -79,6 +79,7 @@ class JobCore:
         self._lock = threading.RLock()
         self.version = self._start = self._last_due = start_version
         self._minibatches_out = 0
+        self._rollbacks_pending = 0   # PS rollbacks under way (see begin_rollback)
         self._last_evaluated: Optional[int] = None
         self._pending: Optional[dict[str, Any]] = None   # {"reasons", "epoch"}
         self._running: Optional[dict[str, Any]] = None   # {"version", "reasons", "epoch"}
@@ -125,10 +126,26 @@ class JobCore:
         with self._lock:
             return max(self._start, self.tm.rollback_version) + self._minibatches_out
 
+    def begin_rollback(self) -> None:
+        """A PS rollback starts: until :meth:`rollback` says at which version versions
+        continue, the bound is unknown (the PS may already apply pushes above it), so
+        versions above it are ignored, not refused; they come again with later reports."""
+        with self._lock:
+            self._rollbacks_pending += 1
+
+    def end_rollback(self) -> None:
+        """The PS rollback failed (the job fails); the bound holds again."""
+        with self._lock:
+            self._rollbacks_pending = max(self._rollbacks_pending - 1, 0)
+
     def on_version(self, worker_id: int, version: int) -> None:
         """A worker's model version. Raises VersionError above :meth:`version_bound`."""
         with self._lock:
             bound = self.version_bound()
+            if version > bound and self._rollbacks_pending:
+                logger.info("model version %d from worker %d during a PS rollback: ignored "
+                            "until the rollback settles", version, worker_id)
+                return
             if version > bound:
                 raise VersionError(
                     f"model version {version} from worker {worker_id} is ahead of what the "
@@ -188,6 +205,7 @@ class JobCore:
         with self._lock:
             lost = self.tm.rollback(applied, new_version)
             self.version = max(self.version, new_version)
+            self._rollbacks_pending = max(self._rollbacks_pending - 1, 0)
             return lost
 
     def held_task(self, task_id: int) -> tuple[Optional[Task], frozenset[int]]:
@@ -288,7 +306,8 @@ class JobCore:
                 "aggregator": self.aggregator.state_dict(),
                 "versions": {"version": self.version, "start": self._start,
                              "last_due": self._last_due,
-                             "minibatches_out": self._minibatches_out},
+                             "minibatches_out": self._minibatches_out,
+                             "rollbacks_pending": self._rollbacks_pending},
                 "evaluation": {"last_evaluated": self._last_evaluated,
                                "pending": self._pending, "running": self._running,
                                "begun": self._begun,
@@ -306,6 +325,7 @@ class JobCore:
             v = state["versions"]
             self.version, self._start = int(v["version"]), int(v["start"])
             self._last_due, self._minibatches_out = int(v["last_due"]), int(v["minibatches_out"])
+            self._rollbacks_pending = int(v.get("rollbacks_pending", 0))
             e = state["evaluation"]
             self._last_evaluated = e["last_evaluated"]
             self._pending, self._running, self._begun = e["pending"], e["running"], e["begun"]

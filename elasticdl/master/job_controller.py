@@ -99,6 +99,7 @@ class JobController:
                            "current model; updates it held are lost", index)
             self._launch_ps(index)
             return
+        self.core.begin_rollback()
         self._launch_ps(index, ("--await_rollback",))
         threading.Thread(target=self._rollback_ps, args=(version,), daemon=True,
                          name=f"ps-rollback-{version}").start()
@@ -108,6 +109,7 @@ class JobController:
             new_version, applied = ps_rollback.rollback_all(self.ps_addrs, version)
         except (grpc.RpcError, TimeoutError) as e:
             logger.error("PS rollback to checkpoint version %d failed: %s", version, e)
+            self.core.end_rollback()
             self._fail("master", f"PS rollback to checkpoint version {version} failed: {e}",
                        "")
             return

@@ -257,3 +257,21 @@ def test_a_hung_worker_does_not_block_a_due_evaluation():
     core.report_task(again.task_id, 1, True, model_version=4)
     ev = core.get(1)  # ...and the evaluation starts without waiting for worker 0
     assert (ev.type, ev.model_version) == (TaskType.EVALUATION, 4)
+
+
+def test_versions_from_a_ps_rolling_back_are_ignored_until_the_rollback_settles():
+    """A relaunched PS rolled back to a checkpoint continues above every version used
+    before; workers may report such versions before the master learns where versions
+    continue. They are ignored then (not refused: a refusal fails a healthy worker)."""
+    tm = TaskManager([("s", 0, 8)], records_per_task=4, num_epochs=1)
+    core = JobCore.for_tasks(tm, minibatch_size=4)
+    task = core.get(0)
+    assert task.type == TaskType.TRAINING and core.version_bound() == 1
+    core.begin_rollback()
+    core.on_version(0, 115)                 # above the bound, during the rollback: ignored
+    assert core.version == 0
+    core.rollback({}, 110)                  # versions continue at 110
+    core.on_version(0, 111)
+    assert core.version == 111
+    with pytest.raises(VersionError):       # the bound holds again
+        core.on_version(0, 10**12)
