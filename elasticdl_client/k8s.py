@@ -99,9 +99,10 @@ def submit(job_spec: JobSpec, kubeconfig: Optional[str] = None,
         with _core(kubeconfig) as core:
             if _master_pods(core, job_spec.job_name, job_spec.namespace):
                 raise client.ApiException(status=409, reason="Conflict")  # an older job
+            body = client.V1Job.from_dict(manifest)
+            assert body is not None
             client.BatchV1Api(core.api_client).create_namespaced_job(
-                job_spec.namespace, client.V1Job.from_dict(manifest),
-                _request_timeout=REQUEST_TIMEOUT)
+                job_spec.namespace, body, _request_timeout=REQUEST_TIMEOUT)
     except ClusterError as e:
         return _error(command, str(e), _cluster_error_code(e))
     except API_ERRORS as e:
@@ -255,7 +256,7 @@ def stop(job_name: str, namespace: str = "default", kubeconfig: Optional[str] = 
 
     from elasticdl.cluster.k8s_api import API_ERRORS, api_error, delete_object, is_status
 
-    name = mf.pod_name(job_name, ReplicaType.MASTER)  # the Job's (or the bare pod's) name
+    name = mf.master_job_name(job_name)
     body = client.V1DeleteOptions(propagation_policy="Background")
     try:
         with _core(kubeconfig) as core:
@@ -265,6 +266,7 @@ def stop(job_name: str, namespace: str = "default", kubeconfig: Optional[str] = 
             except API_ERRORS as e:
                 if not is_status(e, 404):
                     raise
+                name = mf.pod_name(job_name, ReplicaType.MASTER)  # an older, bare pod
                 delete_object(core.delete_namespaced_pod, name, namespace, body=body)
     except ClusterError as e:
         return _error("stop", str(e), _cluster_error_code(e))

@@ -141,7 +141,7 @@ class KubernetesCluster(Cluster):
             except API_ERRORS as e:
                 raise api_error(e, f"read the master pod {master}") from None
             owner = (master, uid_of(pod))
-            job = next((r for r in pod.metadata.owner_references or []
+            job = next((r for r in getattr(pod.metadata, "owner_references", None) or []
                         if r.kind == "Job" and r.controller), None)
             if job is not None:  # a restartable master: the Job is the job's root
                 kwargs.setdefault("owner_ref", mf.owner_reference(job.name, job.uid, "Job"))
@@ -314,7 +314,7 @@ class KubernetesCluster(Cluster):
                 return True
             logger.error("%s; deleting the replicas", api_error(e, "read the master pod"))
             return False
-        return pod.metadata.deletion_timestamp is not None
+        return getattr(pod.metadata, "deletion_timestamp", None) is not None
 
     def _ensure_master_service(self) -> None:
         port = mf.replica_port(self._port_base, ReplicaType.MASTER, 0)

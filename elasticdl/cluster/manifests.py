@@ -23,6 +23,7 @@ kubelet run a whole job on one host.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -53,6 +54,18 @@ def pod_name(job_name: str, type: ReplicaType, index: int = 0) -> str:
     if type == ReplicaType.MASTER:
         return f"elasticdl-{job_name}-master"
     return f"elasticdl-{job_name}-{type.value}-{index}"
+
+
+def master_job_name(job_name: str) -> str:
+    """The master Job's name, ``elasticdl-<job>-master``, at most 63 characters: the
+    Job controller copies it into the ``job-name`` label of its pods (a label value;
+    a real server rejects a longer one with 422). Longer names are cut and get a
+    hash of the job name, so they stay unique."""
+    name = pod_name(job_name, ReplicaType.MASTER)
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(job_name.encode()).hexdigest()[:8]
+    return f"{name[:54].rstrip('-.')}-{digest}"
 
 
 def ps_service_name(job_name: str, index: int) -> str:
@@ -91,10 +104,15 @@ def job_selector(job_name: str) -> str:
 
 def owner_reference(name: str, uid: str, kind: str = "Pod") -> Manifest:
     """A reference to the job's root object: the master Job (``kind="Job"``), or the
-    master pod of a job submitted as a bare pod. Deleting it garbage-collects the object."""
-    api_version = "batch/v1" if kind == "Job" else "v1"
-    return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid,
-            "controller": True, "blockOwnerDeletion": True}
+    master pod of a job submitted as a bare pod. Deleting it garbage-collects the object.
+
+    A reference to the Job is not a *controller* reference: the Job controller
+    releases (strips the reference from) pods it controls that do not match its
+    selector, which found on a real v1.20 control plane left replicas unowned.
+    """
+    job = kind == "Job"
+    return {"apiVersion": "batch/v1" if job else "v1", "kind": kind, "name": name,
+            "uid": uid, "controller": not job, "blockOwnerDeletion": True}
 
 
 def master_service_name(job_name: str) -> str:
@@ -351,8 +369,8 @@ def master_job(job_spec: JobSpec, base: int = DEFAULT_PORT_BASE,
     meta = pod["metadata"]
     template_meta = {k: meta[k] for k in ("labels", "annotations") if k in meta}
     return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": meta["name"], "namespace": meta["namespace"],
-                         "labels": dict(meta["labels"])},
+            "metadata": {"name": master_job_name(job_spec.job_name),
+                         "namespace": meta["namespace"], "labels": dict(meta["labels"])},
             "spec": {"backoffLimit": max_master_restarts(job_spec),
                      "template": {"metadata": template_meta, "spec": pod["spec"]}}}
 

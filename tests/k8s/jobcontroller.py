@@ -8,7 +8,8 @@ stand-in's garbage collector deletes the pods with the Job); a pod that is delet
 is replaced without counting; a Failed pod counts against ``backoffLimit``, and
 once more pods failed than that the Job gets the ``Failed`` condition
 (``BackoffLimitExceeded``); a Succeeded pod completes the Job. As the real one, it
-does not touch other pods the Job owns (the replicas). The genuine control plane
+releases pods whose *controller* reference names the Job but that do not match
+its selector, and leaves other pods the Job owns (the replicas) alone. The genuine control plane
 tier runs the real controller instead.
 """
 
@@ -51,6 +52,7 @@ class FakeJobController:
         if any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
                for c in (job.get("status") or {}).get("conditions") or []):
             return
+        self._release_foreign_pods(ns, uid)
         pods = self.api.list("pods", ns, f"controller-uid={uid}")
         phases = [p["status"].get("phase") for p in pods]
         failed, succeeded = phases.count("Failed"), phases.count("Succeeded")
@@ -72,6 +74,19 @@ class FakeJobController:
             status["active"] = 1
         if status != {k: (job.get("status") or {}).get(k) for k in status}:
             self.api.patch("jobs", ns, name, {"status": status}, status_only=True)
+
+    def _release_foreign_pods(self, ns: str, uid: str) -> None:
+        """As the real controller's ControllerRefManager: a pod whose *controller*
+        reference names this Job but whose labels do not match its selector is
+        released (the reference is removed)."""
+        for pod in self.api.list("pods", ns):
+            refs = pod["metadata"].get("ownerReferences") or []
+            mine = [r for r in refs if r.get("uid") == uid and r.get("controller")]
+            if mine and (pod["metadata"].get("labels") or {}).get("controller-uid") != uid:
+                kept = [r for r in refs if r not in mine]
+                self.api.patch("pods", ns, pod["metadata"]["name"],
+                               {"metadata": {"ownerReferences": kept or None}},
+                               status_only=False)
 
     def _create_pod(self, job: dict[str, Any]) -> None:
         meta, template = job["metadata"], job["spec"]["template"]

@@ -121,8 +121,10 @@ def test_deleted_master_pod_is_recreated_and_adopts_the_running_replicas(
     replicas = {n: server.get("pods", f"elasticdl-f1-{n}") for n in ("ps-0", "worker-0",
                                                                      "worker-1")}
     for obj in [*replicas.values(), server.get("services", "f1-ps-0"), svc]:
+        assert obj["metadata"].get("ownerReferences"), obj["metadata"]
         ref = obj["metadata"]["ownerReferences"][0]  # the Job: they outlive a master pod
         assert (ref["kind"], ref["uid"]) == ("Job", master_job["metadata"]["uid"])
+        assert not ref.get("controller")  # else the Job controller releases them
     pids = {n: kubelet.pid(ns, f"elasticdl-f1-{n}") for n in replicas}
 
     # the master pod is evicted: SIGTERM reaches the master, which closes its cluster

@@ -95,6 +95,8 @@ def validate(obj: dict[str, Any]) -> None:
     meta = obj["metadata"]
     name_rule = DNS1035_LABEL if obj["kind"] == "Service" else DNS1123_SUBDOMAIN
     assert name_rule.match(meta["name"]), meta["name"]
+    if obj["kind"] == "Job":  # the Job controller puts its name in a label of its pods
+        assert LABEL_VALUE.match(meta["name"]) and len(meta["name"]) <= 63, meta["name"]
     for key, value in (meta.get("labels") or {}).items():
         assert LABEL_VALUE.match(value), (key, value)
     json.dumps(obj)  # plain data only
@@ -290,6 +292,9 @@ def test_master_job_restarts_the_master_and_keeps_its_state():
     assert refs["ELASTICDL_JOB_TOKEN"] == {"name": "elasticdl-digits-1-token", "key": "token",
                                            "optional": True}
     # without a claim: no volume, the default job directory (lost with the pod)
+    assert master["metadata"]["name"] == "elasticdl-digits-1-master"
+    long_names = {mf.master_job_name("a" * 52 + s) for s in ("x", "y")}
+    assert len(long_names) == 2 and all(len(n) <= 63 for n in long_names)
     plain = access.master_job(spec(), 42000)["spec"]["template"]["spec"]
     assert "volumes" not in plain
     assert not any(a.startswith("--job_dir") for a in plain["containers"][0]["command"])
