@@ -27,6 +27,7 @@ from typing import Any, Optional
 from kubernetes import client
 
 from elasticdl.cluster import k8s_access as access
+from elasticdl.cluster import k8s_api
 from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.api import (
     Cluster,
@@ -293,7 +294,8 @@ class KubernetesCluster(Cluster):
                     logger.error("%s", api_error(e, f"delete service {svc}"))
         if self._owner is None and self._secret_keys is not None:
             try:  # owned by the master pod otherwise: it goes with the pod
-                self._delete_secret(access.job_secret_name(self.job_spec.job_name))
+                k8s_api.delete_secret(self._core, self.namespace,
+                                      access.job_secret_name(self.job_spec.job_name))
             except ClusterError as e:
                 failed.append(str(e))
         if failed:
@@ -319,56 +321,30 @@ class KubernetesCluster(Cluster):
     def _ensure_master_service(self) -> None:
         port = mf.replica_port(self._port_base, ReplicaType.MASTER, 0)
         body = mf.master_service(self.job_spec, port, self._owner)
-        try:
-            self._core.create_namespaced_service(
-                self.namespace, to_model(client.V1Service, body),
-                _request_timeout=REQUEST_TIMEOUT)
+        if k8s_api.create_service(self._core, self.namespace, body):  # else a predecessor's
             logger.info("created service %s -> master:%d", body["metadata"]["name"], port)
-        except API_ERRORS as e:
-            if not is_status(e, 409):  # a predecessor made it
-                raise api_error(e, f"create service {body['metadata']['name']}") from None
+
     def _ensure_secret(self) -> list[str]:
-        """Create the job's Secret (token, TLS) once, owned by the master pod; returns
-        its keys. A Secret left by an earlier job of the same name is replaced."""
+        """Create the job's Secret (token, TLS) once, owned by the job's root; returns
+        its keys. A Secret of the same name (an earlier job's; a predecessor master's,
+        holding the same token) is replaced."""
         with self._lock:
             if self._secret_keys is not None:
                 return self._secret_keys
             assert self._job_secrets is not None
             data = self._job_secrets.data()
-            body = to_model(client.V1Secret, access.job_secret(self.job_spec, data, self._owner))
-            name = access.job_secret_name(self.job_spec.job_name)
-            for attempt in (1, 2):
-                try:
-                    self._core.create_namespaced_secret(self.namespace, body,
-                                                        _request_timeout=REQUEST_TIMEOUT)
-                    break
-                except API_ERRORS as e:
-                    if not is_status(e, 409) or attempt == 2:
-                        raise api_error(e, f"create secret {name}") from None
-                self._delete_secret(name)
-            logger.info("created secret %s (keys %s)", name, ", ".join(sorted(data)))
+            body = access.job_secret(self.job_spec, data, self._owner)
+            k8s_api.replace_secret(self._core, self.namespace, body)
+            logger.info("created secret %s (keys %s)", body["metadata"]["name"],
+                        ", ".join(sorted(data)))
             self._secret_keys = sorted(data)
             return self._secret_keys
-
-    def _delete_secret(self, name: str) -> None:
-        try:
-            self._core.delete_namespaced_secret(name, self.namespace,
-                                                _request_timeout=REQUEST_TIMEOUT)
-        except API_ERRORS as e:
-            if not is_status(e, 404):
-                raise api_error(e, f"delete secret {name}") from None
 
     def _ensure_service(self, index: int, port: int) -> None:
         body = mf.ps_service(self.job_spec, index, port, self._owner)
         name = body["metadata"]["name"]
-        try:
-            self._core.create_namespaced_service(
-                self.namespace, to_model(client.V1Service, body),
-                _request_timeout=REQUEST_TIMEOUT)
-            logger.info("created service %s -> ps-%d:%d", name, index, port)
-        except API_ERRORS as e:
-            if not is_status(e, 409):  # it exists since an earlier incarnation
-                raise api_error(e, f"create service {name}") from None
+        if k8s_api.create_service(self._core, self.namespace, body):  # else: it exists
+            logger.info("created service %s -> ps-%d:%d", name, index, port)  # since before
         with self._lock:
             self._services.add(name)
 
