@@ -183,3 +183,31 @@ def test_master_restarts_are_bounded_by_the_backoff_limit(server, kubelet, port_
     assert k8s.stop("f1", server.namespace, server.kubeconfig, out=io.StringIO()) == 0
     wait_until(lambda: not server.list("pods") and not server.list("jobs"), 60,
                "the failed job's pods to go")
+
+
+def test_detach_keeps_replicas_and_a_new_cluster_adopts_them(server, kubelet):
+    """Without a Job (no owner): ``detach()`` leaves the pods; a later cluster of the
+    same job adopts the live ones and ``close()`` deletes them."""
+    from elasticdl.cluster.kubernetes import create
+
+    spec = job(server.namespace)
+    c1 = create(spec, server.kubeconfig, watch_timeout_s=5)
+    seen: list[ReplicaEvent] = []
+    for i in (0, 1):
+        c1.create_replica(ReplicaSpec("f1", W, i, tuple(SLEEP)))
+    for i in (0, 1):
+        wait_event(c1, seen, lambda e, n=f"worker-{i}": e.name == n and e.phase == Phase.RUNNING,
+                   60)
+    uids = {i: server.get("pods", f"elasticdl-f1-worker-{i}")["metadata"]["uid"] for i in (0, 1)}
+    c1.detach()
+    client.CoreV1Api(server.admin).delete_namespaced_pod("elasticdl-f1-worker-1",
+                                                        server.namespace)
+    c2 = create(spec, server.kubeconfig, watch_timeout_s=5)
+    try:
+        adopted = c2.adopt_replicas()
+        assert [(r.name, r.ident) for r in adopted] == [("worker-0", uids[0])]
+        assert server.phase("elasticdl-f1-worker-0") == "Running"
+    finally:
+        c2.close()
+    wait_until(lambda: not server.list("pods") and not kubelet.running(), 30,
+               "the adopted worker to be deleted on close")
