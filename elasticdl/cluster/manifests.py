@@ -23,6 +23,7 @@ kubelet run a whole job on one host.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -44,6 +45,7 @@ PORT_BASE_ENV = "ELASTICDL_K8S_PORT_BASE"
 MASTER_MODULE = "elasticdl.master.main"
 MASTER_STATE_DIR = "/var/lib/elasticdl/job"  # the master's job dir on --master_state_pvc
 MASTER_STATE_VOLUME = "master-state"
+JOB_UID_ENV = "ELASTICDL_MASTER_JOB_UID"
 
 Manifest = dict[str, Any]
 
@@ -337,17 +339,31 @@ def master_state_pvc(job_spec: JobSpec) -> str:
 
 
 def _with_master_state(pod: Manifest, job_spec: JobSpec) -> Manifest:
-    """Mount ``--master_state_pvc`` (sub path: the job name) at MASTER_STATE_DIR."""
+    """Mount ``--master_state_pvc`` at MASTER_STATE_DIR, sub path ``<job>-<Job uid>``
+    (the Job controller's ``controller-uid`` label, through the downward API): every
+    master pod of one Job shares it, a later job of the same name starts clean."""
     claim = master_state_pvc(job_spec)
     if not claim:
         return pod
     spec = pod["spec"]
     spec.setdefault("volumes", []).append(
         {"name": MASTER_STATE_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
-    spec["containers"][0].setdefault("volumeMounts", []).append(
+    container = spec["containers"][0]
+    container["env"].append({"name": JOB_UID_ENV, "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['controller-uid']"}}})
+    container.setdefault("volumeMounts", []).append(
         {"name": MASTER_STATE_VOLUME, "mountPath": MASTER_STATE_DIR,
-         "subPath": job_spec.job_name})
+         "subPathExpr": f"{job_spec.job_name}-$({JOB_UID_ENV})"})
+    container["command"].append(f"--job_dir={MASTER_STATE_DIR}")
     return pod
+
+
+def _restore_flag(job_spec: JobSpec) -> list[str]:
+    """``--restore`` for every master pod of the Job (the first finds no journal and
+    starts afresh; a recreated one continues the job and adopts the replicas). Only
+    for a master that has the flag: it comes with ``max_master_restarts`` in JobSpec."""
+    fields = {f.name for f in dataclasses.fields(job_spec)}
+    return ["--restore"] if "max_master_restarts" in fields else []
 
 
 def master_job(job_spec: JobSpec, base: int = DEFAULT_PORT_BASE,
@@ -360,9 +376,8 @@ def master_job(job_spec: JobSpec, base: int = DEFAULT_PORT_BASE,
     object: the replicas, Services and the Secret are owned by it.
     """
     pod = master_pod(job_spec, base)
+    pod["spec"]["containers"][0]["command"] += _restore_flag(job_spec)
     _with_master_state(pod, job_spec)
-    if master_state_pvc(job_spec):
-        pod["spec"]["containers"][0]["command"].append(f"--job_dir={MASTER_STATE_DIR}")
     if secret_env:
         container = pod["spec"]["containers"][0]
         container["env"] = container["env"] + [dict(e) for e in secret_env]

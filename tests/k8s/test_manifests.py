@@ -280,10 +280,13 @@ def test_master_job_restarts_the_master_and_keeps_its_state():
     assert pod["spec"]["restartPolicy"] == "Never"
     container = pod["spec"]["containers"][0]
     # the master's job directory (journal, secrets) lives on the claim
-    assert container["command"][-1] == f"--job_dir={mf.MASTER_STATE_DIR}"
+    assert container["command"][-2:] == ["--restore", f"--job_dir={mf.MASTER_STATE_DIR}"]
     mount = [m for m in container["volumeMounts"] if m["name"] == mf.MASTER_STATE_VOLUME]
+    # one directory per Job (its uid): a later job of the same name does not restore it
     assert mount == [{"name": mf.MASTER_STATE_VOLUME, "mountPath": mf.MASTER_STATE_DIR,
-                      "subPath": "digits-1"}]
+                      "subPathExpr": f"digits-1-$({mf.JOB_UID_ENV})"}]
+    assert {"name": mf.JOB_UID_ENV, "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['controller-uid']"}}} in container["env"]
     assert {"name": mf.MASTER_STATE_VOLUME,
             "persistentVolumeClaim": {"claimName": "edl-state"}} in pod["spec"]["volumes"]
     # a restarted master reads the token its replicas hold from the job's Secret
