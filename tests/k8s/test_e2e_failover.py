@@ -90,9 +90,11 @@ def test_ps_job_survives_its_master_pod_being_deleted(server, kubelet, port_base
     total = report["dataset"]["training_records"]
     assert [e["records_completed"] for e in report["epochs"]] == [total, total]
     assert report["relaunches"] == [], report["relaunches"]  # no replica replaced
-    for r in replicas:  # the same pods (uids) ran to the end
+    for r in replicas[1:]:  # the same worker pods (uids) ran to the end
         pod = server.get("pods", r)
         assert pod["metadata"]["uid"] == uids[r] and pod["status"]["phase"] == "Succeeded"
+    ps = server.get("pods", replicas[0])  # the master deletes the live PS at the end
+    assert ps is None or ps["metadata"]["uid"] == uids[replicas[0]]
     [restart] = report["master_restarts"]
     assert sorted(restart["replicas_adopted"]) == ["ps-0", "worker-0", "worker-1"], restart
     shown = io.StringIO()
