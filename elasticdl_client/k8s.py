@@ -12,6 +12,12 @@ exit code; the CLI calls ``sys.exit(fn(...))``:
 ``status`` shows each replica's pod phase and exit reason, then the job's
 progress as the last lines of the master pod's log (the master logs progress
 and the job report figures as it runs; nothing else has to be kept in sync).
+
+A job is a ``batch/v1`` Job running the master pod (recreated by the Job
+controller after a failure or deletion, up to ``--max_master_restarts``); the
+master's pods are found by the job's labels, the newest being the current one.
+``stop`` deletes the Job (or, for a job submitted before, its bare master pod);
+the garbage collector removes the rest.
 """
 
 from __future__ import annotations
@@ -58,9 +64,9 @@ def _core(kubeconfig: Optional[str]) -> Iterator[Any]:
 
 
 def write_yaml(job_spec: JobSpec, out: IO[str] = sys.stdout) -> int:
-    """Write the master pod manifest to ``job_spec.yaml`` instead of submitting."""
+    """Write the master Job manifest to ``job_spec.yaml`` instead of submitting."""
     try:
-        text = mf.to_yaml([mf.master_pod(job_spec, mf.port_base())])
+        text = mf.to_yaml([access.master_job(job_spec, mf.port_base())])
     except ValueError as e:
         return _error(job_spec.job_type, str(e), USAGE)
     try:
@@ -77,12 +83,12 @@ def write_yaml(job_spec: JobSpec, out: IO[str] = sys.stdout) -> int:
 
 def submit(job_spec: JobSpec, kubeconfig: Optional[str] = None,
            out: IO[str] = sys.stdout) -> int:
-    """Create the master pod (its command carries the job spec), or write --yaml."""
+    """Create the master Job (its pod's command carries the job spec), or write --yaml."""
     if job_spec.yaml:
         return write_yaml(job_spec, out)
     command = job_spec.job_type
     try:
-        manifest = mf.master_pod(job_spec, mf.port_base())
+        manifest = access.master_job(job_spec, mf.port_base())
     except ValueError as e:
         return _error(command, str(e), USAGE)
     from kubernetes import client
@@ -91,8 +97,12 @@ def submit(job_spec: JobSpec, kubeconfig: Optional[str] = None,
 
     try:
         with _core(kubeconfig) as core:
-            core.create_namespaced_pod(job_spec.namespace, client.V1Pod.from_dict(manifest),
-                                       _request_timeout=REQUEST_TIMEOUT)
+            if _master_pods(core, job_spec.job_name, job_spec.namespace):
+                raise client.ApiException(status=409, reason="Conflict")  # an older job
+            body = client.V1Job.from_dict(manifest)
+            assert body is not None
+            client.BatchV1Api(core.api_client).create_namespaced_job(
+                job_spec.namespace, body, _request_timeout=REQUEST_TIMEOUT)
     except ClusterError as e:
         return _error(command, str(e), _cluster_error_code(e))
     except API_ERRORS as e:
@@ -100,9 +110,10 @@ def submit(job_spec: JobSpec, kubeconfig: Optional[str] = None,
             return _error(command, f"job {job_spec.job_name} already exists in namespace "
                           f"{job_spec.namespace}; pick another --job_name or run "
                           f"`elasticdl stop {job_spec.job_name}`", API_FAILED)
-        err = api_error(e, f"create the master pod in namespace {job_spec.namespace}")
+        err = api_error(e, f"create the master Job in namespace {job_spec.namespace}")
         return _error(command, str(err), _cluster_error_code(err))
-    print(f"submitted job {job_spec.job_name}: master pod {manifest['metadata']['name']} in "
+    print(f"submitted job {job_spec.job_name}: master Job {manifest['metadata']['name']} "
+          f"(restarts the master up to {manifest['spec']['backoffLimit']} times) in "
           f"namespace {job_spec.namespace}\n"
           f"  elasticdl status {job_spec.job_name} --namespace={job_spec.namespace}\n"
           f"  elasticdl logs {job_spec.job_name} --replica=master --follow", file=out)
@@ -149,10 +160,28 @@ def status(job_name: str, namespace: str = "default", tail: int = 5,
     return OK
 
 
+def _master_pods(core: Any, job_name: str, namespace: str) -> list[dict[str, Any]]:
+    """The job's master pods (several after master restarts), oldest first."""
+    from elasticdl.cluster.k8s_api import list_pods
+
+    selector = f"{mf.job_selector(job_name)},{mf.LABEL_TYPE}={ReplicaType.MASTER.value}"
+    pods, _ = list_pods(core, namespace, selector)
+    return sorted(pods, key=lambda p: (p["metadata"].get("creationTimestamp") or "",
+                                       int(p["metadata"].get("resourceVersion") or 0)))
+
+
+def current_master(core: Any, job_name: str, namespace: str) -> str:
+    """The name of the newest master pod ('' if none)."""
+    pods = _master_pods(core, job_name, namespace)
+    return str(pods[-1]["metadata"]["name"]) if pods else ""
+
+
 def _master_log(core: Any, job_name: str, namespace: str, tail: int) -> str:
     from elasticdl.cluster.k8s_api import API_ERRORS, REQUEST_TIMEOUT, api_error
 
-    master = mf.pod_name(job_name, ReplicaType.MASTER)
+    master = current_master(core, job_name, namespace)
+    if not master:
+        return "(no master pod)"
     try:
         text = core.read_namespaced_pod_log(master, namespace, tail_lines=tail,
                                             _request_timeout=REQUEST_TIMEOUT)
@@ -190,6 +219,8 @@ def logs(job_name: str, replica: str = "master", namespace: str = "default",
     kwargs: dict[str, Any] = {"tail_lines": tail} if tail >= 0 else {}
     try:
         with _core(kubeconfig) as core:
+            if replica == "master":
+                name = current_master(core, job_name, namespace) or name
             if not follow:
                 text = core.read_namespaced_pod_log(name, namespace, **kwargs,
                                                     _request_timeout=REQUEST_TIMEOUT)
@@ -219,16 +250,24 @@ def logs(job_name: str, replica: str = "master", namespace: str = "default",
 
 def stop(job_name: str, namespace: str = "default", kubeconfig: Optional[str] = None,
          out: IO[str] = sys.stdout) -> int:
-    """Delete the master pod; owner references remove the PS, workers and Services."""
+    """Delete the master Job (a job submitted as a bare pod: the master pod); owner
+    references remove the master pods, PS, workers, Services and the Secret."""
     from kubernetes import client
 
     from elasticdl.cluster.k8s_api import API_ERRORS, api_error, delete_object, is_status
 
-    name = mf.pod_name(job_name, ReplicaType.MASTER)
+    name = mf.master_job_name(job_name)
+    body = client.V1DeleteOptions(propagation_policy="Background")
     try:
         with _core(kubeconfig) as core:
-            delete_object(core.delete_namespaced_pod, name, namespace,
-                          body=client.V1DeleteOptions(propagation_policy="Background"))
+            try:
+                delete_object(client.BatchV1Api(core.api_client).delete_namespaced_job, name,
+                              namespace, body=body)
+            except API_ERRORS as e:
+                if not is_status(e, 404):
+                    raise
+                name = mf.pod_name(job_name, ReplicaType.MASTER)  # an older, bare pod
+                delete_object(core.delete_namespaced_pod, name, namespace, body=body)
     except ClusterError as e:
         return _error("stop", str(e), _cluster_error_code(e))
     except API_ERRORS as e:

@@ -60,11 +60,27 @@ def job_secret(job_spec: JobSpec, data: Mapping[str, str],
             "data": dict(data)}
 
 
-def secret_env(job_name: str, keys: Sequence[str]) -> list[Manifest]:
-    """Env entries reading the Secret's ``keys`` (of SECRET_ENV_KEYS)."""
-    return [{"name": env, "valueFrom": {"secretKeyRef": {"name": job_secret_name(job_name),
-                                                         "key": key}}}
-            for env, key in SECRET_ENV_KEYS if key in keys]
+def secret_env(job_name: str, keys: Sequence[str], optional: bool = False) -> list[Manifest]:
+    """Env entries reading the Secret's ``keys`` (of SECRET_ENV_KEYS). ``optional``:
+    the pod starts without them while the Secret is absent (the master Job's pod: the
+    first master makes the Secret, a restarted one reads the token from it)."""
+    out: list[Manifest] = []
+    for env, key in SECRET_ENV_KEYS:
+        if key in keys:
+            ref: Manifest = {"name": job_secret_name(job_name), "key": key}
+            if optional:
+                ref["optional"] = True
+            out.append({"name": env, "valueFrom": {"secretKeyRef": ref}})
+    return out
+
+
+def master_job(job_spec: JobSpec, base: int) -> Manifest:
+    """The master Job (:func:`~elasticdl.cluster.manifests.master_job`) whose pod reads
+    the job's token/TLS from the Secret when a predecessor made it."""
+    from elasticdl.cluster.manifests import master_job as job
+
+    keys = [key for _, key in SECRET_ENV_KEYS]
+    return job(job_spec, base, secret_env=secret_env(job_spec.job_name, keys, optional=True))
 
 
 def with_secret_env(pod: Manifest, job_name: str, keys: Sequence[str]) -> Manifest:

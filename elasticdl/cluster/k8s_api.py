@@ -159,3 +159,40 @@ def short_error(error: BaseException) -> str:
     """One line for a log: ``HTTP 503 Service Unavailable`` or the transport error."""
     status = getattr(error, "status", None)
     return f"HTTP {status} {getattr(error, 'reason', '')}" if status else str(error)
+
+
+def create_service(core: client.CoreV1Api, namespace: str, manifest: dict[str, Any]) -> bool:
+    """Create a Service; False if it already exists (409). Raises ClusterError."""
+    name = manifest["metadata"]["name"]
+    try:
+        core.create_namespaced_service(namespace, to_model(client.V1Service, manifest),
+                                       _request_timeout=REQUEST_TIMEOUT)
+    except API_ERRORS as e:
+        if is_status(e, 409):
+            return False
+        raise api_error(e, f"create service {name}") from None
+    return True
+
+
+def replace_secret(core: client.CoreV1Api, namespace: str, manifest: dict[str, Any]) -> None:
+    """Create a Secret; one of the same name (an earlier job's, or a predecessor
+    master's) is deleted first. Raises ClusterError."""
+    name = manifest["metadata"]["name"]
+    body = to_model(client.V1Secret, manifest)
+    for attempt in (1, 2):
+        try:
+            core.create_namespaced_secret(namespace, body, _request_timeout=REQUEST_TIMEOUT)
+            return
+        except API_ERRORS as e:
+            if not is_status(e, 409) or attempt == 2:
+                raise api_error(e, f"create secret {name}") from None
+        delete_secret(core, namespace, name)
+
+
+def delete_secret(core: client.CoreV1Api, namespace: str, name: str) -> None:
+    """Delete a Secret (no error if it is gone). Raises ClusterError."""
+    try:
+        core.delete_namespaced_secret(name, namespace, _request_timeout=REQUEST_TIMEOUT)
+    except API_ERRORS as e:
+        if not is_status(e, 404):
+            raise api_error(e, f"delete secret {name}") from None

@@ -27,11 +27,13 @@ from typing import Any, Optional
 from kubernetes import client
 
 from elasticdl.cluster import k8s_access as access
+from elasticdl.cluster import k8s_api
 from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.api import (
     Cluster,
     ClusterError,
     ReplicaEvent,
+    ReplicaInfo,
     ReplicaSpec,
     ReplicaType,
 )
@@ -70,23 +72,33 @@ class _Tracked:
 class KubernetesCluster(Cluster):
     """Replicas of one job as pods in ``job_spec.namespace``.
 
-    ``owner`` is ``(name, uid)`` of the master pod; every pod and Service made
-    here references it. Raises ClusterError (PermissionDenied for 403) if the
-    job's pods cannot be listed.
+    ``owner`` is ``(name, uid)`` of the master pod, or ``owner_ref`` a ready
+    reference (the master Job, see :func:`~elasticdl.cluster.manifests.master_job`);
+    every pod, Service and Secret made here references it. With a Job as owner the
+    master is restartable: its address is the master Service, and replicas outlive
+    one master pod. Raises ClusterError (PermissionDenied for 403) if the job's pods
+    cannot be listed.
+
+    Pods that exist when the cluster starts produce no events (their endings were
+    its predecessor's business); :meth:`adopt_replicas` returns those still live.
     """
 
     def __init__(self, job_spec: JobSpec, api_client: client.ApiClient, *,
                  owner: Optional[tuple[str, str]] = None, port_base: int = mf.DEFAULT_PORT_BASE,
                  service_host: str = "", pod_ip: str = "", watch_timeout_s: int = 60,
                  log_tail_lines: int = 30, delete_wait_s: float = 60.0,
-                 job_secrets: Optional[auth.JobSecrets] = None):
+                 job_secrets: Optional[auth.JobSecrets] = None,
+                 owner_ref: Optional[mf.Manifest] = None, master_pod: str = ""):
         self.job_spec = job_spec
         self._job_secrets = job_secrets
         self._secret_keys: Optional[list[str]] = None  # set once the Secret exists
         self.namespace = job_spec.namespace
         self._api_client = api_client
         self._core = client.CoreV1Api(api_client)
-        self._owner = mf.owner_reference(*owner) if owner else None
+        self._owner = owner_ref or (mf.owner_reference(*owner) if owner else None)
+        self._master_pod = master_pod or (owner[0] if owner else "")
+        self._detached = False
+        self._quiet = True  # the first list: record pods, report nothing
         self._port_base = port_base
         self._service_host = service_host
         self._pod_ip = pod_ip
@@ -102,7 +114,14 @@ class KubernetesCluster(Cluster):
         self._closed = threading.Event()
         self._watcher = PodWatcher(self._core, self.namespace, self._selector,
                                    self._watch_timeout_s, self._on_pod, self._reconcile)
-        self._watcher.start(self._watcher.relist())
+        rv = self._watcher.relist()
+        self._quiet = False
+        self._watcher.start(rv)
+
+    @property
+    def restartable(self) -> bool:
+        """The master runs in a Job that recreates it (see the class docstring)."""
+        return bool(self._owner and self._owner.get("kind") == "Job")
 
     @classmethod
     def from_job_spec(cls, job_spec: JobSpec, job_dir: Optional[str] = None,
@@ -123,13 +142,24 @@ class KubernetesCluster(Cluster):
             except API_ERRORS as e:
                 raise api_error(e, f"read the master pod {master}") from None
             owner = (master, uid_of(pod))
+            job = next((r for r in getattr(pod.metadata, "owner_references", None) or []
+                        if r.kind == "Job" and r.controller), None)
+            if job is not None:  # a restartable master: the Job is the job's root
+                kwargs.setdefault("owner_ref", mf.owner_reference(job.name, job.uid, "Job"))
         else:
             logger.warning("MY_POD_NAME is not set: replicas get no owner reference and "
                            "survive the master unless it closes the cluster")
         kwargs.setdefault("job_secrets", auth.JobSecrets.from_env())
-        return cls(job_spec, api_client, owner=owner, port_base=mf.port_base(),
-                   service_host=os.environ.get(SERVICE_HOST_ENV, ""),
-                   pod_ip=os.environ.get("MY_POD_IP", ""), **kwargs)
+        cluster = cls(job_spec, api_client, owner=owner, port_base=mf.port_base(),
+                      service_host=os.environ.get(SERVICE_HOST_ENV, ""),
+                      pod_ip=os.environ.get("MY_POD_IP", ""), **kwargs)
+        if cluster.restartable:
+            try:
+                cluster._ensure_master_service()
+            except ClusterError:
+                cluster.close()
+                raise
+        return cluster
 
     # ------------------------------------------------------------ Cluster API
     def endpoint(self, type: ReplicaType, index: int) -> tuple[int, str]:
@@ -145,10 +175,43 @@ class KubernetesCluster(Cluster):
         return port, ""
 
     def master_address(self) -> Optional[str]:
-        """``$MY_POD_IP:<master port>`` (the master is never relaunched)."""
+        """The master Service's ``<svc>.<ns>.svc:<port>`` when the master is
+        restartable (a restarted master gets a new pod IP), else ``$MY_POD_IP:<port>``."""
+        port = mf.replica_port(self._port_base, ReplicaType.MASTER, 0)
+        if self.restartable:
+            host = self._service_host or (
+                f"{mf.master_service_name(self.job_spec.job_name)}.{self.namespace}.svc")
+            return f"{host}:{port}"
         if not self._pod_ip:
             return None
-        return f"{self._pod_ip}:{mf.replica_port(self._port_base, ReplicaType.MASTER, 0)}"
+        return f"{self._pod_ip}:{port}"
+
+    def adopt_replicas(self) -> list[ReplicaInfo]:
+        """The job's PS and worker pods that are pending or running and not being
+        deleted, found by the job's labels; from now on this cluster reports their
+        events and deletes them on :meth:`close` as if it had created them."""
+        adopted = []
+        with self._lock:
+            for uid, t in sorted(self._pods.items(), key=lambda kv: kv[1].name):
+                meta = t.pod.get("metadata") or {}
+                if t.state is None or t.state.terminal or meta.get("deletionTimestamp"):
+                    continue
+                self._created[t.name] = uid
+                t.high_priority = (t.pod.get("spec") or {}).get("priorityClassName") == "high"
+                port, address = 0, ""
+                if t.type == ReplicaType.PS:
+                    port, address = self.endpoint(t.type, t.index)
+                    self._services.add(mf.ps_service_name(self.job_spec.job_name, t.index))
+                adopted.append(ReplicaInfo(t.type, t.index, t.state.phase, port, address, uid))
+        logger.info("adopted %d running replica(s): %s", len(adopted),
+                    ", ".join(f"{r.name} (pod uid {r.ident})" for r in adopted) or "none")
+        return adopted
+
+    def detach(self) -> None:
+        """Stop watching and keep every replica: this master is going away and its
+        successor adopts them (see :meth:`close`)."""
+        self._detached = True
+        self.close()
 
     def create_replica(self, spec: ReplicaSpec) -> None:
         if self._closed.is_set():
@@ -198,11 +261,22 @@ class KubernetesCluster(Cluster):
         (deleting the master removes them); without an owner all are deleted.
         Deletion failures are logged, not raised: owner references still clean
         up when the master pod goes.
+
+        A restartable master keeps every replica when it is being replaced: after
+        :meth:`detach`, or when its own pod is being deleted (eviction, preemption,
+        ``kubectl delete pod``: SIGTERM reaches the master) while its Job is not;
+        the Job then starts a new master that adopts them. ``elasticdl stop``
+        deletes the Job, and the garbage collector removes the replicas.
         """
         if self._closed.is_set():
             return
         self._closed.set()
         self._watcher.stop(self._watch_timeout_s + 15)
+        if self._detached or self._being_replaced():
+            logger.warning("master pod %s is being replaced: leaving the replicas running "
+                           "for the next master", self._master_pod or "(unknown)")
+            self._api_client.close()
+            return
         with self._lock:
             live = {name for name, uid in self._created.items()
                     if self._owner is None or not self._is_terminal(uid)}
@@ -220,7 +294,8 @@ class KubernetesCluster(Cluster):
                     logger.error("%s", api_error(e, f"delete service {svc}"))
         if self._owner is None and self._secret_keys is not None:
             try:  # owned by the master pod otherwise: it goes with the pod
-                self._delete_secret(access.job_secret_name(self.job_spec.job_name))
+                k8s_api.delete_secret(self._core, self.namespace,
+                                      access.job_secret_name(self.job_spec.job_name))
             except ClusterError as e:
                 failed.append(str(e))
         if failed:
@@ -229,48 +304,47 @@ class KubernetesCluster(Cluster):
         self._api_client.close()
 
     # ------------------------------------------------------------ API calls
+    def _being_replaced(self) -> bool:
+        """A restartable master whose pod is deleted (or gone) will be recreated."""
+        if not self.restartable or not self._master_pod:
+            return False
+        try:
+            pod = self._core.read_namespaced_pod(self._master_pod, self.namespace,
+                                                 _request_timeout=REQUEST_TIMEOUT)
+        except API_ERRORS as e:
+            if is_status(e, 404):
+                return True
+            logger.error("%s; deleting the replicas", api_error(e, "read the master pod"))
+            return False
+        return getattr(pod.metadata, "deletion_timestamp", None) is not None
+
+    def _ensure_master_service(self) -> None:
+        port = mf.replica_port(self._port_base, ReplicaType.MASTER, 0)
+        body = mf.master_service(self.job_spec, port, self._owner)
+        if k8s_api.create_service(self._core, self.namespace, body):  # else a predecessor's
+            logger.info("created service %s -> master:%d", body["metadata"]["name"], port)
+
     def _ensure_secret(self) -> list[str]:
-        """Create the job's Secret (token, TLS) once, owned by the master pod; returns
-        its keys. A Secret left by an earlier job of the same name is replaced."""
+        """Create the job's Secret (token, TLS) once, owned by the job's root; returns
+        its keys. A Secret of the same name (an earlier job's; a predecessor master's,
+        holding the same token) is replaced."""
         with self._lock:
             if self._secret_keys is not None:
                 return self._secret_keys
             assert self._job_secrets is not None
             data = self._job_secrets.data()
-            body = to_model(client.V1Secret, access.job_secret(self.job_spec, data, self._owner))
-            name = access.job_secret_name(self.job_spec.job_name)
-            for attempt in (1, 2):
-                try:
-                    self._core.create_namespaced_secret(self.namespace, body,
-                                                        _request_timeout=REQUEST_TIMEOUT)
-                    break
-                except API_ERRORS as e:
-                    if not is_status(e, 409) or attempt == 2:
-                        raise api_error(e, f"create secret {name}") from None
-                self._delete_secret(name)
-            logger.info("created secret %s (keys %s)", name, ", ".join(sorted(data)))
+            body = access.job_secret(self.job_spec, data, self._owner)
+            k8s_api.replace_secret(self._core, self.namespace, body)
+            logger.info("created secret %s (keys %s)", body["metadata"]["name"],
+                        ", ".join(sorted(data)))
             self._secret_keys = sorted(data)
             return self._secret_keys
-
-    def _delete_secret(self, name: str) -> None:
-        try:
-            self._core.delete_namespaced_secret(name, self.namespace,
-                                                _request_timeout=REQUEST_TIMEOUT)
-        except API_ERRORS as e:
-            if not is_status(e, 404):
-                raise api_error(e, f"delete secret {name}") from None
 
     def _ensure_service(self, index: int, port: int) -> None:
         body = mf.ps_service(self.job_spec, index, port, self._owner)
         name = body["metadata"]["name"]
-        try:
-            self._core.create_namespaced_service(
-                self.namespace, to_model(client.V1Service, body),
-                _request_timeout=REQUEST_TIMEOUT)
-            logger.info("created service %s -> ps-%d:%d", name, index, port)
-        except API_ERRORS as e:
-            if not is_status(e, 409):  # it exists since an earlier incarnation
-                raise api_error(e, f"create service {name}") from None
+        if k8s_api.create_service(self._core, self.namespace, body):  # else: it exists
+            logger.info("created service %s -> ps-%d:%d", name, index, port)  # since before
         with self._lock:
             self._services.add(name)
 
@@ -379,6 +453,9 @@ class KubernetesCluster(Cluster):
             tracked = self._pods.setdefault(uid, _Tracked(name, *replica, pod))
             tracked.pod = pod
             prev = tracked.state
+            if self._quiet:
+                tracked.state = state
+                return
             if prev is not None and (prev.terminal or
                                      (prev.phase, prev.reason) == (state.phase, state.reason)):
                 return  # nothing new; a finished pod's later deletion is not news

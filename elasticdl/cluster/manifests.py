@@ -23,6 +23,8 @@ kubelet run a whole job on one host.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -41,6 +43,9 @@ SERVICE_ACCOUNT = "elasticdl"
 DEFAULT_PORT_BASE = 50001
 PORT_BASE_ENV = "ELASTICDL_K8S_PORT_BASE"
 MASTER_MODULE = "elasticdl.master.main"
+MASTER_STATE_DIR = "/var/lib/elasticdl/job"  # the master's job dir on --master_state_pvc
+MASTER_STATE_VOLUME = "master-state"
+JOB_UID_ENV = "ELASTICDL_MASTER_JOB_UID"
 
 Manifest = dict[str, Any]
 
@@ -51,6 +56,18 @@ def pod_name(job_name: str, type: ReplicaType, index: int = 0) -> str:
     if type == ReplicaType.MASTER:
         return f"elasticdl-{job_name}-master"
     return f"elasticdl-{job_name}-{type.value}-{index}"
+
+
+def master_job_name(job_name: str) -> str:
+    """The master Job's name, ``elasticdl-<job>-master``, at most 63 characters: the
+    Job controller copies it into the ``job-name`` label of its pods (a label value;
+    a real server rejects a longer one with 422). Longer names are cut and get a
+    hash of the job name, so they stay unique."""
+    name = pod_name(job_name, ReplicaType.MASTER)
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(job_name.encode()).hexdigest()[:8]
+    return f"{name[:54].rstrip('-.')}-{digest}"
 
 
 def ps_service_name(job_name: str, index: int) -> str:
@@ -87,10 +104,23 @@ def job_selector(job_name: str) -> str:
     return f"app={APP},{LABEL_JOB}={job_name}"
 
 
-def owner_reference(name: str, uid: str) -> Manifest:
-    """A reference to the master pod: deleting it garbage-collects the object."""
-    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid,
-            "controller": True, "blockOwnerDeletion": True}
+def owner_reference(name: str, uid: str, kind: str = "Pod") -> Manifest:
+    """A reference to the job's root object: the master Job (``kind="Job"``), or the
+    master pod of a job submitted as a bare pod. Deleting it garbage-collects the object.
+
+    A reference to the Job is not a *controller* reference: the Job controller
+    releases (strips the reference from) pods it controls that do not match its
+    selector, which found on a real v1.20 control plane left replicas unowned.
+    """
+    job = kind == "Job"
+    return {"apiVersion": "batch/v1" if job else "v1", "kind": kind, "name": name,
+            "uid": uid, "controller": not job, "blockOwnerDeletion": True}
+
+
+def master_service_name(job_name: str) -> str:
+    """The DNS-1035 name of the Service in front of the master pod."""
+    name = f"{job_name}-master"
+    return name if name[0].isalpha() else f"edl-{name}"
 
 
 # ----------------------------------------------------------------- cluster_spec
@@ -291,6 +321,88 @@ def master_job_spec(job_spec: JobSpec) -> JobSpec:
 def master_command(job_spec: JobSpec, port: int) -> list[str]:
     return ["python", "-m", MASTER_MODULE, f"--job_spec={master_job_spec(job_spec).to_json()}",
             f"--port={port}"]
+
+
+# ----------------------------------------------------------------- master failover
+def max_master_restarts(job_spec: JobSpec) -> int:
+    """``--max_master_restarts`` (the Job's ``backoffLimit``).
+
+    Read here only: the flag belongs to JobSpec (default 3 until it is there)."""
+    return int(getattr(job_spec, "max_master_restarts", 3))
+
+
+def master_state_pvc(job_spec: JobSpec) -> str:
+    """``--master_state_pvc``: the claim holding the master's job directory ('' for none).
+
+    Read here only: the flag belongs to JobSpec."""
+    return str(getattr(job_spec, "master_state_pvc", "") or "")
+
+
+def _with_master_state(pod: Manifest, job_spec: JobSpec) -> Manifest:
+    """Mount ``--master_state_pvc`` at MASTER_STATE_DIR, sub path ``<job>-<Job uid>``
+    (the Job controller's ``controller-uid`` label, through the downward API): every
+    master pod of one Job shares it, a later job of the same name starts clean."""
+    claim = master_state_pvc(job_spec)
+    if not claim:
+        return pod
+    spec = pod["spec"]
+    spec.setdefault("volumes", []).append(
+        {"name": MASTER_STATE_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
+    container = spec["containers"][0]
+    container["env"].append({"name": JOB_UID_ENV, "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['controller-uid']"}}})
+    container.setdefault("volumeMounts", []).append(
+        {"name": MASTER_STATE_VOLUME, "mountPath": MASTER_STATE_DIR,
+         "subPathExpr": f"{job_spec.job_name}-$({JOB_UID_ENV})"})
+    container["command"].append(f"--job_dir={MASTER_STATE_DIR}")
+    return pod
+
+
+def _restore_flag(job_spec: JobSpec) -> list[str]:
+    """``--restore`` for every master pod of the Job (the first finds no journal and
+    starts afresh; a recreated one continues the job and adopts the replicas). Only
+    for a master that has the flag: it comes with ``max_master_restarts`` in JobSpec."""
+    fields = {f.name for f in dataclasses.fields(job_spec)}
+    return ["--restore"] if "max_master_restarts" in fields else []
+
+
+def master_job(job_spec: JobSpec, base: int = DEFAULT_PORT_BASE,
+               secret_env: Optional[list[Manifest]] = None) -> Manifest:
+    """The ``batch/v1`` Job the client submits: it runs the master pod and recreates
+    it (up to ``--max_master_restarts`` failures) when the pod fails or is deleted.
+
+    ``secret_env`` (env entries reading the job's Secret, ``optional``) lets a
+    restarted master keep the token its replicas hold. The Job is the job's root
+    object: the replicas, Services and the Secret are owned by it.
+    """
+    pod = master_pod(job_spec, base)
+    pod["spec"]["containers"][0]["command"] += _restore_flag(job_spec)
+    _with_master_state(pod, job_spec)
+    if secret_env:
+        container = pod["spec"]["containers"][0]
+        container["env"] = container["env"] + [dict(e) for e in secret_env]
+    meta = pod["metadata"]
+    template_meta = {k: meta[k] for k in ("labels", "annotations") if k in meta}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": master_job_name(job_spec.job_name),
+                         "namespace": meta["namespace"], "labels": dict(meta["labels"])},
+            "spec": {"backoffLimit": max_master_restarts(job_spec),
+                     "template": {"metadata": template_meta, "spec": pod["spec"]}}}
+
+
+def master_service(job_spec: JobSpec, port: int, owner: Optional[Manifest] = None) -> Manifest:
+    """The ClusterIP Service in front of the master pod: a stable master address
+    across master restarts."""
+    metadata: Manifest = {"name": master_service_name(job_spec.job_name),
+                          "namespace": job_spec.namespace,
+                          "labels": labels(job_spec.job_name, ReplicaType.MASTER, 0)}
+    if owner:
+        metadata["ownerReferences"] = [dict(owner)]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata,
+            "spec": {"type": "ClusterIP",
+                     "selector": labels(job_spec.job_name, ReplicaType.MASTER, 0),
+                     "ports": [{"name": "grpc", "port": port, "targetPort": port,
+                                "protocol": "TCP"}]}}
 
 
 def master_pod(job_spec: JobSpec, base: int = DEFAULT_PORT_BASE) -> Manifest:

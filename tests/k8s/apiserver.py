@@ -32,10 +32,12 @@ from urllib.parse import parse_qs, urlparse
 logger = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
-KINDS = {"pods": "Pod", "services": "Service", "secrets": "Secret"}
+KINDS = {"pods": "Pod", "services": "Service", "secrets": "Secret", "jobs": "Job"}
+API_VERSIONS = {"jobs": "batch/v1"}
+_GROUP = r"(?:/api/v1|/apis/batch/v1)"
 _NAMED = re.compile(
-    r"^/api/v1/namespaces/([^/]+)/(pods|services|secrets)/([^/]+)(/status|/log)?$")
-_COLLECTION = re.compile(r"^/api/v1/(?:namespaces/([^/]+)/)?(pods|services|secrets)$")
+    _GROUP + r"/namespaces/([^/]+)/(pods|services|secrets|jobs)/([^/]+)(/status|/log)?$")
+_COLLECTION = re.compile(_GROUP + r"/(?:namespaces/([^/]+)/)?(pods|services|secrets|jobs)$")
 
 
 def now() -> str:
@@ -183,7 +185,7 @@ class FakeApiServer:
                                         f'{kind} "{name}" already exists')
             meta.update({"namespace": ns, "uid": str(uuid.uuid4()),
                          "creationTimestamp": now()})
-            body.setdefault("apiVersion", "v1")
+            body.setdefault("apiVersion", API_VERSIONS.get(kind, "v1"))
             body["kind"] = KINDS[kind]
             if kind == "pods":
                 body["status"] = {"phase": "Pending", "qosClass": "Burstable"}
@@ -191,6 +193,8 @@ class FakeApiServer:
                 body.setdefault("spec", {})["clusterIP"] = f"10.96.0.{self._next_ip}"
                 self._next_ip += 1
                 body["status"] = {"loadBalancer": {}}
+            elif kind == "jobs":
+                body["status"] = {}
             self._objects[(kind, ns, name)] = body
             self._record(kind, ns, "ADDED", body)
             return 201, copy.deepcopy(body)

@@ -24,6 +24,7 @@ from kubernetes import client, config  # noqa: E402
 
 from tests.k8s import realcluster  # noqa: E402
 from tests.k8s.apiserver import FakeApiServer  # noqa: E402
+from tests.k8s.jobcontroller import FakeJobController  # noqa: E402
 from tests.k8s.kubelet import NODE, FakeKubelet  # noqa: E402
 
 pytestmark = pytest.mark.k8s
@@ -96,8 +97,9 @@ class Server:
 
     def get(self, kind: str, name: str) -> Optional[dict[str, Any]]:
         core = client.CoreV1Api(self.admin)
+        batch = client.BatchV1Api(self.admin)
         read = {"pods": core.read_namespaced_pod, "services": core.read_namespaced_service,
-                "secrets": core.read_namespaced_secret}[kind]
+                "secrets": core.read_namespaced_secret, "jobs": batch.read_namespaced_job}[kind]
         try:
             resp = read(name, self.namespace, _preload_content=False)
         except client.exceptions.ApiException as e:
@@ -106,13 +108,15 @@ class Server:
             raise
         return json.loads(resp.data)
 
-    def list(self, kind: str) -> list[dict[str, Any]]:
+    def list(self, kind: str, selector: str = "") -> list[dict[str, Any]]:
         """Objects of ``kind`` in the namespace; for secrets not the service-account
         tokens a real server keeps there."""
         core = client.CoreV1Api(self.admin)
         fn = {"pods": core.list_namespaced_pod, "services": core.list_namespaced_service,
-              "secrets": core.list_namespaced_secret}[kind]
-        items = json.loads(fn(self.namespace, _preload_content=False).data)["items"]
+              "secrets": core.list_namespaced_secret,
+              "jobs": client.BatchV1Api(self.admin).list_namespaced_job}[kind]
+        items = json.loads(fn(self.namespace, label_selector=selector,
+                              _preload_content=False).data)["items"]
         if kind == "secrets":
             items = [i for i in items if i.get("type") != "kubernetes.io/service-account-token"]
         return list(items)
@@ -154,11 +158,13 @@ def server(request, tmp_path) -> Iterator[Server]:
     log_dir = str(tmp_path / "pod-logs")
     if request.param == "stand-in":
         fake = FakeApiServer(log_dir)
+        jobs = FakeJobController(fake)  # the real tier runs kube-controller-manager's
         path = write_kubeconfig(str(tmp_path / "admin.kubeconfig"), fake.url, "admin")
         admin = config.new_client_from_config(config_file=path, persist_config=False)
         yield Server("stand-in", write_kubeconfig(str(tmp_path / "kubeconfig"), fake.url,
                                                   "user"), "default", log_dir, admin, fake=fake)
         admin.close()
+        jobs.close()
         fake.close()
         return
     plane = request.getfixturevalue("control_plane")

@@ -295,14 +295,16 @@ class FakeKubelet:
             source = item.get("valueFrom") or {}
             ref = (source.get("fieldRef") or {}).get("fieldPath")
             if source.get("secretKeyRef"):
-                env[item["name"]] = self._secret_value(meta["namespace"],
-                                                       source["secretKeyRef"])
+                value = self._secret_value(meta["namespace"], source["secretKeyRef"])
+                if value is not None:  # None: an optional ref to an absent Secret/key
+                    env[item["name"]] = value
             else:
                 env[item["name"]] = fields.get(ref, "") if ref else str(item.get("value", ""))
         return env
 
-    def _secret_value(self, ns: str, ref: dict[str, Any]) -> str:
-        """A secretKeyRef as the real kubelet resolves it (OSError: the pod cannot start)."""
+    def _secret_value(self, ns: str, ref: dict[str, Any]) -> Optional[str]:
+        """A secretKeyRef as the real kubelet resolves it (OSError: the pod cannot start;
+        None: ``optional`` and the Secret or key is absent)."""
         # A real kubelet retries (CreateContainerConfigError) until the Secret can be
         # read: the Node authorizer learns of a newly bound pod's secrets a moment
         # after the binding, so the first read may be refused.
@@ -312,10 +314,14 @@ class FakeKubelet:
                 secret = self._core.read_namespaced_secret(ref["name"], ns)
                 break
             except client.ApiException as e:
+                if e.status == 404 and ref.get("optional"):
+                    return None
                 if e.status not in (403, 404) or time.monotonic() > deadline:
                     raise OSError(f"secret {ref['name']!r}: {e.reason}") from None
                 time.sleep(0.2)
         value = (secret.data or {}).get(ref["key"])
+        if value is None and ref.get("optional"):
+            return None
         if value is None:
             raise OSError(f"secret {ref['name']!r} has no key {ref['key']!r}")
         return base64.b64decode(value).decode()

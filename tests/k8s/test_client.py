@@ -38,10 +38,25 @@ def labels(type: str, index: int, job_name: str = "c1") -> dict[str, str]:
             "elasticdl-replica-type": type, "elasticdl-replica-index": str(index)}
 
 
-def test_submit_creates_the_master_pod(kubeconfig, apiserver, capsys):
+def wait_for(predicate, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s")
+
+
+def test_submit_creates_the_master_job(kubeconfig, apiserver, capsys):
     out = io.StringIO()
     assert k8s.submit(job(), kubeconfig, out=out) == 0
-    pod = apiserver.get("pods", "default", "elasticdl-c1-master")
+    master_job = apiserver.get("jobs", "default", "elasticdl-c1-master")
+    assert master_job["spec"]["backoffLimit"] == 3
+    # the Job controller runs the master pod from the template
+    pods = wait_for(lambda: apiserver.list("pods", "default", "elasticdl-replica-type=master"))
+    pod = pods[0]
+    assert pod["metadata"]["name"].startswith("elasticdl-c1-master-")
     assert pod["metadata"]["labels"]["elasticdl-replica-type"] == "master"
     command = pod["spec"]["containers"][0]["command"]
     assert JobSpec.from_json(command[3].split("=", 1)[1]).job_name == "c1"
@@ -55,9 +70,9 @@ def test_yaml_writes_instead_of_submitting(kubeconfig, apiserver, tmp_path):
     path = tmp_path / "job.yaml"
     assert k8s.submit(job(yaml=str(path)), kubeconfig, out=io.StringIO()) == 0
     docs = list(yaml.safe_load_all(path.read_text()))
-    assert [d["kind"] for d in docs] == ["Pod"]
+    assert [d["kind"] for d in docs] == ["Job"]
     assert docs[0]["metadata"]["name"] == "elasticdl-c1-master"
-    assert apiserver.list("pods") == []
+    assert apiserver.list("pods") == [] and apiserver.list("jobs") == []
 
 
 def test_status_shows_replicas_and_progress(kubeconfig, apiserver):
@@ -114,15 +129,24 @@ def test_logs_and_follow(kubeconfig, apiserver):
 
 def test_stop_cascades_through_owner_references(kubeconfig, apiserver):
     assert k8s.submit(job(), kubeconfig, out=io.StringIO()) == 0
-    master = apiserver.get("pods", "default", "elasticdl-c1-master")
-    owner = [{"apiVersion": "v1", "kind": "Pod", "name": "elasticdl-c1-master",
+    master = apiserver.get("jobs", "default", "elasticdl-c1-master")
+    wait_for(lambda: apiserver.list("pods", "default", "elasticdl-replica-type=master"))
+    owner = [{"apiVersion": "batch/v1", "kind": "Job", "name": "elasticdl-c1-master",
               "uid": master["metadata"]["uid"], "controller": True}]
     for name, kind in (("elasticdl-c1-worker-0", "pods"), ("c1-ps-0", "services")):
         apiserver.create(kind, "default", {"metadata": {"name": name,
                                                         "ownerReferences": owner}})
     assert k8s.stop("c1", kubeconfig=kubeconfig, out=io.StringIO()) == 0
     assert apiserver.list("pods") == [] and apiserver.list("services") == []
+    assert apiserver.list("jobs") == []
     assert k8s.stop("c1", kubeconfig=kubeconfig, out=io.StringIO()) == 1
+
+
+def test_stop_deletes_a_bare_master_pod_of_an_older_job(kubeconfig, apiserver):
+    put_pod(apiserver, "elasticdl-c1-master", labels("master", 0), {"phase": "Running"})
+    assert k8s.submit(job(), kubeconfig, out=io.StringIO()) == 1  # the job exists
+    assert k8s.stop("c1", kubeconfig=kubeconfig, out=io.StringIO()) == 0
+    assert apiserver.list("pods") == []
 
 
 def test_no_kubeconfig_and_forbidden_exit_2(tmp_path, monkeypatch, kubeconfig, apiserver,

@@ -99,14 +99,23 @@ def service_creates(server: Any) -> Optional[list[int]]:
             and e["user"]["username"] == "user"]
 
 
+def master_pod(server: Any, job: str) -> str:
+    """The name of the job's master pod, run by the master Job (waits for it)."""
+    def find() -> str:
+        pods = server.list("pods", f"elasticdl-job-name={job},elasticdl-replica-type=master")
+        return str(pods[-1]["metadata"]["name"]) if pods else ""
+
+    return str(wait_for(find, 60, f"the master pod of {job}"))
+
+
 def stop_and_wait_for_cascade(server: Any, kubelet: Any, job: str) -> None:
-    """`elasticdl stop`: the master pod goes, and owner references take the rest."""
+    """`elasticdl stop`: the master Job goes, and owner references take the rest."""
     from elasticdl_client import k8s
 
     assert k8s.stop(job, namespace=server.namespace, kubeconfig=server.kubeconfig,
                     out=io.StringIO()) == 0
     wait_for(lambda: not server.list("pods") and not server.list("services")
-             and not server.list("secrets"), 60,
+             and not server.list("secrets") and not server.list("jobs"), 60,
              "owner-reference cascade", lambda: [p["metadata"]["name"]
                                                  for p in server.list("pods")])
     wait_for(lambda: not kubelet.running(), 30, "every pod process to stop")
@@ -126,7 +135,7 @@ def test_digits_ps_job_survives_deleted_worker_and_ps_pods(server, kubelet, port
            "--num_workers=2", "--num_epochs=3", "--minibatch_size=16",
            "--num_minibatches_per_task=4", f"--checkpoint_dir={ckpt}", "--checkpoint_steps=5",
            "--worker_pod_priority=0.5", "--worker_resource_request=cpu=1,memory=1Gi")
-    master = f"elasticdl-{job}-master"
+    master = master_pod(server, job)
     report_path = str(tmp_path / "out" / "job_report.json")
 
     def master_log() -> str:
@@ -165,22 +174,24 @@ def test_digits_ps_job_survives_deleted_worker_and_ps_pods(server, kubelet, port
     # the replacement pod ran; PS Services were made; `status` sees the finished job
     new_pod = f"elasticdl-{job}-{relaunched['worker-0']['new_replica']}"
     assert server.phase(new_pod) == "Succeeded", master_log()
-    # one Service per PS; the relaunched ps-0 finds its Service still there (409) and keeps it
+    # one Service per PS and the master's; the relaunched ps-0 finds its Service still
+    # there (409) and keeps it
     codes = service_creates(server)
     if codes is not None:
-        assert len(codes) == 3
+        assert len(codes) == 4
         if server.real:
-            assert sorted(codes) == [201, 201, 409]
-    assert server.list("services") == []  # the master's close() removed them again
-    # the job token travelled in a Secret owned by the master pod, read by env
+            assert sorted(codes) == [201, 201, 201, 409]
+    # the master's close() removed the PS Services again; the master's stays with the Job
+    assert [x["metadata"]["name"] for x in server.list("services")] == [f"{job}-master"]
+    # the job token travelled in a Secret owned by the master Job, read by env
     secrets = server.list("secrets")
     assert len(secrets) == 1, [(x["metadata"]["name"], x["metadata"].get("ownerReferences"))
                                for x in secrets]
     [secret] = secrets
     token = base64.b64decode(secret["data"]["token"]).decode()
     owner = secret["metadata"]["ownerReferences"][0]
-    assert owner["name"] == master and owner["uid"] == server.get(
-        "pods", master)["metadata"]["uid"]
+    assert owner["kind"] == "Job" and owner["uid"] == server.get(
+        "jobs", f"elasticdl-{job}-master")["metadata"]["uid"]
     env = server.get("pods", new_pod)["spec"]["containers"][0]["env"]
     assert {"name": "ELASTICDL_JOB_TOKEN", "valueFrom": {"secretKeyRef": {
         "name": secret["metadata"]["name"], "key": "token"}}} in env
@@ -201,7 +212,7 @@ def test_digits_allreduce_job_status_logs_and_stop(server, kubelet, port_base, d
     submit(server, port_base, digits_data, tmp_path, job,
            "--distribution_strategy=AllreduceStrategy", "--num_workers=2", "--num_epochs=1",
            "--minibatch_size=32", "--collective_timeout_s=20")
-    master = f"elasticdl-{job}-master"
+    master = master_pod(server, job)
     wait_for(lambda: server.phase(master) in ("Succeeded", "Failed"), 300, "the job to finish",
              lambda: pod_log(server, master)[-6000:])
     assert server.phase(master) == "Succeeded", pod_log(server, master)[-6000:]

@@ -8,6 +8,7 @@ server's rules.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -27,6 +28,8 @@ DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 OWNER = mf.owner_reference("elasticdl-j-master", "5f0c8a52-1d7e-4bb3-9a4c-2f2c0b8f8d11")
+JOB_OWNER = mf.owner_reference("elasticdl-j-master", "6a1d9b63-2e8f-4cc4-8b5d-3a3d1c9f9e22",
+                               "Job")
 
 CLUSTER_SPEC = {
     "metadata": {"annotations": {"sidecar.istio.io/inject": "false"},
@@ -49,7 +52,22 @@ def spec(**kw: Any) -> JobSpec:
                                 job_name="digits-1",
                                 distribution_strategy="ParameterServerStrategy")
     base.update(kw)
+    if {"max_master_restarts", "master_state_pvc"} & set(kw):
+        return failover_spec_class()(**base)
     return JobSpec(**base)
+
+
+def failover_spec_class() -> Any:
+    """JobSpec, extended by the master failover fields (``max_master_restarts``,
+    ``master_state_pvc``) while JobSpec does not have them yet (another branch adds
+    them; ``manifests`` reads them with getattr)."""
+    known = {f.name for f in dataclasses.fields(JobSpec)}
+    extra = [(n, t, dataclasses.field(default=d)) for n, t, d in
+             (("max_master_restarts", int, 3), ("master_state_pvc", str, ""))
+             if n not in known]
+    if not extra:
+        return JobSpec
+    return dataclasses.make_dataclass("FailoverJobSpec", extra, bases=(JobSpec,), frozen=True)
 
 
 VARIANTS = {
@@ -67,6 +85,7 @@ VARIANTS = {
     "cluster_spec": dict(cluster_spec=json.dumps(CLUSTER_SPEC)),
     "long_name": dict(job_name="a" * 52),
     "digit_name": dict(job_name="7-digits"),
+    "master_state_pvc": dict(master_state_pvc="edl-state", max_master_restarts=5),
 }
 
 
@@ -76,6 +95,8 @@ def validate(obj: dict[str, Any]) -> None:
     meta = obj["metadata"]
     name_rule = DNS1035_LABEL if obj["kind"] == "Service" else DNS1123_SUBDOMAIN
     assert name_rule.match(meta["name"]), meta["name"]
+    if obj["kind"] == "Job":  # the Job controller puts its name in a label of its pods
+        assert LABEL_VALUE.match(meta["name"]) and len(meta["name"]) <= 63, meta["name"]
     for key, value in (meta.get("labels") or {}).items():
         assert LABEL_VALUE.match(value), (key, value)
     json.dumps(obj)  # plain data only
@@ -83,7 +104,8 @@ def validate(obj: dict[str, Any]) -> None:
 
 def all_manifests(job: JobSpec) -> list[dict[str, Any]]:
     """Every shape client and cluster create for ``job`` (one of each)."""
-    out = [mf.master_pod(job, base=42000)]
+    out = [mf.master_pod(job, base=42000), access.master_job(job, 42000),
+           mf.master_service(job, 42000, JOB_OWNER)]
     for type, index, port in ((ReplicaType.PS, 11, 50013), (ReplicaType.WORKER, 123, 0)):
         rs = ReplicaSpec(job.job_name, type, index,
                          ("python", "-m", f"elasticdl.{type.value}.main", f"--id={index}"),
@@ -112,7 +134,8 @@ def test_rbac_validates_and_is_minimal(namespace):
     rules = {r["resources"][0]: set(r["verbs"]) for r in docs[1]["rules"]}
     assert rules == {"pods": {"create", "delete", "get", "list", "watch"},
                      "pods/log": {"get"}, "services": {"create", "delete"},
-                     "secrets": {"create", "delete"}}  # the job token's Secret; no read
+                     "secrets": {"create", "delete"},  # the job token's Secret; no read
+                     "jobs": {"create", "delete", "get"}}  # the client's master Job
     assert docs[2]["subjects"][0]["namespace"] == namespace
     assert "namespace: " + namespace in access.rbac_yaml(namespace)
 
@@ -246,3 +269,39 @@ def test_job_secret_and_the_pods_reading_it():
         "name": access.job_secret_name(job.job_name), "key": "token"}}}]
     assert {e["name"] for e in env} >= {auth.TLS_CERT_ENV, auth.TLS_KEY_ENV}
     assert "k" * 43 not in json.dumps(pod)
+
+
+def test_master_job_restarts_the_master_and_keeps_its_state():
+    job = spec(master_state_pvc="edl-state", max_master_restarts=5)
+    master = access.master_job(job, 42000)
+    assert master["kind"] == "Job" and master["spec"]["backoffLimit"] == 5
+    pod = master["spec"]["template"]
+    assert pod["metadata"]["labels"]["elasticdl-replica-type"] == "master"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    container = pod["spec"]["containers"][0]
+    # the master's job directory (journal, secrets) lives on the claim
+    assert container["command"][-2:] == ["--restore", f"--job_dir={mf.MASTER_STATE_DIR}"]
+    mount = [m for m in container["volumeMounts"] if m["name"] == mf.MASTER_STATE_VOLUME]
+    # one directory per Job (its uid): a later job of the same name does not restore it
+    assert mount == [{"name": mf.MASTER_STATE_VOLUME, "mountPath": mf.MASTER_STATE_DIR,
+                      "subPathExpr": f"digits-1-$({mf.JOB_UID_ENV})"}]
+    assert {"name": mf.JOB_UID_ENV, "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['controller-uid']"}}} in container["env"]
+    assert {"name": mf.MASTER_STATE_VOLUME,
+            "persistentVolumeClaim": {"claimName": "edl-state"}} in pod["spec"]["volumes"]
+    # a restarted master reads the token its replicas hold from the job's Secret
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs["ELASTICDL_JOB_TOKEN"] == {"name": "elasticdl-digits-1-token", "key": "token",
+                                           "optional": True}
+    # without a claim: no volume, the default job directory (lost with the pod)
+    assert master["metadata"]["name"] == "elasticdl-digits-1-master"
+    long_names = {mf.master_job_name("a" * 52 + s) for s in ("x", "y")}
+    assert len(long_names) == 2 and all(len(n) <= 63 for n in long_names)
+    plain = access.master_job(spec(), 42000)["spec"]["template"]["spec"]
+    assert "volumes" not in plain
+    assert not any(a.startswith("--job_dir") for a in plain["containers"][0]["command"])
+    service = mf.master_service(spec(job_name="7-digits"), 42000, JOB_OWNER)
+    assert service["metadata"]["name"] == "edl-7-digits-master"
+    assert service["spec"]["selector"] == mf.labels("7-digits", ReplicaType.MASTER, 0)
+    assert service["metadata"]["ownerReferences"][0]["kind"] == "Job"

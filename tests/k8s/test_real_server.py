@@ -39,27 +39,33 @@ def user_core(server):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_manifest_passes_server_side_dry_run(server, user_core, variant):
     """As `user` (only the Role of `elasticdl rbac`): pods and Services; as admin: RBAC."""
-    from kubernetes import utils
+    from kubernetes import client, utils
 
     from tests.k8s.realcluster import ensure_priority_classes
 
     job_spec = spec(namespace=server.namespace, **VARIANTS[variant])
     ensure_priority_classes(server.admin, ("spot-low",))  # the class_priority variant
+    batch = client.BatchV1Api(user_core.api_client)
     for obj in all_manifests(job_spec):
-        create = (user_core.create_namespaced_pod if obj["kind"] == "Pod"
-                  else user_core.create_namespaced_service)
+        create = {"Pod": user_core.create_namespaced_pod,
+                  "Service": user_core.create_namespaced_service,
+                  "Job": batch.create_namespaced_job}[obj["kind"]]
         resp = create(server.namespace, obj, dry_run="All", _preload_content=False)
         made = json.loads(resp.data)
         assert made["metadata"]["name"] == obj["metadata"]["name"]
-        if obj["kind"] == "Pod":  # defaulted by the server, and what we asked for kept
-            container = made["spec"]["containers"][0]
-            assert made["spec"]["schedulerName"] == "default-scheduler"
-            assert container["command"] == obj["spec"]["containers"][0]["command"]
+        if obj["kind"] in ("Pod", "Job"):  # defaulted by the server, what we asked kept
+            pod_spec = made["spec"]["template"]["spec"] if obj["kind"] == "Job" \
+                else made["spec"]
+            asked = obj["spec"]["template"]["spec"] if obj["kind"] == "Job" else obj["spec"]
+            container = pod_spec["containers"][0]
+            assert pod_spec["schedulerName"] == "default-scheduler"
+            assert container["command"] == asked["containers"][0]["command"]
             requests = container.get("resources", {}).get("requests", {})
             if "nvidia.com/gpu" in requests:
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == \
                     requests["nvidia.com/gpu"]
     assert server.list("pods") == [] and server.list("services") == []  # nothing stored
+    assert server.list("jobs") == []
     for doc in access.rbac_manifests(server.namespace):
         doc["metadata"]["name"] = "dry-" + doc["metadata"]["name"]
         if doc["kind"] == "RoleBinding":
