@@ -32,11 +32,13 @@ accepted and never move the job's version back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.job_report import JobReport, exported_model_version
@@ -46,6 +48,9 @@ from elasticdl.master import task_state
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.replicas import ReplicaBook
 from elasticdl.master.task_manager import TaskManager
+
+if TYPE_CHECKING:
+    from elasticdl.master.journal import Journal
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +90,13 @@ class JobCore:
         self._begun = False
         self._epochs_ended: set[int] = set()
         self._manage = manage_evaluations
+        # the write-ahead journal (master failover): every public state change is
+        # recorded, with the clock it saw, before the call returns
+        self._journal: Optional[Journal] = None
+        self._replaying = False
+        self._frozen: Optional[float] = None
+        self._base_clock = task_manager._clock
+        task_manager._clock = self._now
         task_manager.evaluation_done_callbacks.append(self._on_evaluation_done)
         if manage_evaluations:
             task_manager.epoch_end_callbacks.append(self._on_epoch_end)
@@ -106,20 +118,137 @@ class JobCore:
         """The one place a job's task manager, schedule and report are built."""
         from elasticdl.common.datasets import shards_for
 
+        # wall-clock time: held tasks' start times stay meaningful across a master restart
         tm = TaskManager(records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
                          shuffle=spec.shuffle, seed=spec.seed,
                          max_task_retries=spec.max_task_retries,
                          task_timeout_s=spec.task_timeout_s, first_task_id=first_task_id,
+                         clock=time.time,
                          **shards_for(dict(readers), spec))
         report = report_for(spec, tm)
         return cls(tm, report, Schedule.from_spec(spec), minibatch_size=spec.minibatch_size,
                    job_type=spec.job_type, start_version=start_version)
+
+    # -------------------------------------------------------------- journal
+    def _now(self) -> float:
+        return self._frozen if self._frozen is not None else self._base_clock()
+
+    @contextlib.contextmanager
+    def _at(self, t: Optional[float] = None) -> Iterator[float]:
+        """One call sees one time (journaled with it, so a replay decides alike)."""
+        if self._frozen is not None:  # nested, or replaying: the outer time holds
+            yield self._frozen
+            return
+        self._frozen = self._base_clock() if t is None else t
+        try:
+            yield self._frozen
+        finally:
+            self._frozen = None
+
+    def _log(self, op: str, **fields: Any) -> None:
+        if self._journal is not None and not self._replaying:
+            self._journal.append({"op": op, **fields})
+
+    def attach_journal(self, journal: Journal) -> None:
+        """Journal every transition from now on (restore first, if continuing)."""
+        with self._lock:
+            self._journal = journal
+
+    def snapshot(self) -> None:
+        """Write the whole state to the journal's snapshot (then its older
+        segments go). Call after changes made outside the journaled calls (replica
+        bookkeeping, the report) and now and then to keep replays short."""
+        journal = self._journal
+        if journal is None:
+            return
+        with journal.snapshot_lock:
+            with self._lock:
+                state, extra = self.state_dict(), self._volatile_state()
+                seq = journal.rotate()
+            journal.write_snapshot(seq, state, extra)
+
+    def _volatile_state(self) -> dict[str, Any]:
+        """What :meth:`state_dict` leaves out but a replay needs to decide alike:
+        when each held task went out, each worker's last get_task request."""
+        tm = self.tm
+        with tm._lock:
+            return {"started": {str(k): d.started for k, d in tm._doing.items()},
+                    "last_get": {str(w): [r, task_state.task_to_json(t)]
+                                 for w, (r, t) in tm._last_get.items()}}
+
+    def restore(self, journal: Journal) -> int:
+        """Continue from ``journal`` (its snapshot, then its records replayed) and
+        journal to it from now on; the number of records replayed. Raises
+        JournalError when a replay does not decide as the journaled call did."""
+        from elasticdl.master.journal import JournalError
+
+        snap, records = journal.load()
+        with self._lock:
+            if snap is not None:
+                self.load_state_dict(snap["state"])
+                tm, extra = self.tm, snap["extra"]
+                for k, started in extra["started"].items():
+                    if int(k) in tm._doing:
+                        tm._doing[int(k)].started = float(started)
+                tm._last_get = {int(w): (int(r), task_state.task_from_json(t))
+                                for w, (r, t) in extra["last_get"].items()}
+            self._replaying = True
+            try:
+                for rec in records:
+                    try:
+                        self._apply(rec)
+                    except (KeyError, ValueError, TypeError) as e:
+                        raise JournalError(f"journal record {rec.get('seq')} ({rec}) cannot "
+                                           f"be replayed: {type(e).__name__}: {e}") from e
+            finally:
+                self._replaying = False
+            self._journal = journal
+        logger.info("restored the job core: snapshot %s + %d journal record(s)",
+                    snap["seq"] if snap else "none", len(records))
+        return len(records)
+
+    def _apply(self, rec: dict[str, Any]) -> None:
+        from elasticdl.master.journal import JournalError
+
+        op = rec["op"]
+        with self._at(rec.get("t")):
+            if op == "get":
+                tt = rec["type"]
+                task = self.get(rec["w"], None if tt is None else TaskType(tt), rec["r"])
+                got = task_state.task_to_json(task)
+                if got != rec["task"]:
+                    raise JournalError(f"journal record {rec['seq']}: replayed get_task gave "
+                                       f"task {got}, the journal says {rec['task']}")
+            elif op == "report":
+                self.report_task(rec["task"], rec["w"], rec["ok"], rec["error"], rec["tb"],
+                                 rec["fatal"], rec["counters"], rec["version"])
+            elif op == "metrics":
+                self.report_evaluation(rec["task"], rec["version"],
+                                       [tuple(m) for m in rec["metrics"]])  # type: ignore
+            elif op == "version":
+                self.on_version(rec["w"], rec["version"])
+            elif op == "begin":
+                self.begin()
+            elif op == "recover":
+                self.recover_tasks(rec["w"])
+            elif op == "rollback":
+                self.rollback({int(k): v for k, v in rec["applied"].items()},
+                              rec["version"])
+            elif op == "start_at":
+                self.start_at_version(rec["version"])
+            elif op == "export":
+                self.claim_export(rec["w"])
+            elif op == "worker_reported":
+                self.worker_reported(rec["w"], rec["error"], rec["tb"])
+            else:
+                raise JournalError(f"journal record {rec['seq']}: unknown op {op!r}")
 
     # ------------------------------------------------------------- versions
     def start_at_version(self, version: int) -> None:
         """The model the job starts from has ``version`` (a restored checkpoint)."""
         with self._lock:
             self.version = self._start = self._last_due = version
+            self._log("start_at", version=version)
 
     def version_bound(self) -> int:
         with self._lock:
@@ -127,6 +256,13 @@ class JobCore:
 
     def on_version(self, worker_id: int, version: int) -> None:
         """A worker's model version. Raises VersionError above :meth:`version_bound`."""
+        with self._lock:
+            before = (self.version, self._last_due, self._pending)
+            self._on_version(worker_id, version)
+            if before != (self.version, self._last_due, self._pending):
+                self._log("version", w=worker_id, version=version)
+
+    def _on_version(self, worker_id: int, version: int) -> None:
         with self._lock:
             bound = self.version_bound()
             if version > bound:
@@ -148,16 +284,20 @@ class JobCore:
         with self._lock:
             if not self._begun and self.job_type == JobType.EVALUATE:
                 self._request_evaluation("evaluate", None)
+            if not self._begun:
+                self._log("begin")
             self._begun = True
 
     def get(self, worker_id: int, task_type: Optional[TaskType] = None,
             request_id: int = 0) -> Task:
         """The next task for ``worker_id`` (see :meth:`TaskManager.get`)."""
-        with self._lock:
+        with self._lock, self._at() as t:
             self._maybe_start_evaluation()
             task = self.tm.get(worker_id, task_type, request_id)
             if task.type == TaskType.TRAINING:
                 self._minibatches_out += -(-task.num_records // self.minibatch_size)
+            self._log("get", t=t, w=worker_id, r=request_id, task=task_state.task_to_json(task),
+                      type=None if task_type is None else int(task_type))
             return task
 
     def report_task(self, task_id: int, worker_id: int, success: bool, error: str = "",
@@ -166,21 +306,34 @@ class JobCore:
                     model_version: Optional[int] = None) -> None:
         """A task's outcome, with the reporter's model version after it.
         Raises VersionError (nothing recorded) for a version from the future."""
-        with self._lock:
+        with self._lock, self._at() as t:
             if model_version is not None:
-                self.on_version(worker_id, model_version)
+                self._on_version(worker_id, model_version)
             self.tm.report(task_id, worker_id, success, error, traceback, fatal, counters)
             self._maybe_start_evaluation()
+            self._log("report", t=t, task=task_id, w=worker_id, ok=success, error=error,
+                      tb=traceback, fatal=fatal, counters=dict(counters or {}),
+                      version=model_version)
 
     def report_evaluation(self, task_id: int, model_version: int,
                           metrics: Sequence[Metric]) -> None:
-        self.aggregator.add(model_version, task_id, metrics)
+        with self._lock:
+            self.aggregator.add(model_version, task_id, metrics)
+            self._log("metrics", task=task_id, version=model_version,
+                      metrics=[list(m) for m in metrics])
+
+    def worker_reported(self, worker_id: int, message: str, traceback: str) -> None:
+        """A worker's own report of its failure (the job's root cause candidate)."""
+        with self._lock:
+            self.replicas.worker_reported(worker_id, message, traceback)
+            self._log("worker_reported", w=worker_id, error=message, tb=traceback)
 
     def recover_tasks(self, worker_id: int) -> list[Task]:
         """Re-queue what a dead worker held."""
-        with self._lock:
+        with self._lock, self._at() as t:
             lost = self.tm.recover_tasks(worker_id)
             self._maybe_start_evaluation()
+            self._log("recover", t=t, w=worker_id)
             return lost
 
     def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
@@ -188,6 +341,8 @@ class JobCore:
         with self._lock:
             lost = self.tm.rollback(applied, new_version)
             self.version = max(self.version, new_version)
+            self._log("rollback", applied={str(k): v for k, v in applied.items()},
+                      version=new_version)
             return lost
 
     def held_task(self, task_id: int) -> tuple[Optional[Task], frozenset[int]]:
@@ -206,8 +361,14 @@ class JobCore:
 
     def claim_export(self, worker_id: int) -> bool:
         """Whether ``worker_id`` writes the final model (the first to ask, once done)."""
-        return self.job_type == JobType.TRAIN and self.finished() and \
-            self.replicas.claim_export(worker_id)
+        with self._lock:
+            if not (self.job_type == JobType.TRAIN and self.finished()):
+                return False
+            before = (self.replicas.exporter, self.replicas.exporter_done)
+            claimed = self.replicas.claim_export(worker_id)
+            if before != (self.replicas.exporter, self.replicas.exporter_done):
+                self._log("export", w=worker_id)
+            return claimed
 
     # ----------------------------------------------------------- evaluation
     def _request_evaluation(self, reason: str, epoch: Optional[int]) -> None:

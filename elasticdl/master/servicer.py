@@ -206,8 +206,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         _text("replica", request.replica, MAX_NAME)
         message = _text("err_message", request.err_message)
         logger.error("worker %d reported: %s", worker_id, short(message, 300))
-        self.core.replicas.worker_reported(worker_id, message,
-                                           _text("err_traceback", request.err_traceback))
+        self.core.worker_reported(worker_id, message,
+                                  _text("err_traceback", request.err_traceback))
         return pb.Empty()
 
     def _known_task(self, task_id: int) -> None:
