@@ -28,6 +28,8 @@ from typing import IO, Any, Optional
 
 logger = logging.getLogger(__name__)
 
+JOURNAL_DIR = "journal"                   # in the job directory
+RESTARTS_FILE = "master_restarts.json"    # the launcher's notes of each master death
 SNAPSHOT = "snapshot.json"
 _SEGMENT = re.compile(r"^journal-(\d{12})\.jsonl$")
 
@@ -61,6 +63,7 @@ class Journal:
         self.seq = 0                    # the last record's sequence number
         self.records_since_snapshot = 0
         snap, records = self.load()
+        self._drop_torn_tail()
         if snap is not None:
             self.seq = int(snap["seq"])
         if records:
@@ -81,6 +84,18 @@ class Journal:
         if self.fsync:
             _fsync_dir(self.directory)
         return f
+
+    def _drop_torn_tail(self) -> None:
+        """Cut a record a kill left unfinished off the last segment (appends go on
+        after the last complete record)."""
+        segments = self._segments()
+        if not segments:
+            return
+        path = segments[-1][1]
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
 
     def append(self, record: dict[str, Any]) -> int:
         """Write one record durably (flushed and fsynced); its sequence number."""
@@ -110,23 +125,22 @@ class Journal:
         """Atomically replace the snapshot with ``state`` as of record ``seq``,
         then remove the segments it covers. The caller holds :attr:`snapshot_lock`
         from :meth:`rotate` to here (snapshots land in the order taken)."""
-        if True:
-            path = os.path.join(self.directory, SNAPSHOT)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"seq": seq, "state": state, "extra": extra}, f,
-                          separators=(",", ":"))
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
+        path = os.path.join(self.directory, SNAPSHOT)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"seq": seq, "state": state, "extra": extra}, f,
+                      separators=(",", ":"))
+            f.flush()
             if self.fsync:
-                _fsync_dir(self.directory)
-            segments = self._segments()
-            for i, (first, seg) in enumerate(segments):
-                nxt = segments[i + 1][0] if i + 1 < len(segments) else None
-                if nxt is not None and nxt <= seq + 1:   # every record in it is <= seq
-                    os.unlink(seg)
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if self.fsync:
+            _fsync_dir(self.directory)
+        segments = self._segments()
+        for i, (_, seg) in enumerate(segments):
+            nxt = segments[i + 1][0] if i + 1 < len(segments) else None
+            if nxt is not None and nxt <= seq + 1:   # every record in it is <= seq
+                os.unlink(seg)
 
     def close(self) -> None:
         with self._io_lock:
