@@ -70,8 +70,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--journal", default="", help="journal every transition in this "
                     "directory (fsynced before each reply), as a failover master does")
+    ap.add_argument("--tasks", type=int, default=50_000_000,
+                    help="tasks queued (about 300 bytes of master memory each)")
     a = ap.parse_args()
-    tm = TaskManager(prediction_shards=[("bench", 0, 50_000_000)], records_per_task=1)
+    tm = TaskManager(prediction_shards=[("bench", 0, a.tasks)], records_per_task=1)
     port = free_port()
     core = JobCore.for_tasks(tm, EvaluationAggregator())
     if a.journal:

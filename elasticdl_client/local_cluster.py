@@ -19,7 +19,13 @@ import sys
 import time
 from typing import Any, Optional
 
-from elasticdl.cluster.process import STATE_FILE, free_port, terminate
+from elasticdl.cluster.process import (
+    STATE_FILE,
+    become_subreaper,
+    free_port,
+    reap_orphans,
+    terminate,
+)
 from elasticdl.common import auth
 from elasticdl.common.job_dirs import named_job_dir, register_job_dir
 from elasticdl.common.job_report import REPORT_NAME
@@ -71,6 +77,9 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
     cmd = [sys.executable, "-m", "elasticdl.master.main", f"--job_spec={spec.to_json()}",
            f"--port={port}", f"--job_dir={job_dir}"]
     env = {**os.environ, **job_secrets.env(), "PYTHONUNBUFFERED": "1"}
+    # replicas of a master that dies become ours: we reap them and tell the next
+    # master their exit codes (it adopts them)
+    subreaper = become_subreaper()
     proc = _start_master(cmd, log_path, env, job_dir, spec.job_name, port)
     out.write(f"job {spec.job_name}: master pid {proc.pid}, directory {job_dir}\n")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -79,6 +88,9 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
         while True:
             while proc.poll() is None:
                 pos = _follow(log_path, pos, out)
+                if subreaper and restarts:
+                    reap_orphans(job_dir, [int(r["pid"]) for r in
+                                           _load(job_dir, STATE_FILE).get("replicas", [])])
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"job {spec.job_name} ran past {timeout_s:.0f} s")
                 time.sleep(0.2)

@@ -64,18 +64,75 @@ def terminate(proc: subprocess.Popen | AdoptedProcess, grace_s: float = 10.0) ->
     return proc.poll()
 
 
+REAPED_FILE = "reaped.json"
+
+
+def reap_orphans(job_dir: str, pids: list[int]) -> None:
+    """For the launcher of a local job, a child subreaper (see
+    :func:`become_subreaper`): reap those of ``pids`` that were reparented to it
+    (their master died) and exited, recording their exit codes in
+    ``<job_dir>/reaped.json`` for the master that adopted them."""
+    codes = {}
+    for pid in pids:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue  # not ours (still the master's child) or gone
+        if got == pid:
+            codes[str(pid)] = os.waitstatus_to_exitcode(status)
+    if codes:
+        path = os.path.join(job_dir, REAPED_FILE)
+        try:
+            with open(path) as f:
+                known = json.load(f)
+        except (OSError, ValueError):
+            known = {}
+        known.update(codes)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, path)
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants (the replicas of a master that died) become this
+    process's children instead of init's, so their exit codes can be read."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0   # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
 class AdoptedProcess:
     """A replica process another master started (now dead): not our child, so
-    it is watched by polling its pid; its exit code is unknown (``None`` until
-    gone, then 1 as for an error; 0 never, since only a wait() could tell)."""
+    it is watched by polling its pid. Its exit code comes from the launcher
+    that reaped it (``reaped.json``, see :func:`reap_orphans`); unknown (no
+    reaper within a few seconds), it counts as 1, an error."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, job_dir: str):
         self.pid = pid
+        self.job_dir = job_dir
         self.returncode: Optional[int] = None
+        self._dead_since: Optional[float] = None
 
     def poll(self) -> Optional[int]:
-        if self.returncode is None and not pid_alive(self.pid):
-            self.returncode = 1
+        if self.returncode is not None or pid_alive(self.pid):
+            return self.returncode
+        try:
+            with open(os.path.join(self.job_dir, REAPED_FILE)) as f:
+                code = json.load(f).get(str(self.pid))
+        except (OSError, ValueError):
+            code = None
+        if code is not None:
+            self.returncode = int(code)
+        else:
+            now = time.monotonic()
+            self._dead_since = self._dead_since or now
+            if now - self._dead_since > 5.0:
+                self.returncode = 1
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
@@ -277,7 +334,7 @@ class ProcessCluster(Cluster):
             spec = ReplicaSpec(job_name="", type=typ, index=idx, command=(), port=port)
             log = open(self.log_path(spec.name), "ab")
             with self._lock:
-                self._replicas[(typ, idx)] = _Replica(spec, AdoptedProcess(pid), log,
+                self._replicas[(typ, idx)] = _Replica(spec, AdoptedProcess(pid, self.job_dir), log,
                                                       float(r.get("started", time.time())))
             adopted.append(ReplicaInfo(typ, idx, Phase.RUNNING, port,
                                        f"{self.host}:{port}" if port else "", str(pid)))
