@@ -33,6 +33,7 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.master.journal import JOURNAL_DIR, RESTARTS_FILE
 
 MASTER_FILE = "master.json"
+STOP_FILE = "stop_requested"   # `elasticdl stop` ran: a master that dies is not relaunched
 
 
 class JobNotFound(LookupError):
@@ -61,7 +62,7 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
     out = out or sys.stderr
     job_dir = register_job_dir(spec)
     os.makedirs(os.path.join(job_dir, "logs"), exist_ok=True)
-    for stale in (REPORT_NAME, STATE_FILE, RESTARTS_FILE):
+    for stale in (REPORT_NAME, STATE_FILE, RESTARTS_FILE, STOP_FILE):
         if os.path.exists(os.path.join(job_dir, stale)):
             os.unlink(os.path.join(job_dir, stale))
     shutil.rmtree(os.path.join(job_dir, JOURNAL_DIR), ignore_errors=True)
@@ -127,6 +128,8 @@ def _start_master(cmd: list[str], log_path: str, env: dict[str, str], job_dir: s
 
 def _unfinished(job_dir: str) -> bool:
     """The master exited but its job had not ended (killed, crashed)."""
+    if os.path.exists(os.path.join(job_dir, STOP_FILE)):
+        return False
     report = _load(job_dir, REPORT_NAME)
     return report.get("status") in (None, "running", "starting")
 
@@ -284,6 +287,8 @@ def stop(job_name: str, grace_s: float = 30.0) -> str:
     job_dir = find_job(job_name)
     master = _load(job_dir, MASTER_FILE)
     killed = []
+    with open(os.path.join(job_dir, STOP_FILE), "w") as f:
+        f.write(f"{time.time()}\n")
     pid = int(master.get("pid", -1))
     if pid > 0 and _alive(pid):
         os.killpg(pid, signal.SIGTERM)

@@ -93,6 +93,10 @@ class JobCore:
         # the write-ahead journal (master failover): every public state change is
         # recorded, with the clock it saw, before the call returns
         self._journal: Optional[Journal] = None
+        # state of collaborators snapshotted with the core (the rendezvous): name ->
+        # an object with state_dict(); what a restore found is in restored_extra
+        self.attachments: dict[str, Any] = {}
+        self.restored_extra: dict[str, Any] = {}
         self._replaying = False
         self._frozen: Optional[float] = None
         self._base_clock = task_manager._clock
@@ -174,7 +178,8 @@ class JobCore:
         with tm._lock:
             return {"started": {str(k): d.started for k, d in tm._doing.items()},
                     "last_get": {str(w): [r, task_state.task_to_json(t)]
-                                 for w, (r, t) in tm._last_get.items()}}
+                                 for w, (r, t) in tm._last_get.items()},
+                    **{name: a.state_dict() for name, a in self.attachments.items()}}
 
     def restore(self, journal: Journal) -> int:
         """Continue from ``journal`` (its snapshot, then its records replayed) and
@@ -187,6 +192,7 @@ class JobCore:
             if snap is not None:
                 self.load_state_dict(snap["state"])
                 tm, extra = self.tm, snap["extra"]
+                self.restored_extra = extra
                 for k, started in extra["started"].items():
                     if int(k) in tm._doing:
                         tm._doing[int(k)].started = float(started)

@@ -136,6 +136,10 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
         core.begin()
     cluster = create_cluster(spec.cluster, spec, args.job_dir)
     rendezvous = _rendezvous(spec, args.host)
+    if rendezvous is not None:
+        core.attachments["rendezvous"] = rendezvous
+        if core.restored_extra.get("rendezvous"):
+            rendezvous.load_state_dict(core.restored_extra["rendezvous"])
     master_addr = cluster.master_address() or f"{args.host}:{args.port}"
     controller = JobController(spec, cluster, core, master_addr, report_dir,
                                rendezvous=rendezvous)

@@ -138,3 +138,51 @@ def test_replicas_exit_by_themselves_when_the_master_never_comes_back(digits_dat
         assert time.monotonic() - gone_at < 5 + 10, json.dumps(pids)
     finally:
         kill_job_tree(proc, job_dir)
+
+
+def journal_has(job_dir: str, op: str) -> bool:
+    for path in glob.glob(os.path.join(job_dir, "journal", "journal-*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            if f'"op":"{op}"' in f.read():
+                return True
+    return False
+
+
+def test_ps_job_survives_master_kill_during_an_evaluation(digits_data, tmp_path):
+    job_dir = str(tmp_path / "eval")
+    proc = start_cli(train_args(digits_data, job_dir, "failover-eval", num_epochs=3,
+                                distribution_strategy="ParameterServerStrategy",
+                                num_workers=2, num_ps_pods=1, minibatch_size=32,
+                                num_minibatches_per_task=1, evaluation_steps=40),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    try:
+        before = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(
+            replica_pids(job_dir)), 120, "2 workers and a PS")
+        # the first evaluation result acknowledged: the evaluation runs (12 tasks)
+        kill_master_when(job_dir, lambda: journal_has(job_dir, "metrics"), "an evaluation")
+        code = proc.wait(timeout=600)
+        assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, job_dir)
+    report = check_failover(job_dir, before, 1, 3)
+    versions = [e["model_version"] for e in report["evaluations"]]
+    assert len(versions) == len(set(versions)), report["evaluations"]  # none evaluated twice
+    assert all(e["metrics"] for e in report["evaluations"])
+
+
+def test_allreduce_job_survives_master_kill(digits_data, tmp_path):
+    job_dir = str(tmp_path / "ar")
+    proc = start_cli(train_args(digits_data, job_dir, "failover-ar", num_epochs=3,
+                                distribution_strategy="AllreduceStrategy", num_workers=2,
+                                minibatch_size=32, num_minibatches_per_task=1),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    try:
+        before = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(
+            replica_pids(job_dir)), 120, "2 workers")
+        start = journal_seq(job_dir)
+        kill_master_when(job_dir, lambda: journal_seq(job_dir) >= start + 30, "training")
+        code = proc.wait(timeout=600)
+        assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, job_dir)
+    check_failover(job_dir, before, 1, 3)

@@ -5,6 +5,7 @@ damaged one is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -185,3 +186,24 @@ def test_every_grpc_call_is_journaled_before_its_reply(tmp_path):
     finally:
         client.close()
         server.stop(0)
+
+
+def test_rendezvous_plan_survives_a_master_restart():
+    """Allreduce members keep training on the plan the dead master published."""
+    from tests.unit.master.test_rendezvous import FakeClock, make
+
+    clock = FakeClock()
+    a = make(clock, initial_workers=2)
+    a.join(0, "h0", 1)
+    a.join(1, "h1", 2)
+    clock.advance(2)
+    plan = a.get_comm_plan(0, 0)
+    assert plan.ready and plan.world_size == 2
+    b = make(FakeClock(), initial_workers=2)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    for w in (0, 1):
+        assert b.get_comm_plan(w, plan.plan_version) == a.get_comm_plan(w, plan.plan_version)
+    b.remove_worker(1)  # and it goes on from there: a new plan, a newer version
+    clock_b = b._clock
+    clock_b.advance(40)
+    assert b.get_comm_plan(0, plan.plan_version).plan_version == plan.plan_version + 1
