@@ -105,6 +105,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         self.core = core
         self.rendezvous = rendezvous
         self.require_identity = require_identity
+        self._snapshotted_plan = -1
 
     def _check_caller(self, request: Any, context: Any) -> None:
         """A call about worker N must come from worker N's channel."""
@@ -233,14 +234,24 @@ class MasterServicer(pb_grpc.MasterServicer):
             raise _Invalid(f"join needs a host and a port in 0..65535 (0: none), got "
                            f"{request.host!r}:{request.port}")
         try:
-            return self._plan(self._rdzv().join(worker_id, request.host, request.port))
+            plan = self._rdzv().join(worker_id, request.host, request.port)
         except MemberConflict as e:
             raise _Denied(str(e)) from None
+        self.core.snapshot()  # a member (and maybe a plan) a restarted master must know
+        return self._plan(plan)
+
+    def _durable(self, plan: Any) -> pb.CommPlan:
+        """A plan is in the core's snapshot before any member sees it (a restarted
+        master serves the same plan)."""
+        if plan.plan_version != self._snapshotted_plan:
+            self.core.snapshot()
+            self._snapshotted_plan = plan.plan_version
+        return self._plan(plan)
 
     @_validated
     def get_comm_plan(self, request: pb.CommPlanRequest, context: Any) -> pb.CommPlan:
-        return self._plan(self._rdzv().get_comm_plan(_worker(request.worker_id),
-                                                      request.known_plan_version))
+        return self._durable(self._rdzv().get_comm_plan(_worker(request.worker_id),
+                                                         request.known_plan_version))
 
     @_validated
     def report_collective_failure(self, request: pb.CollectiveFailureRequest,
@@ -248,8 +259,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         worker_id = _worker(request.worker_id)
         if not 0 <= request.plan_version <= MAX_VERSION:
             raise _Invalid(f"plan_version must be in [0, {MAX_VERSION}]")
-        return self._plan(self._rdzv().report_failure(worker_id, request.plan_version,
-                                                      _text("reason", request.reason)))
+        return self._durable(self._rdzv().report_failure(worker_id, request.plan_version,
+                                                         _text("reason", request.reason)))
 
     def echo(self, request: pb.Empty, context: Any) -> pb.Empty:
         return pb.Empty()
