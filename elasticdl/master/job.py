@@ -96,6 +96,7 @@ class JobCore:
         # state of collaborators snapshotted with the core (the rendezvous): name ->
         # an object with state_dict(); what a restore found is in restored_extra
         self.attachments: dict[str, Any] = {}
+        self.group_commit = False
         self.restored_extra: dict[str, Any] = {}
         self._replaying = False
         self._frozen: Optional[float] = None
@@ -151,7 +152,15 @@ class JobCore:
 
     def _log(self, op: str, **fields: Any) -> None:
         if self._journal is not None and not self._replaying:
-            self._journal.append({"op": op, **fields})
+            # on disk before the call returns: fsynced here (callers that ack
+            # over the wire may group-commit instead: see durable())
+            self._journal.append({"op": op, **fields}, sync=not self.group_commit)
+
+    def durable(self) -> None:
+        """Every transition so far is on disk (the servicer calls it before each
+        reply; with ``group_commit`` one fsync covers concurrent calls)."""
+        if self._journal is not None:
+            self._journal.sync()
 
     def attach_journal(self, journal: Journal) -> None:
         """Journal every transition from now on (restore first, if continuing)."""

@@ -60,6 +60,8 @@ class Journal:
         self._io_lock = threading.Lock()
         self.snapshot_lock = threading.Lock()   # one snapshot written at a time
         self._file: Optional[IO[str]] = None
+        self._sync_lock = threading.Lock()
+        self._synced = 0                # records known to be on disk
         self.seq = 0                    # the last record's sequence number
         self.records_since_snapshot = 0
         snap, records = self.load()
@@ -97,8 +99,11 @@ class Journal:
             if data and not data.endswith(b"\n"):
                 f.truncate(data.rfind(b"\n") + 1)
 
-    def append(self, record: dict[str, Any]) -> int:
-        """Write one record durably (flushed and fsynced); its sequence number."""
+    def append(self, record: dict[str, Any], sync: bool = True) -> int:
+        """Write one record (flushed to the OS); its sequence number. ``sync``:
+        fsync it now; else :meth:`sync` must run before it is acknowledged (group
+        commit: callers append under their lock, then sync outside it, and one
+        fsync covers every record written meanwhile)."""
         with self._io_lock:
             if self._file is None:
                 self._file = self._open_segment()
@@ -106,18 +111,40 @@ class Journal:
             line = json.dumps({"seq": self.seq, **record}, separators=(",", ":"))
             self._file.write(line + "\n")
             self._file.flush()
-            if self.fsync:
-                os.fsync(self._file.fileno())
             self.records_since_snapshot += 1
-            return self.seq
+            seq = self.seq
+        if sync:
+            self.sync()
+        return seq
+
+    def sync(self) -> None:
+        """Every record appended so far is on disk when this returns."""
+        if not self.fsync:
+            return
+        with self._sync_lock:
+            with self._io_lock:
+                target, f = self.seq, self._file
+                if target <= self._synced:
+                    return
+                fd = os.dup(f.fileno()) if f is not None else -1
+            try:
+                if fd >= 0:
+                    os.fsync(fd)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            self._synced = target
 
     def rotate(self) -> int:
         """Start a new segment; the sequence number the snapshot being taken has.
         Call it together with the state capture (under the core's lock)."""
         with self._io_lock:
             if self._file is not None:
+                if self.fsync:
+                    os.fsync(self._file.fileno())
                 self._file.close()
                 self._file = None
+            self._synced = max(self._synced, self.seq)
             self.records_since_snapshot = 0
             return self.seq
 

@@ -80,7 +80,9 @@ def _validated(method):
             if isinstance(request, Malformed):
                 raise _Invalid(request.error)
             self._check_caller(request, context)
-            return method(self, request, context)
+            reply = method(self, request, context)
+            self.core.durable()  # every transition of this call on disk before the reply
+            return reply
         except (_Invalid, VersionError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(e)))
         except _Denied as e:
@@ -103,6 +105,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     def __init__(self, core: JobCore, rendezvous: Optional[RendezvousHandler] = None,
                  require_identity: bool = False):
         self.core = core
+        core.group_commit = True  # journal records fsynced in groups, before each reply
         self.rendezvous = rendezvous
         self.require_identity = require_identity
         self._snapshotted_plan = -1
