@@ -32,8 +32,11 @@ def journal_seq(job_dir: str) -> int:
     written before each reply; snapshots remove old segments, the number goes on)."""
     seq = 0
     for path in glob.glob(os.path.join(job_dir, "journal", "journal-*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in f.read().split("\n") if line.endswith("}")]
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line for line in f.read().split("\n") if line.endswith("}")]
+        except FileNotFoundError:
+            continue  # a snapshot covered it meanwhile
         if lines:
             seq = max(seq, json.loads(lines[-1])["seq"])
     return seq
@@ -142,9 +145,12 @@ def test_replicas_exit_by_themselves_when_the_master_never_comes_back(digits_dat
 
 def journal_has(job_dir: str, op: str) -> bool:
     for path in glob.glob(os.path.join(job_dir, "journal", "journal-*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            if f'"op":"{op}"' in f.read():
-                return True
+        try:
+            with open(path, encoding="utf-8") as f:
+                if f'"op":"{op}"' in f.read():
+                    return True
+        except FileNotFoundError:
+            continue
     return False
 
 
