@@ -1,7 +1,8 @@
 """Master failover through the real CLI: kill -9 the master of a running digits
 job; the client relaunches it, it restores its journal and adopts the running
 PS and workers (same pids: no replica restarts), and the job succeeds with every
-epoch's records counted exactly once. With restarts exhausted, every replica is
+epoch's records counted exactly once and the final accuracy within 0.02 of the
+same job without a fault. With restarts exhausted, every replica is
 gone within --master_reconnect_timeout_s + 10 s."""
 
 from __future__ import annotations
@@ -58,8 +59,30 @@ def kill_master_when(job_dir: str, ready, what: str) -> int:
     return pid
 
 
-def check_failover(job_dir: str, before: dict[str, int], kills: int, epochs: int) -> dict:
+_BASELINES: dict[tuple, float] = {}
+
+
+def fault_free_accuracy(digits: str, tmp_path, **flags) -> float:
+    """The final accuracy of the same job without a fault (run once per flags)."""
+    key = tuple(sorted(flags.items()))
+    if key not in _BASELINES:
+        job_dir = str(tmp_path / "baseline")
+        proc = start_cli(train_args(digits, job_dir, "failover-baseline", **flags),
+                         str(tmp_path / "home-baseline"), str(tmp_path / "baseline.log"))
+        try:
+            assert proc.wait(timeout=600) == 0, (tmp_path / "baseline.log").read_text()[-3000:]
+        finally:
+            kill_job_tree(proc, job_dir)
+        _BASELINES[key] = read_json(os.path.join(job_dir, "job_report.json")
+                                    )["final_metrics"]["accuracy"]
+    return _BASELINES[key]
+
+
+def check_failover(job_dir: str, before: dict[str, int], kills: int, epochs: int,
+                   baseline: float) -> dict:
     report = check_report(job_dir, epochs)
+    assert abs(report["final_metrics"]["accuracy"] - baseline) <= 0.02, (
+        report["final_metrics"], baseline)
     assert all(e["records_applied"] == e["records_completed"] for e in report["epochs"]
                if e.get("records_applied")), report["epochs"]
     assert report["relaunches"] == []  # no replica restarted ...
@@ -78,10 +101,10 @@ def check_failover(job_dir: str, before: dict[str, int], kills: int, epochs: int
 @pytest.mark.parametrize("kills", [1, 2])
 def test_ps_job_survives_master_kill(digits_data, tmp_path, kills):
     job_dir = str(tmp_path / "ps")
-    proc = start_cli(train_args(digits_data, job_dir, f"failover-ps{kills}", num_epochs=3,
-                                distribution_strategy="ParameterServerStrategy",
-                                num_workers=2, num_ps_pods=1, minibatch_size=32,
-                                num_minibatches_per_task=1),
+    flags = dict(num_epochs=3, distribution_strategy="ParameterServerStrategy",
+                 num_workers=2, num_ps_pods=1, minibatch_size=32, num_minibatches_per_task=1)
+    baseline = fault_free_accuracy(digits_data, tmp_path, **flags)
+    proc = start_cli(train_args(digits_data, job_dir, f"failover-ps{kills}", **flags),
                      str(tmp_path / "home"), str(tmp_path / "cli.log"))
     try:
         before = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(
@@ -96,7 +119,7 @@ def test_ps_job_survives_master_kill(digits_data, tmp_path, kills):
         assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
-    check_failover(job_dir, before, kills, 3)
+    check_failover(job_dir, before, kills, 3, baseline)
 
 
 def test_exhausted_restarts_leave_nothing_running(digits_data, tmp_path):
@@ -156,10 +179,11 @@ def journal_has(job_dir: str, op: str) -> bool:
 
 def test_ps_job_survives_master_kill_during_an_evaluation(digits_data, tmp_path):
     job_dir = str(tmp_path / "eval")
-    proc = start_cli(train_args(digits_data, job_dir, "failover-eval", num_epochs=3,
-                                distribution_strategy="ParameterServerStrategy",
-                                num_workers=2, num_ps_pods=1, minibatch_size=32,
-                                num_minibatches_per_task=1, evaluation_steps=40),
+    flags = dict(num_epochs=3, distribution_strategy="ParameterServerStrategy",
+                 num_workers=2, num_ps_pods=1, minibatch_size=32, num_minibatches_per_task=1,
+                 evaluation_steps=40)
+    baseline = fault_free_accuracy(digits_data, tmp_path, **flags)
+    proc = start_cli(train_args(digits_data, job_dir, "failover-eval", **flags),
                      str(tmp_path / "home"), str(tmp_path / "cli.log"))
     try:
         before = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(
@@ -170,7 +194,7 @@ def test_ps_job_survives_master_kill_during_an_evaluation(digits_data, tmp_path)
         assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
-    report = check_failover(job_dir, before, 1, 3)
+    report = check_failover(job_dir, before, 1, 3, baseline)
     versions = [e["model_version"] for e in report["evaluations"]]
     assert len(versions) == len(set(versions)), report["evaluations"]  # none evaluated twice
     assert all(e["metrics"] for e in report["evaluations"])
@@ -178,9 +202,10 @@ def test_ps_job_survives_master_kill_during_an_evaluation(digits_data, tmp_path)
 
 def test_allreduce_job_survives_master_kill(digits_data, tmp_path):
     job_dir = str(tmp_path / "ar")
-    proc = start_cli(train_args(digits_data, job_dir, "failover-ar", num_epochs=3,
-                                distribution_strategy="AllreduceStrategy", num_workers=2,
-                                minibatch_size=32, num_minibatches_per_task=1),
+    flags = dict(num_epochs=3, distribution_strategy="AllreduceStrategy", num_workers=2,
+                 minibatch_size=32, num_minibatches_per_task=1)
+    baseline = fault_free_accuracy(digits_data, tmp_path, **flags)
+    proc = start_cli(train_args(digits_data, job_dir, "failover-ar", **flags),
                      str(tmp_path / "home"), str(tmp_path / "cli.log"))
     try:
         before = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(
@@ -191,4 +216,4 @@ def test_allreduce_job_survives_master_kill(digits_data, tmp_path):
         assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
-    check_failover(job_dir, before, 1, 3)
+    check_failover(job_dir, before, 1, 3, baseline)
