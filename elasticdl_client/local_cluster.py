@@ -12,19 +12,28 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from typing import Any, Optional
 
-from elasticdl.cluster.process import STATE_FILE, free_port, terminate
+from elasticdl.cluster.process import (
+    STATE_FILE,
+    become_subreaper,
+    free_port,
+    reap_orphans,
+    terminate,
+)
 from elasticdl.common import auth
 from elasticdl.common.job_dirs import named_job_dir, register_job_dir
 from elasticdl.common.job_report import REPORT_NAME
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.master.journal import JOURNAL_DIR, RESTARTS_FILE
 
 MASTER_FILE = "master.json"
+STOP_FILE = "stop_requested"   # `elasticdl stop` ran: a master that dies is not relaunched
 
 
 class JobNotFound(LookupError):
@@ -53,35 +62,48 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
     out = out or sys.stderr
     job_dir = register_job_dir(spec)
     os.makedirs(os.path.join(job_dir, "logs"), exist_ok=True)
-    for stale in (REPORT_NAME, STATE_FILE):
+    for stale in (REPORT_NAME, STATE_FILE, RESTARTS_FILE, STOP_FILE):
         if os.path.exists(os.path.join(job_dir, stale)):
             os.unlink(os.path.join(job_dir, stale))
+    shutil.rmtree(os.path.join(job_dir, JOURNAL_DIR), ignore_errors=True)
     with open(os.path.join(job_dir, "job_spec.json"), "w") as f:
         f.write(spec.to_json())
     # the job's token (and TLS cert), new per submission: 0600 files in the job dir and
     # the environment of the master, which passes it to every replica
     job_secrets = auth.generate(spec.grpc_tls)
     auth.write_job_secrets(job_dir, job_secrets)
-    port = free_port()
+    port = free_port()  # the master's port for the whole job: a relaunched master reuses it
     log_path = os.path.join(job_dir, "logs", "master.log")
     pos = os.path.getsize(log_path) if os.path.exists(log_path) else 0
     cmd = [sys.executable, "-m", "elasticdl.master.main", f"--job_spec={spec.to_json()}",
            f"--port={port}", f"--job_dir={job_dir}"]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **job_secrets.env(),
-                                     "PYTHONUNBUFFERED": "1"})
-    with open(os.path.join(job_dir, MASTER_FILE), "w") as f:
-        json.dump({"pid": proc.pid, "port": port, "job_name": spec.job_name}, f)
+    env = {**os.environ, **job_secrets.env(), "PYTHONUNBUFFERED": "1"}
+    # replicas of a master that dies become ours: we reap them and tell the next
+    # master their exit codes (it adopts them)
+    subreaper = become_subreaper()
+    proc = _start_master(cmd, log_path, env, job_dir, spec.job_name, port)
     out.write(f"job {spec.job_name}: master pid {proc.pid}, directory {job_dir}\n")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    restarts = 0
     try:
-        while proc.poll() is None:
+        while True:
+            while proc.poll() is None:
+                pos = _follow(log_path, pos, out)
+                if subreaper and restarts:
+                    reap_orphans(job_dir, [int(r["pid"]) for r in
+                                           _load(job_dir, STATE_FILE).get("replicas", [])])
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"job {spec.job_name} ran past {timeout_s:.0f} s")
+                time.sleep(0.2)
             pos = _follow(log_path, pos, out)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"job {spec.job_name} ran past {timeout_s:.0f} s")
-            time.sleep(0.2)
+            if not _unfinished(job_dir) or restarts >= spec.max_master_restarts:
+                break
+            restarts += 1
+            _note_restart(job_dir, proc.returncode)
+            proc = _start_master(cmd + ["--restore"], log_path, env, job_dir, spec.job_name,
+                                 port)
+            out.write(f"job {spec.job_name}: the master died (exit {_code(job_dir)}); "
+                      f"relaunched it ({restarts}/{spec.max_master_restarts}), pid {proc.pid}\n")
     except (KeyboardInterrupt, TimeoutError):
         out.write(f"\nstopping job {spec.job_name} ...\n")
         terminate(proc, grace_s=30)
@@ -92,6 +114,51 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
     if report.get("status") in ("running", "starting") or not report.get("status"):
         report = _master_died(job_dir, proc.returncode, report)
     return report
+
+
+def _start_master(cmd: list[str], log_path: str, env: dict[str, str], job_dir: str,
+                  job_name: str, port: int) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    with open(os.path.join(job_dir, MASTER_FILE), "w") as f:
+        json.dump({"pid": proc.pid, "port": port, "job_name": job_name}, f)
+    return proc
+
+
+def _unfinished(job_dir: str) -> bool:
+    """The master exited but its job had not ended (killed, crashed)."""
+    if os.path.exists(os.path.join(job_dir, STOP_FILE)):
+        return False
+    report = _load(job_dir, REPORT_NAME)
+    return report.get("status") in (None, "running", "starting")
+
+
+def _note_restart(job_dir: str, code: Optional[int]) -> None:
+    """Tell the relaunched master why and when its predecessor died (the report's
+    ``master_restarts``)."""
+    notes = _load_list(job_dir, RESTARTS_FILE)
+    reason = f"killed by signal {-code}" if code is not None and code < 0 else \
+        f"exited with code {code}"
+    notes.append({"died_at": time.time(), "exit_code": code, "reason": reason})
+    tmp = os.path.join(job_dir, RESTARTS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(notes, f)
+    os.replace(tmp, os.path.join(job_dir, RESTARTS_FILE))
+
+
+def _code(job_dir: str) -> Any:
+    notes = _load_list(job_dir, RESTARTS_FILE)
+    return notes[-1]["exit_code"] if notes else None
+
+
+def _load_list(job_dir: str, name: str) -> list[Any]:
+    try:
+        with open(os.path.join(job_dir, name)) as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return value if isinstance(value, list) else []
 
 
 def _master_died(job_dir: str, code: Optional[int], report: dict[str, Any]
@@ -220,6 +287,8 @@ def stop(job_name: str, grace_s: float = 30.0) -> str:
     job_dir = find_job(job_name)
     master = _load(job_dir, MASTER_FILE)
     killed = []
+    with open(os.path.join(job_dir, STOP_FILE), "w") as f:
+        f.write(f"{time.time()}\n")
     pid = int(master.get("pid", -1))
     if pid > 0 and _alive(pid):
         os.killpg(pid, signal.SIGTERM)

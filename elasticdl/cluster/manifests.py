@@ -23,7 +23,6 @@ kubelet run a whole job on one host.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import os
@@ -325,17 +324,13 @@ def master_command(job_spec: JobSpec, port: int) -> list[str]:
 
 # ----------------------------------------------------------------- master failover
 def max_master_restarts(job_spec: JobSpec) -> int:
-    """``--max_master_restarts`` (the Job's ``backoffLimit``).
-
-    Read here only: the flag belongs to JobSpec (default 3 until it is there)."""
-    return int(getattr(job_spec, "max_master_restarts", 3))
+    """``--max_master_restarts`` (the Job's ``backoffLimit``)."""
+    return job_spec.max_master_restarts
 
 
 def master_state_pvc(job_spec: JobSpec) -> str:
-    """``--master_state_pvc``: the claim holding the master's job directory ('' for none).
-
-    Read here only: the flag belongs to JobSpec."""
-    return str(getattr(job_spec, "master_state_pvc", "") or "")
+    """``--master_state_pvc``: the claim holding the master's job directory ('' for none)."""
+    return job_spec.master_state_pvc
 
 
 def _with_master_state(pod: Manifest, job_spec: JobSpec) -> Manifest:
@@ -360,10 +355,8 @@ def _with_master_state(pod: Manifest, job_spec: JobSpec) -> Manifest:
 
 def _restore_flag(job_spec: JobSpec) -> list[str]:
     """``--restore`` for every master pod of the Job (the first finds no journal and
-    starts afresh; a recreated one continues the job and adopts the replicas). Only
-    for a master that has the flag: it comes with ``max_master_restarts`` in JobSpec."""
-    fields = {f.name for f in dataclasses.fields(job_spec)}
-    return ["--restore"] if "max_master_restarts" in fields else []
+    starts afresh; a recreated one continues the job and adopts the replicas)."""
+    return ["--restore"]
 
 
 def master_job(job_spec: JobSpec, base: int = DEFAULT_PORT_BASE,

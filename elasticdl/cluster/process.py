@@ -30,6 +30,7 @@ from elasticdl.cluster.api import (
     ClusterError,
     Phase,
     ReplicaEvent,
+    ReplicaInfo,
     ReplicaSpec,
     ReplicaType,
 )
@@ -46,7 +47,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
+def terminate(proc: subprocess.Popen | AdoptedProcess, grace_s: float = 10.0) -> Optional[int]:
     """SIGTERM a process (its whole session), SIGKILL after ``grace_s``."""
     if proc.poll() is not None:
         return proc.returncode
@@ -63,10 +64,104 @@ def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
     return proc.poll()
 
 
+REAPED_FILE = "reaped.json"
+
+
+def reap_orphans(job_dir: str, pids: list[int]) -> None:
+    """For the launcher of a local job, a child subreaper (see
+    :func:`become_subreaper`): reap those of ``pids`` that were reparented to it
+    (their master died) and exited, recording their exit codes in
+    ``<job_dir>/reaped.json`` for the master that adopted them."""
+    codes = {}
+    for pid in pids:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue  # not ours (still the master's child) or gone
+        if got == pid:
+            codes[str(pid)] = os.waitstatus_to_exitcode(status)
+    if codes:
+        path = os.path.join(job_dir, REAPED_FILE)
+        try:
+            with open(path) as f:
+                known = json.load(f)
+        except (OSError, ValueError):
+            known = {}
+        known.update(codes)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, path)
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants (the replicas of a master that died) become this
+    process's children instead of init's, so their exit codes can be read."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0   # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+class AdoptedProcess:
+    """A replica process another master started (now dead): not our child, so
+    it is watched by polling its pid. Its exit code comes from the launcher
+    that reaped it (``reaped.json``, see :func:`reap_orphans`); unknown (no
+    reaper within a few seconds), it counts as 1, an error."""
+
+    def __init__(self, pid: int, job_dir: str):
+        self.pid = pid
+        self.job_dir = job_dir
+        self.returncode: Optional[int] = None
+        self._dead_since: Optional[float] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is not None or pid_alive(self.pid):
+            return self.returncode
+        try:
+            with open(os.path.join(self.job_dir, REAPED_FILE)) as f:
+                code = json.load(f).get(str(self.pid))
+        except (OSError, ValueError):
+            code = None
+        if code is not None:
+            self.returncode = int(code)
+        else:
+            now = time.monotonic()
+            self._dead_since = self._dead_since or now
+            if now - self._dead_since > 5.0:
+                self.returncode = 1
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not) and is an elasticdl process (guards
+    against pid reuse)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X") and b"elasticdl" in cmdline
+
+
 @dataclass
 class _Replica:
     spec: ReplicaSpec
-    proc: subprocess.Popen
+    proc: subprocess.Popen | AdoptedProcess
     log: IO[bytes]
     started: float
     deleting: bool = False
@@ -195,7 +290,9 @@ class ProcessCluster(Cluster):
         with self._state_lock:
             with self._lock:
                 live = [{"replica": r.spec.name, "pid": r.proc.pid, "phase": "running",
-                         "started": r.started} for r in self._replicas.values()]
+                         "started": r.started, "port": r.spec.port,
+                         "address": f"{self.host}:{r.spec.port}" if r.spec.port else ""}
+                        for r in self._replicas.values()]
                 state = {"replicas": live, "exited": list(self._history[-200:])}
             path = os.path.join(self.job_dir, STATE_FILE)
             try:
@@ -211,6 +308,41 @@ class ProcessCluster(Cluster):
                     raise
             except OSError as e:
                 logger.error("cannot write %s: %s", path, e)
+
+    def adopt_replicas(self) -> list[ReplicaInfo]:
+        """The replicas ``replicas.json`` lists as running whose processes still
+        run: watched from now on (by polling their pids), their ports kept."""
+        path = os.path.join(self.job_dir, STATE_FILE)
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as e:
+            raise ClusterError(f"cannot read {path}: {e}") from e
+        adopted = []
+        for r in state.get("replicas", []):
+            typ_name, _, index = str(r["replica"]).rpartition("-")
+            typ, idx, pid = ReplicaType(typ_name), int(index), int(r["pid"])
+            port = int(r.get("port", 0))
+            if port:
+                with self._lock:
+                    self._ports[(typ, idx)] = port
+            if not pid_alive(pid):
+                logger.warning("%s (pid %d) is gone: not adopted", r["replica"], pid)
+                continue
+            spec = ReplicaSpec(job_name="", type=typ, index=idx, command=(), port=port)
+            log = open(self.log_path(spec.name), "ab")
+            with self._lock:
+                self._replicas[(typ, idx)] = _Replica(spec, AdoptedProcess(pid, self.job_dir), log,
+                                                      float(r.get("started", time.time())))
+            adopted.append(ReplicaInfo(typ, idx, Phase.RUNNING, port,
+                                       f"{self.host}:{port}" if port else "", str(pid)))
+            logger.info("adopted %s (pid %d)", spec.name, pid)
+        with self._lock:
+            self._history = list(state.get("exited", []))
+        self._write_state()
+        return adopted
 
     def close(self) -> None:
         """Terminate every live replica (SIGTERM, then SIGKILL) and stop watching."""

@@ -123,6 +123,16 @@ class JobSpec:
                                     "training")
     task_timeout_s: float = _f(0.0, "Reassign a task held longer than this (0: 3x the "
                                "median task time, at least 60 s)", "distribution", min=0)
+    master_reconnect_timeout_s: float = _f(300.0, "Seconds workers and PS keep reconnecting "
+                                           "to a master that is gone (restarting) before "
+                                           "they exit", "distribution", min=1)
+    max_master_restarts: int = _f(3, "Relaunches of a master that dies mid-job (it "
+                                  "restores from its journal and adopts the replicas)",
+                                  "distribution", min=0)
+    master_state_pvc: str = _f("", "Kubernetes: PersistentVolumeClaim holding the master's "
+                               "job directory (its journal survives the loss of the master "
+                               "pod; without one it survives only container restarts)",
+                               "cluster")
     # --- cluster
     image_name: str = _f("", "Docker image of the job (submits to Kubernetes)", "cluster")
     namespace: str = _f("default", "Kubernetes namespace", "cluster")

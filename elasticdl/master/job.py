@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -44,6 +45,7 @@ from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
 from elasticdl.master import task_state
 from elasticdl.master.evaluation import EvaluationAggregator
+from elasticdl.master.job_journal import Journaled
 from elasticdl.master.replicas import ReplicaBook
 from elasticdl.master.task_manager import TaskManager
 
@@ -56,7 +58,7 @@ class VersionError(ValueError):
     """A model version no task handed out so far could have produced."""
 
 
-class JobCore:
+class JobCore(Journaled):
     """Args:
         minibatch_size: records per training step (bounds reported versions).
         start_version: the model version the job starts from (a resumed checkpoint).
@@ -86,6 +88,7 @@ class JobCore:
         self._begun = False
         self._epochs_ended: set[int] = set()
         self._manage = manage_evaluations
+        self._init_journal(task_manager)
         task_manager.evaluation_done_callbacks.append(self._on_evaluation_done)
         if manage_evaluations:
             task_manager.epoch_end_callbacks.append(self._on_epoch_end)
@@ -107,10 +110,12 @@ class JobCore:
         """The one place a job's task manager, schedule and report are built."""
         from elasticdl.common.datasets import shards_for
 
+        # wall-clock time: held tasks' start times stay meaningful across a master restart
         tm = TaskManager(records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
                          shuffle=spec.shuffle, seed=spec.seed,
                          max_task_retries=spec.max_task_retries,
                          task_timeout_s=spec.task_timeout_s, first_task_id=first_task_id,
+                         clock=time.time,
                          **shards_for(dict(readers), spec))
         report = report_for(spec, tm)
         return cls(tm, report, Schedule.from_spec(spec), minibatch_size=spec.minibatch_size,
@@ -121,6 +126,7 @@ class JobCore:
         """The model the job starts from has ``version`` (a restored checkpoint)."""
         with self._lock:
             self.version = self._start = self._last_due = version
+            self._log("start_at", version=version)
 
     def version_bound(self) -> int:
         with self._lock:
@@ -132,14 +138,23 @@ class JobCore:
         versions above it are ignored, not refused; they come again with later reports."""
         with self._lock:
             self._rollbacks_pending += 1
+            self._log("begin_rollback")
 
     def end_rollback(self) -> None:
         """The PS rollback failed (the job fails); the bound holds again."""
         with self._lock:
             self._rollbacks_pending = max(self._rollbacks_pending - 1, 0)
+            self._log("end_rollback")
 
     def on_version(self, worker_id: int, version: int) -> None:
         """A worker's model version. Raises VersionError above :meth:`version_bound`."""
+        with self._lock:
+            before = (self.version, self._last_due, self._pending)
+            self._on_version(worker_id, version)
+            if before != (self.version, self._last_due, self._pending):
+                self._log("version", w=worker_id, version=version)
+
+    def _on_version(self, worker_id: int, version: int) -> None:
         with self._lock:
             bound = self.version_bound()
             if version > bound and self._rollbacks_pending:
@@ -165,16 +180,20 @@ class JobCore:
         with self._lock:
             if not self._begun and self.job_type == JobType.EVALUATE:
                 self._request_evaluation("evaluate", None)
+            if not self._begun:
+                self._log("begin")
             self._begun = True
 
     def get(self, worker_id: int, task_type: Optional[TaskType] = None,
             request_id: int = 0) -> Task:
         """The next task for ``worker_id`` (see :meth:`TaskManager.get`)."""
-        with self._lock:
+        with self._lock, self._at() as t:
             self._maybe_start_evaluation()
             task = self.tm.get(worker_id, task_type, request_id)
             if task.type == TaskType.TRAINING:
                 self._minibatches_out += -(-task.num_records // self.minibatch_size)
+            self._log("get", t=t, w=worker_id, r=request_id, task=task_state.task_to_json(task),
+                      type=None if task_type is None else int(task_type))
             return task
 
     def report_task(self, task_id: int, worker_id: int, success: bool, error: str = "",
@@ -183,21 +202,34 @@ class JobCore:
                     model_version: Optional[int] = None) -> None:
         """A task's outcome, with the reporter's model version after it.
         Raises VersionError (nothing recorded) for a version from the future."""
-        with self._lock:
+        with self._lock, self._at() as t:
             if model_version is not None:
-                self.on_version(worker_id, model_version)
+                self._on_version(worker_id, model_version)
             self.tm.report(task_id, worker_id, success, error, traceback, fatal, counters)
             self._maybe_start_evaluation()
+            self._log("report", t=t, task=task_id, w=worker_id, ok=success, error=error,
+                      tb=traceback, fatal=fatal, counters=dict(counters or {}),
+                      version=model_version)
 
     def report_evaluation(self, task_id: int, model_version: int,
                           metrics: Sequence[Metric]) -> None:
-        self.aggregator.add(model_version, task_id, metrics)
+        with self._lock:
+            self.aggregator.add(model_version, task_id, metrics)
+            self._log("metrics", task=task_id, version=model_version,
+                      metrics=[list(m) for m in metrics])
+
+    def worker_reported(self, worker_id: int, message: str, traceback: str) -> None:
+        """A worker's own report of its failure (the job's root cause candidate)."""
+        with self._lock:
+            self.replicas.worker_reported(worker_id, message, traceback)
+            self._log("worker_reported", w=worker_id, error=message, tb=traceback)
 
     def recover_tasks(self, worker_id: int) -> list[Task]:
         """Re-queue what a dead worker held."""
-        with self._lock:
+        with self._lock, self._at() as t:
             lost = self.tm.recover_tasks(worker_id)
             self._maybe_start_evaluation()
+            self._log("recover", t=t, w=worker_id)
             return lost
 
     def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
@@ -206,6 +238,8 @@ class JobCore:
             lost = self.tm.rollback(applied, new_version)
             self.version = max(self.version, new_version)
             self._rollbacks_pending = max(self._rollbacks_pending - 1, 0)
+            self._log("rollback", applied={str(k): v for k, v in applied.items()},
+                      version=new_version)
             return lost
 
     def held_task(self, task_id: int) -> tuple[Optional[Task], frozenset[int]]:
@@ -224,8 +258,14 @@ class JobCore:
 
     def claim_export(self, worker_id: int) -> bool:
         """Whether ``worker_id`` writes the final model (the first to ask, once done)."""
-        return self.job_type == JobType.TRAIN and self.finished() and \
-            self.replicas.claim_export(worker_id)
+        with self._lock:
+            if not (self.job_type == JobType.TRAIN and self.finished()):
+                return False
+            before = (self.replicas.exporter, self.replicas.exporter_done)
+            claimed = self.replicas.claim_export(worker_id)
+            if before != (self.replicas.exporter, self.replicas.exporter_done):
+                self._log("export", w=worker_id)
+            return claimed
 
     # ----------------------------------------------------------- evaluation
     def _request_evaluation(self, reason: str, epoch: Optional[int]) -> None:

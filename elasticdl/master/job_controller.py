@@ -22,6 +22,7 @@ from elasticdl.cluster.api import (
     ClusterError,
     Phase,
     ReplicaEvent,
+    ReplicaInfo,
     ReplicaSpec,
     ReplicaType,
 )
@@ -116,6 +117,7 @@ class JobController:
         self.core.rollback(applied, new_version)
         self.report.extra.setdefault("ps_rollbacks", []).append(
             {"checkpoint_version": version, "new_version": new_version})
+        self.core.snapshot()
 
     def _launch_worker(self, lineage: Optional[int] = None) -> int:
         worker_id = self.book.new_worker(lineage)
@@ -126,17 +128,41 @@ class JobController:
                                                   cmd + self._common_flags()))
         return worker_id
 
-    def start(self) -> None:
-        """Launch the PS (ParameterServerStrategy) and the workers."""
+    def _endpoints(self) -> int:
         num_ps = entry_for(self.spec.distribution_strategy).ps_to_launch(self.spec)
         for i in range(num_ps):
             port, addr = self.cluster.endpoint(ReplicaType.PS, i)
             self._ps_ports.append(port)
             self.ps_addrs.append(addr)
+        return num_ps
+
+    def start(self) -> None:
+        """Launch the PS (ParameterServerStrategy) and the workers."""
+        num_ps = self._endpoints()
         for i in range(num_ps):
             self._launch_ps(i)
         for _ in range(self.spec.num_workers):
             self._launch_worker()
+        self.core.snapshot()
+
+    def adopt(self, adopted: list[ReplicaInfo]) -> list[str]:
+        """After a master restart: go on with the replicas still running (``adopted``,
+        their PS endpoints kept); every PS and live worker of the restored core
+        that is gone is handled as killed (its held tasks re-queued, relaunched).
+        Returns the names of those lost."""
+        have = {(r.type, r.index) for r in adopted}
+        num_ps = self._endpoints()
+        lost = [ReplicaEvent(ReplicaType.PS, i, Phase.FAILED, None, "killed",
+                             "gone while the master was down")
+                for i in range(num_ps) if (ReplicaType.PS, i) not in have]
+        lost += [ReplicaEvent(ReplicaType.WORKER, w, Phase.FAILED, None, "killed",
+                              "gone while the master was down")
+                 for w in sorted(self.book.live_workers) if (ReplicaType.WORKER, w) not in have]
+        for event in lost:
+            logger.warning("%s is gone (it died while the master was down)", event.name)
+            self._guarded(f"handling {event.name} lost", self.handle, event)
+        self.core.snapshot()
+        return [e.name for e in lost]
 
     # --------------------------------------------------------------- hooks
     def on_worker_failure(self, worker_id: int, message: str, traceback: str) -> None:
@@ -231,13 +257,18 @@ class JobController:
         last_report = 0.0
         finished_at: Optional[float] = None
         while True:
-            for event in self.cluster.poll_events(0.2):
+            events = self.cluster.poll_events(0.2)
+            for event in events:
                 self._guarded(f"handling {event.name} {event.phase.value}", self.handle,
                               event)
+            if any(e.phase not in (Phase.PENDING, Phase.RUNNING) for e in events) or \
+                    self.report.failure is not None:
+                self.core.snapshot()  # replica bookkeeping is not in the journal's records
             self._guarded("stopping hung workers", self._stop_hung_workers)
             now = time.monotonic()
             if now - last_report >= self.report_interval_s:
                 last_report = now
+                self.core.snapshot()  # keeps the journal (and a replay) short
                 self._write_report()
                 self._log_progress()
             if stop.is_set():

@@ -31,6 +31,7 @@ from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
+from elasticdl.master import failover
 from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.rendezvous import RendezvousHandler
@@ -45,6 +46,7 @@ class MasterArgs:
     port: int
     job_dir: str
     host: str
+    restore: bool = False
 
 
 def parse_args(argv: Optional[list[str]] = None) -> MasterArgs:
@@ -55,6 +57,10 @@ def parse_args(argv: Optional[list[str]] = None) -> MasterArgs:
                    "~/.elasticdl/jobs/<job>)")
     p.add_argument("--host", default="", help="address replicas dial (default: $MY_POD_IP "
                    "or 127.0.0.1)")
+    p.add_argument("--restore", action="store_true",
+                   help="a relaunched master: continue the job from the journal in the job "
+                        "directory (if there is one) and adopt the replicas still running; "
+                        "without it an old journal there is discarded")
     a = p.parse_args(argv)
     try:
         spec = JobSpec.from_json(a.job_spec)
@@ -66,7 +72,7 @@ def parse_args(argv: Optional[list[str]] = None) -> MasterArgs:
 
     job_dir = a.job_dir or job_dir_for(spec)
     host = a.host or os.environ.get("MY_POD_IP", "127.0.0.1")
-    return MasterArgs(spec, a.port, job_dir, host)
+    return MasterArgs(spec, a.port, job_dir, host, a.restore)
 
 
 def _readers(spec: JobSpec) -> dict:
@@ -81,15 +87,18 @@ def _readers(spec: JobSpec) -> dict:
         return create_readers(spec, model_spec.custom_data_reader)
 
 
-def build_core(spec: JobSpec) -> JobCore:
-    """The job core for this run (tasks from the job's data, schedule, report)."""
+def build_core(spec: JobSpec, restoring: bool = False) -> JobCore:
+    """The job core for this run (tasks from the job's data, schedule, report);
+    ``restoring``: its state comes from the journal next (no data position to
+    resume, the task table of the run is appended to)."""
     start = 0
     if spec.checkpoint_dir_for_init:  # the version workers load (train, evaluate, predict)
         start = start_version_of(spec.checkpoint_dir_for_init)
     # a new task id range per run: no task matches a PS ledger of an earlier run
     core = JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
                              start_version=start)
-    if spec.job_type == JobType.TRAIN:  # resume the data position; record this run's tasks
+    if spec.job_type == JobType.TRAIN and not restoring:
+        # resume the data position; record this run's tasks
         data_position.attach(core.tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)
     return core
 
@@ -116,11 +125,21 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     # replica gets it (local children inherit the environment, pods a Secret)
     job_secrets = auth.ensure_job_secrets(args.job_dir, spec.grpc_tls)
     os.environ.update(job_secrets.env())
-    core = build_core(spec)
+    journal, restoring = failover.open_journal(args.job_dir, args.restore)
+    core = build_core(spec, restoring)
     report = core.report
-    core.begin()
+    if restoring:
+        core.restore(journal)
+        failover.reopen_task_table(core, spec)
+    else:
+        core.attach_journal(journal)
+        core.begin()
     cluster = create_cluster(spec.cluster, spec, args.job_dir)
     rendezvous = _rendezvous(spec, args.host)
+    if rendezvous is not None:
+        core.attachments["rendezvous"] = rendezvous
+        if core.restored_extra.get("rendezvous"):
+            rendezvous.load_state_dict(core.restored_extra["rendezvous"])
     master_addr = cluster.master_address() or f"{args.host}:{args.port}"
     controller = JobController(spec, cluster, core, master_addr, report_dir,
                                rendezvous=rendezvous)
@@ -128,7 +147,10 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     server = start_master_server(servicer, args.port, job_secrets=job_secrets)
     stop = stop or threading.Event()
     try:
-        controller.start()
+        if restoring:
+            failover.take_over(controller, cluster, args.job_dir)
+        else:
+            controller.start()
         status = controller.run(stop)
     except Exception as e:  # the report must never stay "running" after the master dies
         logger.exception("master failed")
@@ -138,6 +160,7 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     finally:
         cluster.close()
         server.stop(grace=2).wait(5)
+        journal.close()
     return 0 if status == "succeeded" else 1
 
 

@@ -137,6 +137,14 @@ class RendezvousHandler(Protocol):
         """Workers left out of a plan for not checking in, since the last call."""
         ...
 
+    def state_dict(self) -> dict:
+        """Members and the published plan, JSON-able (master failover)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Serve the plan of :meth:`state_dict` (a restarted master)."""
+        ...
+
 
 class Rendezvous:
     """Forms versioned communication plans from joins, failures and removals.
@@ -268,6 +276,31 @@ class Rendezvous:
         with self._lock:
             self._maybe_publish(self._clock())
             return self._round is not None
+
+    # --------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """The members and the published plan (master failover: a restored master
+        serves the same plan, so its members train on undisturbed)."""
+        with self._lock:
+            plan = self._plan
+            return {"version": self._version,
+                    "workers": {str(w): list(a) for w, a in self._workers.items()},
+                    "plan": None if plan is None else {
+                        "version": plan.version, "members": list(plan.members),
+                        "addresses": list(plan.addresses), "master_addr": plan.master_addr,
+                        "master_port": plan.master_port}}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            now = self._clock()
+            self._version = int(state["version"])
+            self._workers = {int(w): (str(a[0]), int(a[1])) for w, a in state["workers"].items()}
+            self._last_seen = {w: now for w in self._workers}
+            p = state["plan"]
+            self._plan = None if p is None else _Published(
+                int(p["version"]), tuple(p["members"]), tuple(p["addresses"]),
+                str(p["master_addr"]), int(p["master_port"]))
+            self._round = None
 
     # ----------------------------------------------------------- internals
     def _event(self, now: float, reason: str, join: bool = False,

@@ -80,7 +80,9 @@ def _validated(method):
             if isinstance(request, Malformed):
                 raise _Invalid(request.error)
             self._check_caller(request, context)
-            return method(self, request, context)
+            reply = method(self, request, context)
+            self.core.durable()  # every transition of this call on disk before the reply
+            return reply
         except (_Invalid, VersionError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(e)))
         except _Denied as e:
@@ -103,8 +105,10 @@ class MasterServicer(pb_grpc.MasterServicer):
     def __init__(self, core: JobCore, rendezvous: Optional[RendezvousHandler] = None,
                  require_identity: bool = False):
         self.core = core
+        core.group_commit = True  # journal records fsynced in groups, before each reply
         self.rendezvous = rendezvous
         self.require_identity = require_identity
+        self._snapshotted_plan = -1
 
     def _check_caller(self, request: Any, context: Any) -> None:
         """A call about worker N must come from worker N's channel."""
@@ -206,8 +210,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         _text("replica", request.replica, MAX_NAME)
         message = _text("err_message", request.err_message)
         logger.error("worker %d reported: %s", worker_id, short(message, 300))
-        self.core.replicas.worker_reported(worker_id, message,
-                                           _text("err_traceback", request.err_traceback))
+        self.core.worker_reported(worker_id, message,
+                                  _text("err_traceback", request.err_traceback))
         return pb.Empty()
 
     def _known_task(self, task_id: int) -> None:
@@ -233,14 +237,24 @@ class MasterServicer(pb_grpc.MasterServicer):
             raise _Invalid(f"join needs a host and a port in 0..65535 (0: none), got "
                            f"{request.host!r}:{request.port}")
         try:
-            return self._plan(self._rdzv().join(worker_id, request.host, request.port))
+            plan = self._rdzv().join(worker_id, request.host, request.port)
         except MemberConflict as e:
             raise _Denied(str(e)) from None
+        self.core.snapshot()  # a member (and maybe a plan) a restarted master must know
+        return self._plan(plan)
+
+    def _durable(self, plan: Any) -> pb.CommPlan:
+        """A plan is in the core's snapshot before any member sees it (a restarted
+        master serves the same plan)."""
+        if plan.plan_version != self._snapshotted_plan:
+            self.core.snapshot()
+            self._snapshotted_plan = plan.plan_version
+        return self._plan(plan)
 
     @_validated
     def get_comm_plan(self, request: pb.CommPlanRequest, context: Any) -> pb.CommPlan:
-        return self._plan(self._rdzv().get_comm_plan(_worker(request.worker_id),
-                                                      request.known_plan_version))
+        return self._durable(self._rdzv().get_comm_plan(_worker(request.worker_id),
+                                                         request.known_plan_version))
 
     @_validated
     def report_collective_failure(self, request: pb.CollectiveFailureRequest,
@@ -248,8 +262,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         worker_id = _worker(request.worker_id)
         if not 0 <= request.plan_version <= MAX_VERSION:
             raise _Invalid(f"plan_version must be in [0, {MAX_VERSION}]")
-        return self._plan(self._rdzv().report_failure(worker_id, request.plan_version,
-                                                      _text("reason", request.reason)))
+        return self._durable(self._rdzv().report_failure(worker_id, request.plan_version,
+                                                         _text("reason", request.reason)))
 
     def echo(self, request: pb.Empty, context: Any) -> pb.Empty:
         return pb.Empty()

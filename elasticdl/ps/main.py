@@ -152,6 +152,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(message, flush=True)
     logger.info("%s (pid %d, master %s, version %d, initialised %s)", message, os.getpid(),
                 args.master_addr or "-", shard.version, shard.initialized)
+    if args.master_addr:  # a PS whose master is gone for good exits
+        from elasticdl.ps.master_watch import watch_master
+
+        watch_master(args.master_addr, f"ps-{args.ps_id}", stop,
+                     args.job_spec.master_reconnect_timeout_s)
     while not stop.wait(1.0):
         pass
     server.stop(args.grace_s).wait(args.grace_s + 1)

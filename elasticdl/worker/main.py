@@ -77,7 +77,8 @@ def run_worker(args: WorkerArgs) -> int:
     from elasticdl.worker.prediction import PredictionSink
 
     spec = args.job_spec
-    client = MasterClient(args.master_addr, args.worker_id)
+    client = MasterClient(args.master_addr, args.worker_id,
+                          unavailable_timeout_s=spec.master_reconnect_timeout_s)
     try:
         model_spec = load_from_job_spec(spec)
         readers = create_readers(spec, model_spec.custom_data_reader)

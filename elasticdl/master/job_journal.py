@@ -1,0 +1,220 @@
+"""The job core's side of master failover: journaling its transitions, snapshots,
+and restoring from them (see :mod:`elasticdl.master.journal`).
+
+:class:`Journaled` is a mixin of :class:`~elasticdl.master.job.JobCore`: every
+public state change calls :meth:`_log` under the core's lock; a replay runs the
+same public calls with the journaled clock, so it decides exactly as the dead
+master did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Optional
+
+from elasticdl.common.task import Task, TaskType
+from elasticdl.master import task_state
+from elasticdl.master.journal import Journal, JournalError
+
+if TYPE_CHECKING:
+    from elasticdl.master.replicas import ReplicaBook
+    from elasticdl.master.task_manager import TaskManager
+
+logger = logging.getLogger("elasticdl.master.job")
+
+Metric = tuple[str, float, int]
+
+
+class Journaled:
+    """Journal state for the job core (mixed into JobCore, which sets it up with
+    :meth:`_init_journal`)."""
+
+    tm: TaskManager
+    replicas: ReplicaBook
+    _lock: threading.RLock
+
+    def _init_journal(self, task_manager: TaskManager) -> None:
+        # the write-ahead journal (master failover): every public state change is
+        # recorded, with the clock it saw, before the call returns
+        self._journal: Optional[Journal] = None
+        # state of collaborators snapshotted with the core (the rendezvous): name ->
+        # an object with state_dict(); what a restore found is in restored_extra
+        self.attachments: dict[str, Any] = {}
+        self.restored_extra: dict[str, Any] = {}
+        self.group_commit = False
+        self._replaying = False
+        self._frozen: Optional[float] = None
+        self._base_clock: Callable[[], float] = task_manager._clock
+        task_manager._clock = self._now
+
+    if TYPE_CHECKING:  # the public calls a replay runs (JobCore has them)
+        def state_dict(self) -> dict[str, Any]:
+            ...
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            ...
+
+        def get(self, worker_id: int, task_type: Optional[TaskType] = None,
+                request_id: int = 0) -> Task:
+            ...
+
+        def report_task(self, task_id: int, worker_id: int, success: bool, error: str = "",
+                        traceback: str = "", fatal: bool = False, counters: Any = None,
+                        model_version: Optional[int] = None) -> None:
+            ...
+
+        def report_evaluation(self, task_id: int, model_version: int, metrics: Any) -> None:
+            ...
+
+        def on_version(self, worker_id: int, version: int) -> None:
+            ...
+
+        def begin(self) -> None:
+            ...
+
+        def recover_tasks(self, worker_id: int) -> list[Task]:
+            ...
+
+        def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
+            ...
+
+        def begin_rollback(self) -> None:
+            ...
+
+        def end_rollback(self) -> None:
+            ...
+
+        def start_at_version(self, version: int) -> None:
+            ...
+
+        def claim_export(self, worker_id: int) -> bool:
+            ...
+
+        def worker_reported(self, worker_id: int, message: str, traceback: str) -> None:
+            ...
+
+    def _now(self) -> float:
+        return self._frozen if self._frozen is not None else self._base_clock()
+
+    @contextlib.contextmanager
+    def _at(self, t: Optional[float] = None) -> Iterator[float]:
+        """One call sees one time (journaled with it, so a replay decides alike)."""
+        if self._frozen is not None:  # nested, or replaying: the outer time holds
+            yield self._frozen
+            return
+        self._frozen = self._base_clock() if t is None else t
+        try:
+            yield self._frozen
+        finally:
+            self._frozen = None
+
+    def _log(self, op: str, **fields: Any) -> None:
+        if self._journal is not None and not self._replaying:
+            # on disk before the call returns: fsynced here (callers that ack
+            # over the wire may group-commit instead: see durable())
+            self._journal.append({"op": op, **fields}, sync=not self.group_commit)
+
+    def durable(self) -> None:
+        """Every transition so far is on disk (the servicer calls it before each
+        reply; with ``group_commit`` one fsync covers concurrent calls)."""
+        if self._journal is not None:
+            self._journal.sync()
+
+    def attach_journal(self, journal: Journal) -> None:
+        """Journal every transition from now on (restore first, if continuing)."""
+        with self._lock:
+            self._journal = journal
+
+    def snapshot(self) -> None:
+        """Write the whole state to the journal's snapshot (then its older
+        segments go). Call after changes made outside the journaled calls (replica
+        bookkeeping, the report) and now and then to keep replays short."""
+        journal = self._journal
+        if journal is None:
+            return
+        with journal.snapshot_lock:
+            with self._lock:
+                state, extra = self.state_dict(), self._volatile_state()
+                seq = journal.rotate()
+            journal.write_snapshot(seq, state, extra)
+
+    def _volatile_state(self) -> dict[str, Any]:
+        """What :meth:`state_dict` leaves out but a replay needs to decide alike:
+        when each held task went out, each worker's last get_task request."""
+        tm = self.tm
+        with tm._lock:
+            return {"started": {str(k): d.started for k, d in tm._doing.items()},
+                    "last_get": {str(w): [r, task_state.task_to_json(t)]
+                                 for w, (r, t) in tm._last_get.items()},
+                    **{name: a.state_dict() for name, a in self.attachments.items()}}
+
+    def restore(self, journal: Journal) -> int:
+        """Continue from ``journal`` (its snapshot, then its records replayed) and
+        journal to it from now on; the number of records replayed. Raises
+        JournalError when a replay does not decide as the journaled call did."""
+        snap, records = journal.load()
+        with self._lock:
+            if snap is not None:
+                self.load_state_dict(snap["state"])
+                tm, extra = self.tm, snap["extra"]
+                self.restored_extra = extra
+                for k, started in extra["started"].items():
+                    if int(k) in tm._doing:
+                        tm._doing[int(k)].started = float(started)
+                tm._last_get = {int(w): (int(r), task_state.task_from_json(t))
+                                for w, (r, t) in extra["last_get"].items()}
+            self._replaying = True
+            try:
+                for rec in records:
+                    try:
+                        self._apply(rec)
+                    except (KeyError, ValueError, TypeError) as e:
+                        raise JournalError(f"journal record {rec.get('seq')} ({rec}) cannot "
+                                           f"be replayed: {type(e).__name__}: {e}") from e
+            finally:
+                self._replaying = False
+            self._journal = journal
+        logger.info("restored the job core: snapshot %s + %d journal record(s)",
+                    snap["seq"] if snap else "none", len(records))
+        return len(records)
+
+    def _apply(self, rec: dict[str, Any]) -> None:
+        op = rec["op"]
+        with self._at(rec.get("t")):
+            if op == "get":
+                tt = rec["type"]
+                task = self.get(rec["w"], None if tt is None else TaskType(tt), rec["r"])
+                got = task_state.task_to_json(task)
+                if got != rec["task"]:
+                    raise JournalError(f"journal record {rec['seq']}: replayed get_task gave "
+                                       f"task {got}, the journal says {rec['task']}")
+            elif op == "report":
+                self.report_task(rec["task"], rec["w"], rec["ok"], rec["error"], rec["tb"],
+                                 rec["fatal"], rec["counters"], rec["version"])
+            elif op == "metrics":
+                self.report_evaluation(rec["task"], rec["version"],
+                                       [tuple(m) for m in rec["metrics"]])  # type: ignore
+            elif op == "version":
+                self.on_version(rec["w"], rec["version"])
+            elif op == "begin":
+                self.begin()
+            elif op == "recover":
+                self.recover_tasks(rec["w"])
+            elif op == "rollback":
+                self.rollback({int(k): v for k, v in rec["applied"].items()},
+                              rec["version"])
+            elif op == "begin_rollback":
+                self.begin_rollback()
+            elif op == "end_rollback":
+                self.end_rollback()
+            elif op == "start_at":
+                self.start_at_version(rec["version"])
+            elif op == "export":
+                self.claim_export(rec["w"])
+            elif op == "worker_reported":
+                self.worker_reported(rec["w"], rec["error"], rec["tb"])
+            else:
+                raise JournalError(f"journal record {rec['seq']}: unknown op {op!r}")

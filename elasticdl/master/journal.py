@@ -1,0 +1,218 @@
+"""The job core's write-ahead journal: what a restarted master continues from.
+
+A journal directory (``<job_dir>/journal``) holds one snapshot and the
+journal segments after it::
+
+    snapshot.json                 {"seq": S, "state": JobCore.state_dict(), "extra": {...}}
+    journal-000000000042.jsonl    one JSON record per line, "seq" 42, 43, ...
+
+Every state-changing call of the :class:`~elasticdl.master.job.JobCore` appends
+one record (the call and its arguments, the core's clock at the time and, for a
+task handed out, which one) and fsyncs it *before* the call returns, so before
+the gRPC reply acknowledges it. A snapshot is written to a temporary file,
+fsynced and renamed over ``snapshot.json``; the segments it covers are removed
+afterwards. :meth:`Journal.load` gives the snapshot and the records after it;
+the core replays them (:meth:`JobCore.restore`). A record cut short by a kill
+(the last line of a segment) was never acknowledged and is dropped; a
+damaged record anywhere else raises :class:`JournalError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from typing import IO, Any, Optional
+
+logger = logging.getLogger(__name__)
+
+JOURNAL_DIR = "journal"                   # in the job directory
+RESTARTS_FILE = "master_restarts.json"    # the launcher's notes of each master death
+SNAPSHOT = "snapshot.json"
+_SEGMENT = re.compile(r"^journal-(\d{12})\.jsonl$")
+
+
+class JournalError(RuntimeError):
+    """The journal cannot be read or replayed (message names the file and record)."""
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Journal:
+    """An append-only journal with snapshots in ``directory`` (created if missing).
+
+    Not thread-safe by itself for ordering: the core appends under its own lock,
+    so the journal's order is the order the transitions happened in.
+    """
+
+    def __init__(self, directory: str, fsync: bool = True):
+        self.directory = directory
+        self.fsync = fsync
+        os.makedirs(directory, exist_ok=True)
+        self._io_lock = threading.Lock()
+        self.snapshot_lock = threading.Lock()   # one snapshot written at a time
+        self._file: Optional[IO[str]] = None
+        self._sync_lock = threading.Lock()
+        self._synced = 0                # records known to be on disk
+        self.seq = 0                    # the last record's sequence number
+        self.records_since_snapshot = 0
+        snap, records = self.load()
+        self._drop_torn_tail()
+        if snap is not None:
+            self.seq = int(snap["seq"])
+        if records:
+            self.seq = int(records[-1]["seq"])
+
+    # ------------------------------------------------------------ writing
+    def _segments(self) -> list[tuple[int, str]]:
+        found = []
+        for name in os.listdir(self.directory):
+            m = _SEGMENT.match(name)
+            if m:
+                found.append((int(m.group(1)), os.path.join(self.directory, name)))
+        return sorted(found)
+
+    def _open_segment(self) -> IO[str]:
+        path = os.path.join(self.directory, f"journal-{self.seq + 1:012d}.jsonl")
+        f = open(path, "a", encoding="utf-8")
+        if self.fsync:
+            _fsync_dir(self.directory)
+        return f
+
+    def _drop_torn_tail(self) -> None:
+        """Cut a record a kill left unfinished off the last segment (appends go on
+        after the last complete record)."""
+        segments = self._segments()
+        if not segments:
+            return
+        path = segments[-1][1]
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+
+    def append(self, record: dict[str, Any], sync: bool = True) -> int:
+        """Write one record (flushed to the OS); its sequence number. ``sync``:
+        fsync it now; else :meth:`sync` must run before it is acknowledged (group
+        commit: callers append under their lock, then sync outside it, and one
+        fsync covers every record written meanwhile)."""
+        with self._io_lock:
+            if self._file is None:
+                self._file = self._open_segment()
+            self.seq += 1
+            line = json.dumps({"seq": self.seq, **record}, separators=(",", ":"))
+            self._file.write(line + "\n")
+            self._file.flush()
+            self.records_since_snapshot += 1
+            seq = self.seq
+        if sync:
+            self.sync()
+        return seq
+
+    def sync(self) -> None:
+        """Every record appended so far is on disk when this returns."""
+        if not self.fsync:
+            return
+        with self._sync_lock:
+            with self._io_lock:
+                target, f = self.seq, self._file
+                if target <= self._synced:
+                    return
+                fd = os.dup(f.fileno()) if f is not None else -1
+            try:
+                if fd >= 0:
+                    os.fsync(fd)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            self._synced = target
+
+    def rotate(self) -> int:
+        """Start a new segment; the sequence number the snapshot being taken has.
+        Call it together with the state capture (under the core's lock)."""
+        with self._io_lock:
+            if self._file is not None:
+                if self.fsync:
+                    os.fsync(self._file.fileno())
+                self._file.close()
+                self._file = None
+            self._synced = max(self._synced, self.seq)
+            self.records_since_snapshot = 0
+            return self.seq
+
+    def write_snapshot(self, seq: int, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Atomically replace the snapshot with ``state`` as of record ``seq``,
+        then remove the segments it covers. The caller holds :attr:`snapshot_lock`
+        from :meth:`rotate` to here (snapshots land in the order taken)."""
+        path = os.path.join(self.directory, SNAPSHOT)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"seq": seq, "state": state, "extra": extra}, f,
+                      separators=(",", ":"))
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if self.fsync:
+            _fsync_dir(self.directory)
+        segments = self._segments()
+        for i, (_, seg) in enumerate(segments):
+            nxt = segments[i + 1][0] if i + 1 < len(segments) else None
+            if nxt is not None and nxt <= seq + 1:   # every record in it is <= seq
+                os.unlink(seg)
+
+    def close(self) -> None:
+        with self._io_lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    # ------------------------------------------------------------ reading
+    def load(self) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
+        """The snapshot (None if none yet) and the records after it, in order."""
+        snap = None
+        path = os.path.join(self.directory, SNAPSHOT)
+        if os.path.exists(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    snap = json.load(f)
+            except ValueError as e:
+                raise JournalError(f"{path}: damaged snapshot: {e}") from e
+        after = int(snap["seq"]) if snap is not None else 0
+        records: list[dict[str, Any]] = []
+        segments = self._segments()
+        for _, seg in segments:
+            with open(seg, encoding="utf-8") as f:
+                lines = f.read().split("\n")
+            for n, line in enumerate(lines):
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:
+                    if n == len(lines) - 1:  # no newline after it: cut short by a kill
+                        logger.warning("%s: dropped a record cut short (never "
+                                       "acknowledged)", seg)
+                        continue
+                    raise JournalError(f"{seg} line {n + 1}: damaged record: {e}") from e
+                if rec["seq"] <= after:
+                    continue
+                if records and rec["seq"] != records[-1]["seq"] + 1 or \
+                        not records and rec["seq"] != after + 1:
+                    raise JournalError(f"{seg} line {n + 1}: record {rec['seq']} does not "
+                                       f"follow {records[-1]['seq'] if records else after}")
+                records.append(rec)
+        return snap, records
+
+    def exists(self) -> bool:
+        """Whether anything was journaled here (a master to restore)."""
+        return os.path.exists(os.path.join(self.directory, SNAPSHOT)) or \
+            bool(self._segments())

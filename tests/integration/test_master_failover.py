@@ -1,0 +1,219 @@
+"""Master failover through the real CLI: kill -9 the master of a running digits
+job; the client relaunches it, it restores its journal and adopts the running
+PS and workers (same pids: no replica restarts), and the job succeeds with every
+epoch's records counted exactly once and the final accuracy within 0.02 of the
+same job without a fault. With restarts exhausted, every replica is
+gone within --master_reconnect_timeout_s + 10 s."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.integration.helpers import (
+    kill_job_tree,
+    live_replicas,
+    pid_running,
+    read_json,
+    start_cli,
+    wait_for,
+)
+from tests.integration.test_chaos import all_pids, check_report, train_args
+
+pytestmark = pytest.mark.integration
+
+
+def journal_seq(job_dir: str) -> int:
+    """How many transitions the master acknowledged (its journal's sequence number:
+    written before each reply; snapshots remove old segments, the number goes on)."""
+    seq = 0
+    for path in glob.glob(os.path.join(job_dir, "journal", "journal-*.jsonl")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line for line in f.read().split("\n") if line.endswith("}")]
+        except FileNotFoundError:
+            continue  # a snapshot covered it meanwhile
+        if lines:
+            seq = max(seq, json.loads(lines[-1])["seq"])
+    return seq
+
+
+def master_pid(job_dir: str) -> int:
+    return int((read_json(os.path.join(job_dir, "master.json")) or {}).get("pid", -1))
+
+
+def replica_pids(job_dir: str) -> dict[str, int]:
+    return {r["replica"]: r["pid"] for r in live_replicas(job_dir)}
+
+
+def kill_master_when(job_dir: str, ready, what: str) -> int:
+    """SIGKILL the master once ``ready()``; its pid."""
+    wait_for(ready, 240, what, interval_s=0.05)
+    pid = master_pid(job_dir)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+_BASELINES: dict[tuple, float] = {}
+
+
+def fault_free_accuracy(digits: str, tmp_path, **flags) -> float:
+    """The final accuracy of the same job without a fault (run once per flags)."""
+    key = tuple(sorted(flags.items()))
+    if key not in _BASELINES:
+        job_dir = str(tmp_path / "baseline")
+        proc = start_cli(train_args(digits, job_dir, "failover-baseline", **flags),
+                         str(tmp_path / "home-baseline"), str(tmp_path / "baseline.log"))
+        try:
+            assert proc.wait(timeout=600) == 0, (tmp_path / "baseline.log").read_text()[-3000:]
+        finally:
+            kill_job_tree(proc, job_dir)
+        _BASELINES[key] = read_json(os.path.join(job_dir, "job_report.json")
+                                    )["final_metrics"]["accuracy"]
+    return _BASELINES[key]
+
+
+def check_failover(job_dir: str, before: dict[str, int], kills: int, epochs: int,
+                   baseline: float) -> dict:
+    report = check_report(job_dir, epochs)
+    assert abs(report["final_metrics"]["accuracy"] - baseline) <= 0.02, (
+        report["final_metrics"], baseline)
+    assert all(e["records_applied"] == e["records_completed"] for e in report["epochs"]
+               if e.get("records_applied")), report["epochs"]
+    assert report["relaunches"] == []  # no replica restarted ...
+    state = read_json(os.path.join(job_dir, "replicas.json"))
+    seen = {r["replica"]: r["pid"] for r in state["replicas"] + state["exited"]}
+    assert {k: seen.get(k) for k in before} == before  # ... the same processes throughout
+    restarts = report["master_restarts"]
+    assert len(restarts) == kills, restarts
+    for r in restarts:
+        assert r["exit_code"] == -9 and "signal 9" in r["reason"]
+        assert 0 < r["downtime_s"] < 120
+        assert sorted(r["replicas_adopted"]) == sorted(before) and r["replicas_lost"] == []
+    return report
+
+
+@pytest.mark.parametrize("kills", [1, 2])
+def test_ps_job_survives_master_kill(digits_data, tmp_path, kills):
+    job_dir = str(tmp_path / "ps")
+    flags = dict(num_epochs=3, distribution_strategy="ParameterServerStrategy",
+                 num_workers=2, num_ps_pods=1, minibatch_size=32, num_minibatches_per_task=1)
+    baseline = fault_free_accuracy(digits_data, tmp_path, **flags)
+    proc = start_cli(train_args(digits_data, job_dir, f"failover-ps{kills}", **flags),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    try:
+        before = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(
+            replica_pids(job_dir)), 120, "2 workers and a PS")
+        for _ in range(kills):
+            done = journal_seq(job_dir)
+            old = kill_master_when(job_dir, lambda d=done: journal_seq(job_dir) >= d + 30,
+                                   "training under way (mid-epoch)")
+            wait_for(lambda o=old: master_pid(job_dir) not in (o, -1), 60,
+                     "the master to be relaunched")
+        code = proc.wait(timeout=600)
+        assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, job_dir)
+    check_failover(job_dir, before, kills, 3, baseline)
+
+
+def test_exhausted_restarts_leave_nothing_running(digits_data, tmp_path):
+    job_dir = str(tmp_path / "gone")
+    proc = start_cli(train_args(digits_data, job_dir, "failover-gone", num_epochs=20,
+                                distribution_strategy="ParameterServerStrategy",
+                                num_workers=2, num_ps_pods=1, max_master_restarts=0,
+                                master_reconnect_timeout_s=5),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    try:
+        wait_for(lambda: len(replica_pids(job_dir)) == 3, 120, "2 workers and a PS")
+        pids = all_pids(job_dir)
+        kill_master_when(job_dir, lambda: journal_seq(job_dir) >= 20, "training")
+        gone_at = time.monotonic()
+        assert proc.wait(timeout=60) == 1
+        report = read_json(os.path.join(job_dir, "job_report.json"))
+        assert report["status"] == "failed" and report["failure"]["replica"] == "master"
+        wait_for(lambda: not any(pid_running(p) for p in pids), 5 + 10, "replicas to be gone")
+        assert time.monotonic() - gone_at < 5 + 10
+    finally:
+        kill_job_tree(proc, job_dir)
+
+
+def test_replicas_exit_by_themselves_when_the_master_never_comes_back(digits_data,
+                                                                       tmp_path):
+    """Without the client to clean up (it is killed too), workers and PS exit on
+    their own within --master_reconnect_timeout_s + 10 s."""
+    job_dir = str(tmp_path / "orphans")
+    proc = start_cli(train_args(digits_data, job_dir, "failover-orphans", num_epochs=20,
+                                distribution_strategy="ParameterServerStrategy",
+                                num_workers=2, num_ps_pods=1, master_reconnect_timeout_s=5),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    try:
+        wait_for(lambda: len(replica_pids(job_dir)) == 3, 120, "2 workers and a PS")
+        pids = list(replica_pids(job_dir).values())
+        wait_for(lambda: journal_seq(job_dir) >= 20, 240, "training")
+        os.killpg(proc.pid, signal.SIGKILL)   # the client: nobody relaunches the master
+        os.kill(master_pid(job_dir), signal.SIGKILL)
+        gone_at = time.monotonic()
+        wait_for(lambda: not any(pid_running(p) for p in pids), 5 + 10 + 5,
+                 "replicas to exit on their own")
+        assert time.monotonic() - gone_at < 5 + 10, json.dumps(pids)
+    finally:
+        kill_job_tree(proc, job_dir)
+
+
+def journal_has(job_dir: str, op: str) -> bool:
+    for path in glob.glob(os.path.join(job_dir, "journal", "journal-*.jsonl")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                if f'"op":"{op}"' in f.read():
+                    return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+def test_ps_job_survives_master_kill_during_an_evaluation(digits_data, tmp_path):
+    job_dir = str(tmp_path / "eval")
+    flags = dict(num_epochs=3, distribution_strategy="ParameterServerStrategy",
+                 num_workers=2, num_ps_pods=1, minibatch_size=32, num_minibatches_per_task=1,
+                 evaluation_steps=40)
+    baseline = fault_free_accuracy(digits_data, tmp_path, **flags)
+    proc = start_cli(train_args(digits_data, job_dir, "failover-eval", **flags),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    try:
+        before = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(
+            replica_pids(job_dir)), 120, "2 workers and a PS")
+        # the first evaluation result acknowledged: the evaluation runs (12 tasks)
+        kill_master_when(job_dir, lambda: journal_has(job_dir, "metrics"), "an evaluation")
+        code = proc.wait(timeout=600)
+        assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, job_dir)
+    report = check_failover(job_dir, before, 1, 3, baseline)
+    versions = [e["model_version"] for e in report["evaluations"]]
+    assert len(versions) == len(set(versions)), report["evaluations"]  # none evaluated twice
+    assert all(e["metrics"] for e in report["evaluations"])
+
+
+def test_allreduce_job_survives_master_kill(digits_data, tmp_path):
+    job_dir = str(tmp_path / "ar")
+    flags = dict(num_epochs=3, distribution_strategy="AllreduceStrategy", num_workers=2,
+                 minibatch_size=32, num_minibatches_per_task=1)
+    baseline = fault_free_accuracy(digits_data, tmp_path, **flags)
+    proc = start_cli(train_args(digits_data, job_dir, "failover-ar", **flags),
+                     str(tmp_path / "home"), str(tmp_path / "cli.log"))
+    try:
+        before = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(
+            replica_pids(job_dir)), 120, "2 workers")
+        start = journal_seq(job_dir)
+        kill_master_when(job_dir, lambda: journal_seq(job_dir) >= start + 30, "training")
+        code = proc.wait(timeout=600)
+        assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, job_dir)
+    check_failover(job_dir, before, 1, 3, baseline)
