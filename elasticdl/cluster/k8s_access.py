@@ -77,7 +77,7 @@ def secret_env(job_name: str, keys: Sequence[str], optional: bool = False) -> li
 def master_job(job_spec: JobSpec, base: int) -> Manifest:
     """The master Job (:func:`~elasticdl.cluster.manifests.master_job`) whose pod reads
     the job's token/TLS from the Secret when a predecessor made it."""
-    from elasticdl.cluster.manifests import master_job as job
+    from elasticdl.cluster.k8s_master import master_job as job
 
     keys = [key for _, key in SECRET_ENV_KEYS]
     return job(job_spec, base, secret_env=secret_env(job_spec.job_name, keys, optional=True))

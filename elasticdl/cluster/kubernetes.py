@@ -27,7 +27,6 @@ from typing import Any, Optional
 from kubernetes import client
 
 from elasticdl.cluster import k8s_access as access
-from elasticdl.cluster import k8s_api
 from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.api import (
     Cluster,
@@ -47,6 +46,7 @@ from elasticdl.cluster.k8s_api import (
     to_model,
     uid_of,
 )
+from elasticdl.cluster.k8s_objects import JobObjects
 from elasticdl.cluster.k8s_watch import PodWatcher
 from elasticdl.cluster.pod_status import Pod, PodState, pod_state, replica_of
 from elasticdl.common import auth
@@ -90,12 +90,11 @@ class KubernetesCluster(Cluster):
                  job_secrets: Optional[auth.JobSecrets] = None,
                  owner_ref: Optional[mf.Manifest] = None, master_pod: str = ""):
         self.job_spec = job_spec
-        self._job_secrets = job_secrets
-        self._secret_keys: Optional[list[str]] = None  # set once the Secret exists
         self.namespace = job_spec.namespace
         self._api_client = api_client
         self._core = client.CoreV1Api(api_client)
         self._owner = owner_ref or (mf.owner_reference(*owner) if owner else None)
+        self._objects = JobObjects(self._core, job_spec, self._owner, job_secrets, port_base)
         self._master_pod = master_pod or (owner[0] if owner else "")
         self._detached = False
         self._quiet = True  # the first list: record pods, report nothing
@@ -109,7 +108,6 @@ class KubernetesCluster(Cluster):
         self._lock = threading.RLock()
         self._pods: dict[str, _Tracked] = {}  # by uid
         self._created: dict[str, str] = {}  # pod name -> uid of the incarnation we made
-        self._services: set[str] = set()
         self._events: queue.Queue[ReplicaEvent] = queue.Queue()
         self._closed = threading.Event()
         self._watcher = PodWatcher(self._core, self.namespace, self._selector,
@@ -155,7 +153,7 @@ class KubernetesCluster(Cluster):
                       pod_ip=os.environ.get("MY_POD_IP", ""), **kwargs)
         if cluster.restartable:
             try:
-                cluster._ensure_master_service()
+                cluster._objects.ensure_master_service()
             except ClusterError:
                 cluster.close()
                 raise
@@ -201,7 +199,8 @@ class KubernetesCluster(Cluster):
                 port, address = 0, ""
                 if t.type == ReplicaType.PS:
                     port, address = self.endpoint(t.type, t.index)
-                    self._services.add(mf.ps_service_name(self.job_spec.job_name, t.index))
+                    self._objects.adopt_service(mf.ps_service_name(self.job_spec.job_name,
+                                                                   t.index))
                 adopted.append(ReplicaInfo(t.type, t.index, t.state.phase, port, address, uid))
         logger.info("adopted %d running replica(s): %s", len(adopted),
                     ", ".join(f"{r.name} (pod uid {r.ident})" for r in adopted) or "none")
@@ -226,10 +225,11 @@ class KubernetesCluster(Cluster):
             manifest = mf.replica_pod(self.job_spec, spec, priority, self._owner)
         except ValueError as e:
             raise ClusterError(f"cannot build the pod of {spec.name}: {e}") from None
-        if self._job_secrets is not None:
-            access.with_secret_env(manifest, self.job_spec.job_name, self._ensure_secret())
+        if self._objects.has_secret:
+            access.with_secret_env(manifest, self.job_spec.job_name,
+                                   self._objects.ensure_secret())
         if spec.type == ReplicaType.PS and spec.port:
-            self._ensure_service(spec.index, spec.port)
+            self._objects.ensure_ps_service(spec.index, spec.port)
         name = manifest["metadata"]["name"]
         pod = self._create_pod(spec.name, manifest)
         uid = uid_of(pod)
@@ -280,24 +280,11 @@ class KubernetesCluster(Cluster):
         with self._lock:
             live = {name for name, uid in self._created.items()
                     if self._owner is None or not self._is_terminal(uid)}
-            services = sorted(self._services)
         failed = []
         for name in sorted(live):
             if not self._delete_pod(name, quiet=True):
                 failed.append(name)
-        for svc in services:
-            try:
-                delete_object(self._core.delete_namespaced_service, svc, self.namespace)
-            except API_ERRORS as e:
-                if not is_status(e, 404):
-                    failed.append(svc)
-                    logger.error("%s", api_error(e, f"delete service {svc}"))
-        if self._owner is None and self._secret_keys is not None:
-            try:  # owned by the master pod otherwise: it goes with the pod
-                k8s_api.delete_secret(self._core, self.namespace,
-                                      access.job_secret_name(self.job_spec.job_name))
-            except ClusterError as e:
-                failed.append(str(e))
+        failed += self._objects.delete()
         if failed:
             logger.error("could not delete %s; they go when the master pod is deleted",
                          ", ".join(failed))
@@ -317,36 +304,6 @@ class KubernetesCluster(Cluster):
             logger.error("%s; deleting the replicas", api_error(e, "read the master pod"))
             return False
         return getattr(pod.metadata, "deletion_timestamp", None) is not None
-
-    def _ensure_master_service(self) -> None:
-        port = mf.replica_port(self._port_base, ReplicaType.MASTER, 0)
-        body = mf.master_service(self.job_spec, port, self._owner)
-        if k8s_api.create_service(self._core, self.namespace, body):  # else a predecessor's
-            logger.info("created service %s -> master:%d", body["metadata"]["name"], port)
-
-    def _ensure_secret(self) -> list[str]:
-        """Create the job's Secret (token, TLS) once, owned by the job's root; returns
-        its keys. A Secret of the same name (an earlier job's; a predecessor master's,
-        holding the same token) is replaced."""
-        with self._lock:
-            if self._secret_keys is not None:
-                return self._secret_keys
-            assert self._job_secrets is not None
-            data = self._job_secrets.data()
-            body = access.job_secret(self.job_spec, data, self._owner)
-            k8s_api.replace_secret(self._core, self.namespace, body)
-            logger.info("created secret %s (keys %s)", body["metadata"]["name"],
-                        ", ".join(sorted(data)))
-            self._secret_keys = sorted(data)
-            return self._secret_keys
-
-    def _ensure_service(self, index: int, port: int) -> None:
-        body = mf.ps_service(self.job_spec, index, port, self._owner)
-        name = body["metadata"]["name"]
-        if k8s_api.create_service(self._core, self.namespace, body):  # else: it exists
-            logger.info("created service %s -> ps-%d:%d", name, index, port)  # since before
-        with self._lock:
-            self._services.add(name)
 
     def _create_pod(self, replica: str, manifest: mf.Manifest) -> client.V1Pod:
         name = manifest["metadata"]["name"]

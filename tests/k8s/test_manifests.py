@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from elasticdl.cluster import k8s_access as access
+from elasticdl.cluster import k8s_master as km
 from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.api import ReplicaSpec, ReplicaType
 from elasticdl.common.job_spec import JobSpec
@@ -104,8 +105,8 @@ def validate(obj: dict[str, Any]) -> None:
 
 def all_manifests(job: JobSpec) -> list[dict[str, Any]]:
     """Every shape client and cluster create for ``job`` (one of each)."""
-    out = [mf.master_pod(job, base=42000), access.master_job(job, 42000),
-           mf.master_service(job, 42000, JOB_OWNER)]
+    out = [km.master_pod(job, base=42000), access.master_job(job, 42000),
+           km.master_service(job, 42000, JOB_OWNER)]
     for type, index, port in ((ReplicaType.PS, 11, 50013), (ReplicaType.WORKER, 123, 0)):
         rs = ReplicaSpec(job.job_name, type, index,
                          ("python", "-m", f"elasticdl.{type.value}.main", f"--id={index}"),
@@ -144,7 +145,7 @@ def test_master_pod_carries_the_job_spec(tmp_path):
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(CLUSTER_SPEC))
     job = spec(cluster_spec=str(path), yaml="out.yaml", cluster="")
-    pod = mf.master_pod(job)
+    pod = km.master_pod(job)
     command = pod["spec"]["containers"][0]["command"]
     assert command[:3] == ["python", "-m", "elasticdl.master.main"]
     assert command[-1] == "--port=50001"
@@ -244,7 +245,7 @@ def test_priorities():
 def test_yaml_round_trip():
     import yaml
 
-    objs = [mf.master_pod(spec())] + access.rbac_manifests()
+    objs = [km.master_pod(spec())] + access.rbac_manifests()
     assert list(yaml.safe_load_all(mf.to_yaml(objs))) == objs
 
 
@@ -280,14 +281,14 @@ def test_master_job_restarts_the_master_and_keeps_its_state():
     assert pod["spec"]["restartPolicy"] == "Never"
     container = pod["spec"]["containers"][0]
     # the master's job directory (journal, secrets) lives on the claim
-    assert container["command"][-2:] == ["--restore", f"--job_dir={mf.MASTER_STATE_DIR}"]
-    mount = [m for m in container["volumeMounts"] if m["name"] == mf.MASTER_STATE_VOLUME]
+    assert container["command"][-2:] == ["--restore", f"--job_dir={km.MASTER_STATE_DIR}"]
+    mount = [m for m in container["volumeMounts"] if m["name"] == km.MASTER_STATE_VOLUME]
     # one directory per Job (its uid): a later job of the same name does not restore it
-    assert mount == [{"name": mf.MASTER_STATE_VOLUME, "mountPath": mf.MASTER_STATE_DIR,
-                      "subPathExpr": f"digits-1-$({mf.JOB_UID_ENV})"}]
-    assert {"name": mf.JOB_UID_ENV, "valueFrom": {"fieldRef": {
+    assert mount == [{"name": km.MASTER_STATE_VOLUME, "mountPath": km.MASTER_STATE_DIR,
+                      "subPathExpr": f"digits-1-$({km.JOB_UID_ENV})"}]
+    assert {"name": km.JOB_UID_ENV, "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.labels['controller-uid']"}}} in container["env"]
-    assert {"name": mf.MASTER_STATE_VOLUME,
+    assert {"name": km.MASTER_STATE_VOLUME,
             "persistentVolumeClaim": {"claimName": "edl-state"}} in pod["spec"]["volumes"]
     # a restarted master reads the token its replicas hold from the job's Secret
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]
@@ -301,7 +302,7 @@ def test_master_job_restarts_the_master_and_keeps_its_state():
     plain = access.master_job(spec(), 42000)["spec"]["template"]["spec"]
     assert "volumes" not in plain
     assert not any(a.startswith("--job_dir") for a in plain["containers"][0]["command"])
-    service = mf.master_service(spec(job_name="7-digits"), 42000, JOB_OWNER)
+    service = km.master_service(spec(job_name="7-digits"), 42000, JOB_OWNER)
     assert service["metadata"]["name"] == "edl-7-digits-master"
     assert service["spec"]["selector"] == mf.labels("7-digits", ReplicaType.MASTER, 0)
     assert service["metadata"]["ownerReferences"][0]["kind"] == "Job"
