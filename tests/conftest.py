@@ -21,3 +21,16 @@ def digits_data(tmp_path_factory) -> str:
                     f"--output={out}", "--format=both"], check=True, capture_output=True,
                    timeout=120)
     return str(out)
+
+
+ID_RECORDS = 512  # records of the id dataset (tests/fixtures/zoo/toy/count_records.py)
+
+
+@pytest.fixture(scope="session")
+def id_data(tmp_path_factory) -> str:
+    """Records that are their own ids (0..ID_RECORDS-1), for the record-counting model."""
+    import numpy as np
+
+    out = tmp_path_factory.mktemp("ids")
+    np.save(out / "ids.npy", np.arange(ID_RECORDS, dtype=np.int64))
+    return str(out)

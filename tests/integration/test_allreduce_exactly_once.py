@@ -12,27 +12,19 @@ from __future__ import annotations
 import os
 import signal
 
-import numpy as np
 import pytest
 import torch
 
 from tests.conftest import FIXTURE_ZOO
+from tests.conftest import ID_RECORDS as RECORDS
 from tests.integration.helpers import kill_job_tree, live_replicas, read_json, start_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
-RECORDS = 512
 MINIBATCH = 4
 PER_TASK = 16            # minibatches per task: a task lasts 16 steps of its holder
 TASK = MINIBATCH * PER_TASK
 EPOCHS = 2
-
-
-@pytest.fixture(scope="module")
-def id_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ids")
-    np.save(out / "ids.npy", np.arange(RECORDS, dtype=np.int64))
-    return str(out)
 
 
 def _pid(job_dir, replica):

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from elasticdl.checkpoint import data_position, ps_shards
 from elasticdl.checkpoint.paths import complete_versions, version_dir
-from tests.conftest import FIXTURE_ZOO
+from tests.conftest import FIXTURE_ZOO, ID_RECORDS
 from tests.integration.helpers import kill_job_tree, read_json, start_cli, wait_for
 from tests.integration.test_chaos import train_args
 
@@ -55,16 +54,9 @@ def test_allreduce_resumes_from_checkpoint(digits_data, tmp_path):
 # (tests/fixtures/zoo/toy/count_records.py), so the exported model.pt itself says how
 # often each record was trained.
 
-RECORDS = 512
+RECORDS = ID_RECORDS
 MINIBATCH = 8
 EPOCHS = 2
-
-
-@pytest.fixture(scope="module")
-def id_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ids")
-    np.save(out / "ids.npy", np.arange(RECORDS, dtype=np.int64))
-    return str(out)
 
 
 def count_args(data, out, job, **flags):
