@@ -11,6 +11,7 @@ import time
 import pytest
 import yaml
 
+from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.manifests import pod_name
 from elasticdl.common.job_spec import JobSpec
 from elasticdl_client import k8s
@@ -131,8 +132,9 @@ def test_stop_cascades_through_owner_references(kubeconfig, apiserver):
     assert k8s.submit(job(), kubeconfig, out=io.StringIO()) == 0
     master = apiserver.get("jobs", "default", "elasticdl-c1-master")
     wait_for(lambda: apiserver.list("pods", "default", "elasticdl-replica-type=master"))
-    owner = [{"apiVersion": "batch/v1", "kind": "Job", "name": "elasticdl-c1-master",
-              "uid": master["metadata"]["uid"], "controller": True}]
+    # what the master gives its replicas: not a controller reference (the Job controller
+    # strips those from pods it did not make, which raced with this test's stop)
+    owner = [mf.owner_reference("elasticdl-c1-master", master["metadata"]["uid"], "Job")]
     for name, kind in (("elasticdl-c1-worker-0", "pods"), ("c1-ps-0", "services")):
         apiserver.create(kind, "default", {"metadata": {"name": name,
                                                         "ownerReferences": owner}})
