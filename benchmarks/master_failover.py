@@ -9,7 +9,6 @@ Run: python benchmarks/master_failover.py [--kills 5] [--workdir DIR]
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import signal
@@ -20,37 +19,17 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tests.integration.helpers import journal_records, wait_for  # noqa: E402
 
 
-def records(job_dir: str, after_seq: int) -> list[dict]:
-    """Journal records after ``after_seq`` (cut-short last lines skipped)."""
-    out = []
-    for path in glob.glob(os.path.join(job_dir, "journal", "journal-*.jsonl")):
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
-            continue  # removed by a snapshot meanwhile
-        for line in text.split("\n"):
-            if line.endswith("}"):
-                rec = json.loads(line)
-                if rec["seq"] > after_seq:
-                    out.append(rec)
-    return out
-
-
-def wait(pred, timeout_s: float, what: str, interval_s: float = 0.005):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out waiting for {what}")
+def reports_after(job_dir: str, seq: int) -> list[dict]:
+    """Task results the master acknowledged after journal record ``seq``."""
+    return [r for r in journal_records(job_dir, seq) if r["op"] == "report"]
 
 
 def last_seq(job_dir: str) -> int:
-    return max((r["seq"] for r in records(job_dir, 0)), default=0)
+    return max((r["seq"] for r in journal_records(job_dir, 0)), default=0)
 
 
 def master_pid(job_dir: str) -> int:
@@ -86,14 +65,14 @@ def main() -> None:
     try:
         for k in range(a.kills):
             start = last_seq(job_dir)
-            wait(lambda s=start: [r for r in records(job_dir, s + 10) if r["op"] == "report"],
-                 300, "training under way")
+            wait_for(lambda s=start: reports_after(job_dir, s + 10), 300, "training under way",
+                     interval_s=0.005)
             pid = master_pid(job_dir)
             seq = last_seq(job_dir)
             os.kill(pid, signal.SIGKILL)
             t0 = time.monotonic()
-            wait(lambda s=seq: [r for r in records(job_dir, s) if r["op"] == "report"],
-                 300, "the next completed task")
+            wait_for(lambda s=seq: reports_after(job_dir, s), 300, "the next completed task",
+                     interval_s=0.005)
             figures.append(time.monotonic() - t0)
             print(f"kill {k + 1}: next task acknowledged {figures[-1]:.2f} s after kill -9",
                   flush=True)

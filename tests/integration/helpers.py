@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -35,6 +36,24 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1) ->
             return value
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def journal_records(job_dir: str, after_seq: int = 0) -> list[dict]:
+    """The master's journal records after ``after_seq``, read from outside while it
+    writes: a line cut short is skipped, a segment a snapshot removed meanwhile too."""
+    out = []
+    for path in glob.glob(os.path.join(job_dir, "journal", "journal-*.jsonl")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            continue
+        for line in text.split("\n"):
+            if line.endswith("}"):
+                rec = json.loads(line)
+                if rec["seq"] > after_seq:
+                    out.append(rec)
+    return out
 
 
 def read_json(path: str) -> Optional[dict]:

@@ -7,7 +7,6 @@ gone within --master_reconnect_timeout_s + 10 s."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -16,6 +15,7 @@ import time
 import pytest
 
 from tests.integration.helpers import (
+    journal_records,
     kill_job_tree,
     live_replicas,
     pid_running,
@@ -31,16 +31,7 @@ pytestmark = pytest.mark.integration
 def journal_seq(job_dir: str) -> int:
     """How many transitions the master acknowledged (its journal's sequence number:
     written before each reply; snapshots remove old segments, the number goes on)."""
-    seq = 0
-    for path in glob.glob(os.path.join(job_dir, "journal", "journal-*.jsonl")):
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = [line for line in f.read().split("\n") if line.endswith("}")]
-        except FileNotFoundError:
-            continue  # a snapshot covered it meanwhile
-        if lines:
-            seq = max(seq, json.loads(lines[-1])["seq"])
-    return seq
+    return max((r["seq"] for r in journal_records(job_dir)), default=0)
 
 
 def master_pid(job_dir: str) -> int:
@@ -167,14 +158,7 @@ def test_replicas_exit_by_themselves_when_the_master_never_comes_back(digits_dat
 
 
 def journal_has(job_dir: str, op: str) -> bool:
-    for path in glob.glob(os.path.join(job_dir, "journal", "journal-*.jsonl")):
-        try:
-            with open(path, encoding="utf-8") as f:
-                if f'"op":"{op}"' in f.read():
-                    return True
-        except FileNotFoundError:
-            continue
-    return False
+    return any(r["op"] == op for r in journal_records(job_dir))
 
 
 def test_ps_job_survives_master_kill_during_an_evaluation(digits_data, tmp_path):
