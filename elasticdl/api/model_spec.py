@@ -3,9 +3,23 @@
 ``--model_def=digits.digits_cnn.custom_model`` with ``--model_zoo=model_zoo``
 imports ``model_zoo/digits/digits_cnn.py`` and takes ``custom_model`` as the
 model factory. The required functions (``loss``, ``optimizer``, ``feed``) and
-the optional ones are looked up by the names the job spec gives; anything
-missing or not callable is reported by name together with the module path,
-before any training starts.
+the optional ones (``eval_metrics_fn``, ``lr_scheduler``, ``train_loop``, ...)
+are looked up by the names the job spec gives; anything missing or not
+callable is reported by name together with the module path, before any
+training starts.
+
+How the framework calls them (one place, used by every strategy):
+
+* ``optimizer(params)`` gets ``(name, parameter)`` pairs instead of bare
+  tensors when its first argument is called ``named_params`` or
+  ``named_parameters`` (name-based groups, e.g. no weight decay on biases).
+* ``loss(labels, outputs)`` also gets ``model=`` when it accepts a ``model``
+  keyword (auxiliary and regularisation losses).
+* ``--model_params`` go to the model factory, and to every other contract
+  function whose signature names them (or takes ``**kwargs``).
+* ``lr_scheduler(optimizer)`` returns a ``torch.optim.lr_scheduler`` scheduler
+  (stepped once per epoch) or ``{"scheduler": s, "interval": "epoch"|"step"}``;
+  steps are global optimizer updates, epochs are the master's.
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Optional
@@ -39,12 +53,19 @@ class ModelSpec:
     custom_data_reader: Optional[Callable[..., Any]]
     prediction_outputs_processor: Optional[Any]
     train_loop: Optional[Callable[..., Any]]
+    lr_scheduler: Optional[Callable[..., Any]] = None
+
+    def call(self, fn: Callable[..., Any], *args: Any, **extra: Any) -> Any:
+        """``fn(*args, **extra, **model_params)`` with only the keywords ``fn`` accepts
+        (``extra`` first: the framework's own keywords win over --model_params)."""
+        kwargs = _accepted(fn, {**self.model_kwargs, **extra})
+        return fn(*args, **kwargs)
 
     def build_model(self) -> Any:
         """Call the model factory; the result must be a ``torch.nn.Module``."""
         import torch
 
-        model = self.model_factory(**self.model_kwargs)
+        model = self.call(self.model_factory)
         if not isinstance(model, torch.nn.Module):
             raise ModelSpecError(
                 f"model factory {self.model_factory.__name__} in {self.module_path} returned "
@@ -52,17 +73,96 @@ class ModelSpec:
             )
         return model
 
+    def make_optimizer(self, named_params: Iterable[tuple[str, Any]]) -> Any:
+        """The module's optimizer over ``named_params`` (``(name, tensor)`` pairs);
+        named pairs reach it only when it asks for them (see the module docs)."""
+        import torch
+
+        named = list(named_params)
+        arg = named if wants_named_params(self.optimizer) else [p for _, p in named]
+        opt = self.call(self.optimizer, arg)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ModelSpecError(f"optimizer in {self.module_path} returned "
+                                 f"{type(opt).__name__}, not a torch.optim.Optimizer")
+        return opt
+
+    def make_lr_scheduler(self, optimizer: Any) -> Optional[LRSchedule]:
+        """The module's scheduler over ``optimizer``, or None when it defines none."""
+        if self.lr_scheduler is None:
+            return None
+        out = self.call(self.lr_scheduler, optimizer)
+        interval = "epoch"
+        if isinstance(out, dict):
+            unknown = set(out) - {"scheduler", "interval"}
+            if "scheduler" not in out or unknown:
+                raise ModelSpecError(
+                    f"lr_scheduler in {self.module_path} returned a dict with keys "
+                    f"{sorted(out)}; expected 'scheduler' and optionally 'interval'")
+            interval = out.get("interval", "epoch")
+            out = out["scheduler"]
+        if interval not in ("epoch", "step"):
+            raise ModelSpecError(f"lr_scheduler in {self.module_path}: interval must be "
+                                 f"'epoch' or 'step', got {interval!r}")
+        if not (callable(getattr(out, "step", None)) and hasattr(out, "state_dict")):
+            raise ModelSpecError(f"lr_scheduler in {self.module_path} returned "
+                                 f"{type(out).__name__}, not a torch.optim.lr_scheduler "
+                                 "scheduler (with step() and state_dict())")
+        if getattr(out, "optimizer", optimizer) is not optimizer:
+            raise ModelSpecError(f"lr_scheduler in {self.module_path} returned a scheduler "
+                                 "of another optimizer than the one it was given")
+        return LRSchedule(out, interval)
+
+    def feed_batch(self, records: Any, mode: str) -> Any:
+        """``feed(records, mode)`` (with the --model_params it accepts)."""
+        return self.call(self.feed, records, mode)
+
+    def compute_loss(self, labels: Any, outputs: Any, model: Any) -> Any:
+        """``loss(labels, outputs)``, with ``model=`` when the loss accepts it."""
+        return self.call(self.loss, labels, outputs, model=model)
+
     def metrics(self) -> dict[str, Callable[..., Any]]:
         """The metric functions, or ``{}`` when the module defines none."""
         if self.eval_metrics_fn is None:
             return {}
-        metrics = self.eval_metrics_fn()
+        metrics = self.call(self.eval_metrics_fn)
         if not isinstance(metrics, dict) or not all(callable(m) for m in metrics.values()):
             raise ModelSpecError(
                 f"eval_metrics_fn in {self.module_path} must return a dict of "
                 f"name -> callable(labels, outputs), got {metrics!r}"
             )
         return metrics
+
+
+@dataclass
+class LRSchedule:
+    """A module's scheduler and when it steps: once per ``"epoch"`` (the master's
+    epochs) or per ``"step"`` (global optimizer updates)."""
+
+    scheduler: Any
+    interval: str = "epoch"
+
+
+def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The part of ``kwargs`` that ``fn``'s signature accepts by keyword."""
+    if not kwargs:
+        return {}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    ok = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in ok}
+
+
+def wants_named_params(fn: Callable[..., Any]) -> bool:
+    """Whether ``optimizer``'s first argument asks for ``(name, parameter)`` pairs."""
+    try:
+        first = next(iter(inspect.signature(fn).parameters), "")
+    except (TypeError, ValueError):
+        return False
+    return first in ("named_params", "named_parameters")
 
 
 def _import_module(model_zoo: str, module_name: str) -> ModuleType:
@@ -93,6 +193,7 @@ def load_model_spec(
     custom_data_reader: str = "custom_data_reader",
     prediction_outputs_processor: str = "PredictionOutputsProcessor",
     train_loop: str = "train_loop",
+    lr_scheduler: str = "lr_scheduler",
 ) -> ModelSpec:
     """Import the module named by ``model_def`` and check every function.
 
@@ -136,11 +237,28 @@ def load_model_spec(
         prediction_outputs_processor=optional(prediction_outputs_processor,
                                               "PredictionOutputsProcessor"),
         train_loop=optional(train_loop, "train_loop"),
+        lr_scheduler=optional(lr_scheduler, "lr_scheduler"),
     )
     _check_arity(spec.loss, 2, "loss", path)
     _check_arity(spec.feed, 2, "feed", path)
     _check_arity(spec.optimizer, 1, "optimizer", path)
+    _check_model_params(spec)
     return spec
+
+
+def _check_model_params(spec: ModelSpec) -> None:
+    """Every --model_params key must reach some contract function (typos fail here)."""
+    fns = [f for f in (spec.model_factory, spec.loss, spec.optimizer, spec.feed,
+                       spec.eval_metrics_fn, spec.lr_scheduler, spec.custom_data_reader,
+                       spec.train_loop) if f is not None]
+    unused = set(spec.model_kwargs)
+    for fn in fns:
+        unused -= set(_accepted(fn, spec.model_kwargs))
+    if unused:
+        raise ModelSpecError(
+            f"--model_params {sorted(unused)} are accepted by no function of "
+            f"{spec.module_path} (the model factory, loss, optimizer, feed, "
+            "eval_metrics_fn, lr_scheduler, custom_data_reader or train_loop)")
 
 
 def _check_arity(fn: Callable[..., Any], n: int, what: str, path: str) -> None:

@@ -36,6 +36,9 @@ class JobReport:
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     final_metrics: dict[str, float] = field(default_factory=dict)
     failure: Optional[dict[str, Any]] = None
+    # per epoch (as a string key, JSON-able): loss sum and records of the training
+    # tasks that reported one, and every learning rate their steps were applied with
+    training: dict[str, dict[str, Any]] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -62,6 +65,30 @@ class JobReport:
         if "final" in reasons or "evaluate" in reasons:
             self.final_metrics = dict(entry["metrics"])
 
+    def add_training(self, epoch: int, records: int, loss: Optional[float],
+                     learning_rate: Optional[float]) -> None:
+        """One finished training task of ``epoch``: its mean loss over ``records`` and
+        the learning rate its last step was applied with (either may be unknown)."""
+        e = self.training.setdefault(str(epoch), {"loss_sum": 0.0, "records": 0,
+                                                  "learning_rates": []})
+        if loss is not None and records > 0:
+            e["loss_sum"] += float(loss) * records
+            e["records"] += int(records)
+        if learning_rate is not None and float(learning_rate) not in e["learning_rates"]:
+            e["learning_rates"].append(float(learning_rate))
+            e["learning_rates"].sort()
+
+    def training_summary(self) -> list[dict[str, Any]]:
+        """Per epoch: mean training loss and the learning rates seen (report field
+        ``training``)."""
+        out = []
+        for key in sorted(self.training, key=int):
+            e = self.training[key]
+            out.append({"epoch": int(key),
+                        "mean_loss": e["loss_sum"] / e["records"] if e["records"] else None,
+                        "learning_rates": list(e["learning_rates"])})
+        return out
+
     def add_relaunch(self, replica: str, new_replica: str, reason: str,
                      exit_code: Optional[int]) -> None:
         self.relaunches.append({"replica": replica, "new_replica": new_replica,
@@ -86,7 +113,8 @@ class JobReport:
                         "prediction_records": self.prediction_records},
             "epochs": self.epochs, "relaunches": self.relaunches,
             "evaluations": self.evaluations, "final_metrics": self.final_metrics,
-            "failure": self.failure, "timings": timings,
+            "failure": self.failure, "training": self.training_summary(),
+            "timings": timings,
         }
         out.update(self.extra)
         return out
@@ -94,14 +122,15 @@ class JobReport:
     # the figures a restarted master carries on with (not its start time: the
     # timings of the new master's run)
     _STATE = ("status", "epochs", "relaunches", "evaluations", "final_metrics", "failure",
-              "extra")
+              "training", "extra")
 
     def state_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps({k: getattr(self, k) for k in self._STATE}))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in self._STATE:
-            setattr(self, k, json.loads(json.dumps(state[k])))
+            if k in state:  # journals written before a field existed
+                setattr(self, k, json.loads(json.dumps(state[k])))
 
     def write(self, directory: str) -> str:
         os.makedirs(directory, exist_ok=True)

@@ -92,8 +92,9 @@ class JobCore(Journaled):
         task_manager.evaluation_done_callbacks.append(self._on_evaluation_done)
         if manage_evaluations:
             task_manager.epoch_end_callbacks.append(self._on_epoch_end)
-            task_manager.epoch_barrier = job_type == JobType.TRAIN and \
-                task_manager.evaluation_records > 0
+            # an epoch is a real boundary, as in one process: epoch-end evaluations
+            # see exactly that epoch, and per-epoch LR schedules change between epochs
+            task_manager.epoch_barrier = job_type == JobType.TRAIN
 
     @classmethod
     def for_tasks(cls, task_manager: TaskManager,
@@ -199,17 +200,23 @@ class JobCore(Journaled):
     def report_task(self, task_id: int, worker_id: int, success: bool, error: str = "",
                     traceback: str = "", fatal: bool = False,
                     counters: Optional[Mapping[str, int]] = None,
-                    model_version: Optional[int] = None) -> None:
-        """A task's outcome, with the reporter's model version after it.
+                    model_version: Optional[int] = None, loss: Optional[float] = None,
+                    learning_rate: Optional[float] = None) -> None:
+        """A task's outcome, with the reporter's model version after it and, for a
+        training task, its mean loss and last learning rate (job report "training").
         Raises VersionError (nothing recorded) for a version from the future."""
         with self._lock, self._at() as t:
             if model_version is not None:
                 self._on_version(worker_id, model_version)
+            task, holders = self.tm.held_task(task_id)
             self.tm.report(task_id, worker_id, success, error, traceback, fatal, counters)
+            if success and task is not None and worker_id in holders and \
+                    task.type == TaskType.TRAINING:
+                self.report.add_training(task.epoch, task.num_records, loss, learning_rate)
             self._maybe_start_evaluation()
             self._log("report", t=t, task=task_id, w=worker_id, ok=success, error=error,
                       tb=traceback, fatal=fatal, counters=dict(counters or {}),
-                      version=model_version)
+                      version=model_version, loss=loss, lr=learning_rate)
 
     def report_evaluation(self, task_id: int, model_version: int,
                           metrics: Sequence[Metric]) -> None:

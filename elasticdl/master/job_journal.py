@@ -63,7 +63,8 @@ class Journaled:
 
         def report_task(self, task_id: int, worker_id: int, success: bool, error: str = "",
                         traceback: str = "", fatal: bool = False, counters: Any = None,
-                        model_version: Optional[int] = None) -> None:
+                        model_version: Optional[int] = None, loss: Optional[float] = None,
+                        learning_rate: Optional[float] = None) -> None:
             ...
 
         def report_evaluation(self, task_id: int, model_version: int, metrics: Any) -> None:
@@ -193,7 +194,8 @@ class Journaled:
                                        f"task {got}, the journal says {rec['task']}")
             elif op == "report":
                 self.report_task(rec["task"], rec["w"], rec["ok"], rec["error"], rec["tb"],
-                                 rec["fatal"], rec["counters"], rec["version"])
+                                 rec["fatal"], rec["counters"], rec["version"],
+                                 rec.get("loss"), rec.get("lr"))
             elif op == "metrics":
                 self.report_evaluation(rec["task"], rec["version"],
                                        [tuple(m) for m in rec["metrics"]])  # type: ignore

@@ -67,6 +67,12 @@ def _version(version: int) -> int:
     return version
 
 
+def _finite(what: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise _Invalid(f"{what} must be finite, got {value}")
+    return float(value)
+
+
 def _count(what: str, n: int) -> None:
     if n > MAX_ITEMS:
         raise _Invalid(f"more than {MAX_ITEMS} {what} ({n})")
@@ -156,8 +162,12 @@ class MasterServicer(pb_grpc.MasterServicer):
         version = None
         if request.HasField("model_version"):
             version = _version(request.model_version)
+        loss = _finite("loss", request.loss) if request.HasField("loss") else None
+        lr = _finite("learning_rate", request.learning_rate) \
+            if request.HasField("learning_rate") else None
         self.core.report_task(request.task_id, worker_id, ok, request.err_message,
-                              request.err_traceback, request.fatal, counters, version)
+                              request.err_traceback, request.fatal, counters, version,
+                              loss=loss, learning_rate=lr)
         return pb.Empty()
 
     @_validated

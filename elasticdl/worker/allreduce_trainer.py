@@ -231,7 +231,7 @@ class AllreduceTrainer(Trainer):
 
         def feed(records: Sequence[Any], task: Task, offset: int) -> tuple[Any, Any]:
             try:
-                return feed_records(self.spec.feed, records, "training", task.shard_name,
+                return feed_records(self.spec.feed_batch, records, "training", task.shard_name,
                                     task.start + offset)
             except DataError as e:
                 source.report_task(task, str(e), traceback.format_exc(), fatal=True)

@@ -9,6 +9,7 @@ the worker exits, so no worker outlives its master for long.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, TypeVar
@@ -81,13 +82,19 @@ class MasterClient(TaskSource):
         return task_from_proto(msg)
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None) -> None:
+                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None,
+                    loss: Optional[float] = None, learning_rate: Optional[float] = None
+                    ) -> None:
         req = pb.ReportTaskResultRequest(
             task_id=task.task_id, worker_id=self.worker_id, err_message=error[:16000],
             err_traceback=traceback[-20000:], fatal=fatal,
             counters=[pb.Counter(name=n, value=int(v)) for n, v in (counters or {}).items()])
         if self.version is not None:
             req.model_version = max(int(self.version()), 0)
+        if loss is not None and math.isfinite(loss):
+            req.loss = float(loss)
+        if learning_rate is not None:
+            req.learning_rate = float(learning_rate)
         self._call(self._stub.report_task_result, req)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:

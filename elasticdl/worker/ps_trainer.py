@@ -71,7 +71,6 @@ class PSTrainer(Trainer):
         with tables_on_ps():
             self.model = model_spec.build_model().to(device)
         self.model.train()
-        self.loss_fn = model_spec.loss
         self.tables = {}
         for name, module in self.model.named_modules():
             if isinstance(module, Embedding):

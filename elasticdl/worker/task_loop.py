@@ -97,6 +97,8 @@ class TaskLoop:
         self.skip_nonfinite_steps = skip_nonfinite_steps
         self.stats = LoopStats()
         self._skipped_in_task = self._records_skipped = 0   # in the current task
+        self._loss_sum: Any = 0.0                             # of the current task
+        self._loss_records = 0
         self._metrics = spec.metrics()
 
     def run(self) -> LoopStats:
@@ -119,6 +121,7 @@ class TaskLoop:
 
     def run_task(self, task: Task) -> None:
         self._skipped_in_task = self._records_skipped = 0
+        self._loss_sum, self._loss_records = 0.0, 0
         counters: dict[str, int] = {}
         try:
             records = self._read(task)
@@ -150,7 +153,9 @@ class TaskLoop:
         if self._skipped_in_task:
             counters["nonfinite_steps_skipped"] = self._skipped_in_task
             counters["records_skipped"] = self._records_skipped
-        self.source.report_task(task, counters=counters or None)
+        loss = float(self._loss_sum) / self._loss_records if self._loss_records else None
+        lr = self.trainer.last_lr if task.type == TaskType.TRAINING else None
+        self.source.report_task(task, counters=counters or None, loss=loss, learning_rate=lr)
         self.stats.tasks += 1
         for cb in self.after_task:
             cb(task)
@@ -165,7 +170,7 @@ class TaskLoop:
         mode = MODES[task.type]
         for k in range(minibatch_count(len(records), self.minibatch_size)):
             s = minibatch_slice(k, len(records), self.minibatch_size)
-            features, labels = feed_records(self.spec.feed, records[s], mode, task.shard_name,
+            features, labels = feed_records(self.spec.feed_batch, records[s], mode, task.shard_name,
                                             task.start + s.start)
             yield s.stop, features, labels
 
@@ -192,6 +197,8 @@ class TaskLoop:
                                self.stats.nonfinite_skipped)
                 continue
             self.stats.steps += 1
+            self._loss_sum += loss.detach() * size  # a tensor: no device sync per step
+            self._loss_records += size
             for cb in self.after_train_step:
                 cb(task, done, loss)
         self.stats.train_records += len(records)

@@ -29,10 +29,13 @@ class TaskSource(ABC):
 
     @abstractmethod
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None) -> None:
+                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None,
+                    loss: Optional[float] = None, learning_rate: Optional[float] = None
+                    ) -> None:
         """Report a task done (empty ``error``) or failed, with ``counters`` such as
         ``records_applied`` (what the PS applied of it) or ``nonfinite_steps_skipped``,
-        and the worker's model version after it."""
+        the worker's model version after it and, for a training task, the mean loss
+        of its steps and the learning rate its last step was applied with."""
 
     @abstractmethod
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
@@ -65,10 +68,13 @@ class LocalTaskSource(TaskSource):
         return self.core.get(self.worker_id, task_type)
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None) -> None:
+                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None,
+                    loss: Optional[float] = None, learning_rate: Optional[float] = None
+                    ) -> None:
         version = self.version() if self.version is not None else None
         self.core.report_task(task.task_id, self.worker_id, not error, error, traceback,
-                              fatal, counters=counters, model_version=version)
+                              fatal, counters=counters, model_version=version, loss=loss,
+                              learning_rate=learning_rate)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
         self.core.report_evaluation(task.task_id, task.model_version, metrics)

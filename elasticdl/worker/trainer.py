@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -111,12 +110,12 @@ class Trainer(ABC):
     device: torch.device
     model_version: int
     spec: ModelSpec
-    loss_fn: Callable[..., torch.Tensor]
+    last_lr: Optional[float] = None   # the learning rate the last step was applied with
 
     def compute_loss(self, features: Any, labels: Any) -> torch.Tensor:
         """Forward pass and the module's loss; the loss must be a scalar tensor."""
         outputs = call_model(self.model, to_device(features, self.device))
-        loss = self.loss_fn(to_device(labels, self.device), outputs)
+        loss = self.spec.compute_loss(to_device(labels, self.device), outputs, self.model)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
                                  f"tensor, got {getattr(loss, 'shape', type(loss))}")
@@ -160,11 +159,7 @@ class LocalTrainer(Trainer):
         self.device = device
         self.model = (model if model is not None else spec.build_model()).to(device)
         self.model.train()
-        self.optimizer = spec.optimizer(self.model.parameters())
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise ModelSpecError(f"optimizer in {spec.module_path} returned "
-                                 f"{type(self.optimizer).__name__}, not a torch.optim.Optimizer")
-        self.loss_fn: Callable[..., torch.Tensor] = spec.loss
+        self.optimizer = spec.make_optimizer(self.model.named_parameters())
         self.model_version = 0
 
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
@@ -172,6 +167,7 @@ class LocalTrainer(Trainer):
         loss = self.compute_loss(features, labels)
         loss.backward()
         check_finite_grads(self.model.named_parameters())
+        self.last_lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.model_version += 1
         return loss.detach()
