@@ -72,6 +72,8 @@ class JobSpec:
     prediction_data: str = _f("", "File or directory of records to predict", "data")
     data_reader_params: str = _f("", 'Reader options: "sep=|;header=true"', "data")
     minibatch_size: int = _f(64, "Records per minibatch", "data", min=1)
+    eval_minibatch_size: int = _f(0, "Records per minibatch in evaluation and prediction "
+                                  "(0: --minibatch_size)", "data", min=0)
     num_minibatches_per_task: int = _f(8, "Minibatches per task (a task is the unit of "
                                        "data sharding)", "data", min=1)
     num_epochs: int = _f(1, "Passes over the training data", "data", min=1)
@@ -118,6 +120,12 @@ class JobSpec:
                                          "distribution", min=0)
     max_task_retries: int = _f(3, "Attempts of one task before the job fails",
                                "distribution", min=1)
+    clip_grad_norm: float = _f(0.0, "Clip gradients to this global L2 norm over all "
+                               "parameters and embedding rows of a step (0: off); correct "
+                               "across PS shards and allreduce members", "training", min=0)
+    amp: str = _f("off", "Mixed precision: off, bf16 (autocast; CPU or CUDA) or fp16 "
+                  "(CUDA autocast with a GradScaler)", "training",
+                  choices=("off", "bf16", "fp16"))
     skip_nonfinite_steps: bool = _f(False, "Skip (and count in the report) a step whose "
                                     "loss or gradient is NaN/Inf instead of failing its task",
                                     "training")
