@@ -125,10 +125,14 @@ class ModelSpec:
         if self.eval_metrics_fn is None:
             return {}
         metrics = self.call(self.eval_metrics_fn)
-        if not isinstance(metrics, dict) or not all(callable(m) for m in metrics.values()):
+        from elasticdl.api.metrics import is_stateful
+
+        if not isinstance(metrics, dict) or \
+                not all(callable(m) or is_stateful(m) for m in metrics.values()):
             raise ModelSpecError(
                 f"eval_metrics_fn in {self.module_path} must return a dict of "
-                f"name -> callable(labels, outputs), got {metrics!r}"
+                f"name -> callable(labels, outputs) or stateful metric "
+                f"(elasticdl.api.metrics), got {metrics!r}"
             )
         return metrics
 

@@ -6,7 +6,7 @@ Shared by the master's job core, the wire conversions and the workers; no torch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class TaskType(enum.IntEnum):
@@ -17,6 +17,9 @@ class TaskType(enum.IntEnum):
     EVALUATION = 2
     PREDICTION = 3
     WAIT = 4
+    # merge the stateful metric states of a model version's evaluation tasks and
+    # report the exact global values (see elasticdl.master.evaluation)
+    EVALUATION_FINALIZE = 6
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,9 @@ class Task:
     end: int
     epoch: int = 0
     model_version: int = -1
+    # EVALUATION_FINALIZE only: the serialised metric states of each evaluation
+    # task of ``model_version`` (attached when the task is handed out, never stored)
+    metric_states: tuple[bytes, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def num_records(self) -> int:

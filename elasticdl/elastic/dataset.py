@@ -162,7 +162,8 @@ class ElasticDataset:
                 if len(self._queue[-1].confirmed) == n:
                     self._report(self._queue.pop())
                 continue
-            if task.type in (TaskType.EVALUATION, TaskType.PREDICTION):
+            if task.type in (TaskType.EVALUATION, TaskType.PREDICTION,
+                             TaskType.EVALUATION_FINALIZE):
                 if self.run_other_task is None:
                     raise RuntimeError(f"no handler for {task.type.name} task {task.task_id}")
                 self.run_other_task(task)

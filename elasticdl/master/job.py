@@ -32,6 +32,7 @@ accepted and never move the job's version back.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import threading
@@ -219,11 +220,25 @@ class JobCore(Journaled):
                       version=model_version, loss=loss, lr=learning_rate)
 
     def report_evaluation(self, task_id: int, model_version: int,
-                          metrics: Sequence[Metric]) -> None:
+                          metrics: Sequence[Metric], states: bytes = b"") -> None:
+        """One evaluation task's metrics and serialised metric states, or a finalize
+        task's merged values (see :mod:`elasticdl.master.evaluation`). Raises
+        MetricStateError (nothing recorded) for states beyond the bounds."""
         with self._lock:
-            self.aggregator.add(model_version, task_id, metrics)
+            task, _ = self.tm.held_task(task_id)
+            if task is not None and task.type == TaskType.EVALUATION_FINALIZE:
+                self.aggregator.add_final(model_version, metrics)
+            else:
+                self.aggregator.add(model_version, task_id, metrics, states)
+            fields: dict[str, Any] = {}
+            if states:
+                fields["states"] = base64.b64encode(states).decode("ascii")
             self._log("metrics", task=task_id, version=model_version,
-                      metrics=[list(m) for m in metrics])
+                      metrics=[list(m) for m in metrics], **fields)
+
+    def evaluation_states(self, model_version: int) -> tuple[bytes, ...]:
+        """The metric states a finalize task of ``model_version`` merges."""
+        return self.aggregator.states_for(model_version)
 
     def worker_reported(self, worker_id: int, message: str, traceback: str) -> None:
         """A worker's own report of its failure (the job's root cause candidate)."""
@@ -310,6 +325,10 @@ class JobCore(Journaled):
         running = self._running
         if running is None or running["version"] != version:
             return  # evaluation tasks queued on the task manager directly (tests, tools)
+        if self.aggregator.needs_finalize(version):
+            # stateful metrics: one more task merges the states on a worker
+            self.tm.create_finalize_task(version)
+            return
         metrics = self.aggregator.complete(version)
         self.report.add_evaluation(version, metrics, running["reasons"], running["epoch"])
         self._last_evaluated = version

@@ -9,6 +9,7 @@ master did.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import threading
@@ -67,7 +68,8 @@ class Journaled:
                         learning_rate: Optional[float] = None) -> None:
             ...
 
-        def report_evaluation(self, task_id: int, model_version: int, metrics: Any) -> None:
+        def report_evaluation(self, task_id: int, model_version: int, metrics: Any,
+                              states: bytes = b"") -> None:
             ...
 
         def on_version(self, worker_id: int, version: int) -> None:
@@ -198,7 +200,8 @@ class Journaled:
                                  rec.get("loss"), rec.get("lr"))
             elif op == "metrics":
                 self.report_evaluation(rec["task"], rec["version"],
-                                       [tuple(m) for m in rec["metrics"]])  # type: ignore
+                                       [tuple(m) for m in rec["metrics"]],  # type: ignore
+                                       base64.b64decode(rec.get("states", "")))
             elif op == "version":
                 self.on_version(rec["w"], rec["version"])
             elif op == "begin":

@@ -20,6 +20,7 @@ from elasticdl.common import auth
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
 from elasticdl.common.task import TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
+from elasticdl.master.evaluation import MetricStateError
 from elasticdl.master.job import JobCore, VersionError
 from elasticdl.master.rendezvous import MemberConflict, RendezvousHandler
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -137,6 +138,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         wanted = None if request.task_type == pb.NONE else TaskType(request.task_type)
         task = self.core.get(worker_id, wanted, request_id=request.request_id)
         msg = task_to_proto(task)
+        if task.type == TaskType.EVALUATION_FINALIZE:
+            msg.metric_states.extend(self.core.evaluation_states(task.model_version))
         if task.type == TaskType.NONE and self.core.claim_export(worker_id):
             msg.extended_config["export_model"] = "true"
         return msg
@@ -193,12 +196,16 @@ class MasterServicer(pb_grpc.MasterServicer):
         if worker_id not in holders:
             raise _Denied(f"worker {worker_id} does not hold task {request.task_id} "
                           f"(held by {sorted(holders)})")
-        if task.type != TaskType.EVALUATION:
+        if task.type not in (TaskType.EVALUATION, TaskType.EVALUATION_FINALIZE):
             raise _Invalid(f"task {request.task_id} is not an evaluation task")
         if request.model_version != task.model_version:
             raise _Invalid(f"metrics for model version {request.model_version}, but task "
                            f"{request.task_id} evaluates version {task.model_version}")
-        self.core.report_evaluation(request.task_id, request.model_version, metrics)
+        try:
+            self.core.report_evaluation(request.task_id, request.model_version, metrics,
+                                        request.metric_states)
+        except MetricStateError as e:
+            raise _Invalid(str(e)) from e
         return pb.Empty()
 
     @_validated

@@ -173,6 +173,14 @@ class TaskManager:
                         len(job.remaining))
             return True
 
+    def create_finalize_task(self, model_version: int) -> None:
+        """Queue the task that merges the version's stateful metric states; the
+        version's evaluation is done once it is."""
+        with self._lock:
+            task = self._new_task(TaskType.EVALUATION_FINALIZE, "", 0, 0, -1, model_version)
+            self._eval_jobs[model_version].remaining.add(task.task_id)
+            self._eval_todo.append(task)
+
     # ------------------------------------------------------------ dispatch
     def get(self, worker_id: int, task_type: Optional[TaskType] = None,
             request_id: int = 0) -> Task:
@@ -331,7 +339,7 @@ class TaskManager:
             if self._epoch_open_tasks[task.epoch] == 0:
                 logger.info("epoch %d done: %d records", task.epoch, led.records_completed)
                 return task.epoch, None
-        elif task.type == TaskType.EVALUATION:
+        elif task.type in (TaskType.EVALUATION, TaskType.EVALUATION_FINALIZE):
             self.evaluation_records_completed += task.num_records
             job = self._eval_jobs.get(task.model_version)
             if job is not None:
@@ -357,7 +365,7 @@ class TaskManager:
 
     def _requeue(self, task: Task, redone: Optional[int] = None) -> None:
         self._ledger_for(task).records_redone += task.num_records if redone is None else redone
-        if task.type == TaskType.EVALUATION:
+        if task.type in (TaskType.EVALUATION, TaskType.EVALUATION_FINALIZE):
             self._eval_todo.appendleft(task)
         else:
             self._todo.appendleft(task)

@@ -214,7 +214,7 @@ class AllreduceTrainer(Trainer):
         self._on_step = list(on_step)
         loop = TaskLoop(source, self, self.spec, readers, self.job_spec.minibatch_size,
                         worker_id=self.worker_id, prediction_sink=prediction_sink,
-                        wait_s=wait_s)
+                        wait_s=wait_s, eval_minibatch_size=self.job_spec.eval_minibatch_size)
 
         def read(task: Task) -> Sequence[Any]:
             # bad data is fatal (retrying cannot help): the master fails the job at

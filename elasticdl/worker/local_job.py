@@ -99,7 +99,8 @@ class LocalJob:
         loop = TaskLoop(self.source, self.trainer, self.model_spec,
                         self.readers, spec.minibatch_size, prediction_sink=sink,
                         after_train_step=[self._after_train_step], after_task=[self._after_task],
-                        skip_nonfinite_steps=spec.skip_nonfinite_steps)
+                        skip_nonfinite_steps=spec.skip_nonfinite_steps,
+                        eval_minibatch_size=spec.eval_minibatch_size)
         if spec.job_type == JobType.TRAIN:
             self.progress = Progress(tm.training_records_left(), "training")
         logger.info("job %s: %s on %s, output in %s", spec.job_name, spec.job_type,

@@ -97,10 +97,12 @@ class MasterClient(TaskSource):
             req.learning_rate = float(learning_rate)
         self._call(self._stub.report_task_result, req)
 
-    def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
+    def report_evaluation(self, task: Task, metrics: Sequence[Metric],
+                          states: bytes = b"") -> None:
         self._call(self._stub.report_evaluation_metrics, pb.ReportEvaluationMetricsRequest(
             worker_id=self.worker_id, task_id=task.task_id, model_version=task.model_version,
-            metrics=[pb.MetricValue(name=n, value=v, weight=w) for n, v, w in metrics]))
+            metrics=[pb.MetricValue(name=n, value=v, weight=w) for n, v, w in metrics],
+            metric_states=states))
 
     def report_version(self, version: int) -> None:
         self._call(self._stub.report_version, pb.ReportVersionRequest(

@@ -159,7 +159,8 @@ class TaskLoopRuntime(WorkerRuntime):
                         self.job_spec.minibatch_size, worker_id=self.worker_id,
                         prediction_sink=sink,
                         skip_nonfinite_steps=self.job_spec.skip_nonfinite_steps,
-                        after_train_step=after)
+                        after_train_step=after,
+                        eval_minibatch_size=self.job_spec.eval_minibatch_size)
         return loop.run()
 
 

@@ -21,6 +21,7 @@ import torch
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader, MalformedRecordError
+from elasticdl.worker.eval_metrics import EvalMetrics
 from elasticdl.worker.poller import DEFAULT_MAX_WAIT_S, TaskPoller, minibatch_count, minibatch_slice
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_source import Metric, TaskSource
@@ -29,7 +30,7 @@ from elasticdl.worker.trainer import NonFiniteError, Trainer, batch_size_of, to_
 logger = logging.getLogger(__name__)
 
 MODES = {TaskType.TRAINING: "training", TaskType.EVALUATION: "evaluation",
-         TaskType.PREDICTION: "prediction"}
+         TaskType.PREDICTION: "prediction", TaskType.EVALUATION_FINALIZE: "evaluation"}
 
 StepCallback = Callable[[Task, int, torch.Tensor], None]
 
@@ -74,6 +75,8 @@ class TaskLoop:
             triggers).
         wait_s / max_wait_s: polling interval while the master says WAIT, and
             how long in total a worker may be told to wait before giving up.
+        eval_minibatch_size: records per minibatch of evaluation and prediction
+            tasks (0: ``minibatch_size``).
     """
 
     def __init__(self, source: TaskSource, trainer: Trainer, spec: ModelSpec,
@@ -82,12 +85,13 @@ class TaskLoop:
                  after_train_step: Sequence[StepCallback] = (),
                  after_task: Sequence[Callable[[Task], None]] = (),
                  wait_s: float = 0.2, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-                 skip_nonfinite_steps: bool = False):
+                 skip_nonfinite_steps: bool = False, eval_minibatch_size: int = 0):
         self.source = source
         self.trainer = trainer
         self.spec = spec
         self.readers = readers
         self.minibatch_size = minibatch_size
+        self.eval_minibatch_size = eval_minibatch_size or minibatch_size
         self.worker_id = worker_id
         self.prediction_sink = prediction_sink
         self.after_train_step = list(after_train_step)
@@ -99,7 +103,7 @@ class TaskLoop:
         self._skipped_in_task = self._records_skipped = 0   # in the current task
         self._loss_sum: Any = 0.0                             # of the current task
         self._loss_records = 0
-        self._metrics = spec.metrics()
+        self._metrics = EvalMetrics(spec.metrics(), getattr(trainer, "device", "cpu"))
 
     def run(self) -> LoopStats:
         """Run tasks until the source has none left.
@@ -129,7 +133,9 @@ class TaskLoop:
                 self._train(task, records)
                 counters = self.trainer.finish_task(task)  # e.g. what the PS applied
             elif task.type == TaskType.EVALUATION:
-                self.source.report_evaluation(task, self._evaluate(task, records))
+                self.source.report_evaluation(task, *self._evaluate(task, records))
+            elif task.type == TaskType.EVALUATION_FINALIZE:
+                self.source.report_evaluation(task, self._metrics.finalize(task.metric_states))
             elif task.type == TaskType.PREDICTION:
                 self._predict(task, records)
             else:
@@ -161,6 +167,8 @@ class TaskLoop:
             cb(task)
 
     def _read(self, task: Task) -> list[Any]:
+        if task.type == TaskType.EVALUATION_FINALIZE:
+            return []  # its input are the metric states it carries
         reader = self.readers.get(task.type)
         if reader is None:
             raise DataError(f"no {MODES[task.type]} data configured for task {task.task_id}")
@@ -168,8 +176,10 @@ class TaskLoop:
 
     def _minibatches(self, task: Task, records: Sequence[Any]):
         mode = MODES[task.type]
-        for k in range(minibatch_count(len(records), self.minibatch_size)):
-            s = minibatch_slice(k, len(records), self.minibatch_size)
+        size = self.minibatch_size if task.type == TaskType.TRAINING else \
+            self.eval_minibatch_size
+        for k in range(minibatch_count(len(records), size)):
+            s = minibatch_slice(k, len(records), size)
             features, labels = feed_records(self.spec.feed_batch, records[s], mode, task.shard_name,
                                             task.start + s.start)
             yield s.stop, features, labels
@@ -203,19 +213,16 @@ class TaskLoop:
                 cb(task, done, loss)
         self.stats.train_records += len(records)
 
-    def _evaluate(self, task: Task, records: Sequence[Any]) -> list[Metric]:
-        sums: dict[str, float] = {}
-        count = 0
+    def _evaluate(self, task: Task, records: Sequence[Any]) -> tuple[list[Metric], bytes]:
+        """The task's plain metrics and its stateful metrics' serialised states."""
+        self._metrics.begin_task()
         for _, features, labels in self._minibatches(task, records):
             outputs = self.trainer.forward(features)
             n = batch_size_of(labels, features)
             labels = to_device(labels, self.trainer.device)
-            for name, fn in self._metrics.items():
-                value = fn(labels, outputs)
-                sums[name] = sums.get(name, 0.0) + float(value) * n
-            count += n
+            self._metrics.update(labels, outputs, n)
         self.stats.eval_records += len(records)
-        return [(name, total / count, count) for name, total in sums.items()] if count else []
+        return self._metrics.end_task()
 
     def _predict(self, task: Task, records: Sequence[Any]) -> None:
         if self.prediction_sink is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Optional, Union
 
 from elasticdl.common.task import Task, TaskType
@@ -38,8 +39,10 @@ class TaskSource(ABC):
         of its steps and the learning rate its last step was applied with."""
 
     @abstractmethod
-    def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
-        """Report one evaluation task's metrics (before :meth:`report_task`)."""
+    def report_evaluation(self, task: Task, metrics: Sequence[Metric],
+                          states: bytes = b"") -> None:
+        """Report one evaluation task's metrics and its stateful metrics' serialised
+        ``states``, or a finalize task's merged values (before :meth:`report_task`)."""
 
     def report_version(self, version: int) -> None:  # noqa: B027 - optional hook
         """Tell the master the worker's model version (progress; evaluations are
@@ -65,7 +68,10 @@ class LocalTaskSource(TaskSource):
         self.version = version
 
     def get_task(self, task_type: Optional[TaskType] = None) -> Task:
-        return self.core.get(self.worker_id, task_type)
+        task = self.core.get(self.worker_id, task_type)
+        if task.type == TaskType.EVALUATION_FINALIZE:  # as the servicer attaches them
+            task = replace(task, metric_states=self.core.evaluation_states(task.model_version))
+        return task
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
                     fatal: bool = False, counters: Optional[Mapping[str, int]] = None,
@@ -76,8 +82,9 @@ class LocalTaskSource(TaskSource):
                               fatal, counters=counters, model_version=version, loss=loss,
                               learning_rate=learning_rate)
 
-    def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
-        self.core.report_evaluation(task.task_id, task.model_version, metrics)
+    def report_evaluation(self, task: Task, metrics: Sequence[Metric],
+                          states: bytes = b"") -> None:
+        self.core.report_evaluation(task.task_id, task.model_version, metrics, states)
 
     def report_version(self, version: int) -> None:
         self.core.on_version(self.worker_id, version)

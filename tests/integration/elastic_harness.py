@@ -92,9 +92,10 @@ class FakeSource(TaskSource):
         self.tm.report(task.task_id, self.worker_id, not error, error, traceback, fatal,
                        counters=counters)
 
-    def report_evaluation(self, task: Task, metrics: Sequence[Metric]) -> None:
+    def report_evaluation(self, task: Task, metrics: Sequence[Metric],
+                          states: bytes = b"") -> None:
         if self.agg is not None:
-            self.agg.add(task.model_version, task.task_id, list(metrics))
+            self.agg.add(task.model_version, task.task_id, list(metrics), states)
 
 
 class MemoryReader:
