@@ -23,12 +23,14 @@ The protocol (subclass :class:`Metric`)::
     compute() -> float
     reset()
 
-``merge`` must be order-independent: the result may not depend on how the
-records were split into tasks and workers.
+Calling a metric, ``metric(labels, outputs)``, gives its value on that one
+minibatch without touching its state. ``merge`` must be order-independent: the
+result may not depend on how the records were split into tasks and workers.
 """
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -61,6 +63,14 @@ class Metric(ABC):
     @abstractmethod
     def reset(self) -> None:
         """Forget every update and merge."""
+
+    def __call__(self, labels: Any, outputs: Any) -> float:
+        """The metric of this one minibatch alone (the accumulated state is untouched),
+        so a metric also works where a plain ``fn(labels, outputs)`` is expected."""
+        batch = copy.copy(self)
+        batch.reset()
+        batch.update(labels, outputs)
+        return batch.compute()
 
 
 def is_stateful(obj: Any) -> bool:

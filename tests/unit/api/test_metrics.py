@@ -95,6 +95,9 @@ def test_accuracy_and_mean():
     scalar.update(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0]))
     scalar.update(torch.tensor([3.0]), torch.tensor([0.0]))
     assert scalar.compute() == pytest.approx(14 / 3)
+    # called, a metric gives one minibatch's value and keeps its state
+    assert acc(torch.tensor([1, 1]), torch.tensor([0.9, 0.2])) == 0.5
+    assert acc.compute() == pytest.approx(4 / 6)
 
 
 def _tasks(metric_map, y, s, cuts):
