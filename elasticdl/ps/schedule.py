@@ -19,6 +19,7 @@ apply (:meth:`ShardSchedule.scaled`) and restores the scheduled values.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -62,14 +63,21 @@ class ShardSchedule:
         if self.interval == "epoch":
             assert self.schedule is not None
             for _ in range(crossed):
-                self.schedule.scheduler.step()
+                self._step()
             logger.info("PS %d: epoch %d, learning rate %s", self.ps_id, epoch,
                         [g["lr"] for g in self.optimizer.param_groups])
 
     def after_update(self) -> None:
         """An update was applied: a "step" scheduler steps."""
         if self.interval == "step":
-            assert self.schedule is not None
+            self._step()
+
+    def _step(self) -> None:
+        assert self.schedule is not None
+        with warnings.catch_warnings():
+            # a new epoch's first group steps the scheduler before the optimizer
+            # (and a placeholder optimizer never steps): intended here
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*")
             self.schedule.scheduler.step()
 
     @contextmanager
