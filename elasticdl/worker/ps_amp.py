@@ -57,15 +57,21 @@ class LossScaler:
 
 
 class GradNorm:
-    """Per-tensor gradient norms of one step, collected from autograd hooks."""
+    """Per-tensor gradient norms of one step, collected from autograd hooks.
 
-    def __init__(self) -> None:
+    ``float64``: accumulate in double precision, so that the norm is infinite
+    exactly when an element is (what GradScaler checks); in float32 the squares
+    of large finite gradients would overflow. Otherwise float32, as
+    ``clip_grad_norm_`` computes it."""
+
+    def __init__(self, float64: bool = False) -> None:
+        self._dtype = torch.float64 if float64 else None
         self._norms: list[torch.Tensor] = []
         self._rows: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = {}
         self._lock = threading.Lock()
 
     def add_dense(self, grad: torch.Tensor) -> None:
-        norm = torch.linalg.vector_norm(grad.detach(), 2)  # asynchronous on CUDA
+        norm = torch.linalg.vector_norm(grad.detach(), 2, dtype=self._dtype)  # async on CUDA
         with self._lock:
             self._norms.append(norm)
 
@@ -79,7 +85,7 @@ class GradNorm:
         norms = list(self._norms)
         for blocks in self._rows.values():
             if len(blocks) == 1:
-                norms.append(torch.linalg.vector_norm(blocks[0][1], 2))
+                norms.append(torch.linalg.vector_norm(blocks[0][1], 2, dtype=self._dtype))
                 continue
             # one table looked up several times: its rows' gradients add up first
             ids = np.concatenate([b[0] for b in blocks])
@@ -89,7 +95,7 @@ class GradNorm:
                                  device=first.device)
             summed.index_add_(0, torch.from_numpy(inverse.reshape(-1)).to(first.device),
                               torch.cat([b[1] for b in blocks]))
-            norms.append(torch.linalg.vector_norm(summed, 2))
+            norms.append(torch.linalg.vector_norm(summed, 2, dtype=self._dtype))
         if not norms:
             return 0.0
         device = norms[0].device

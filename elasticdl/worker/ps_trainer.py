@@ -271,7 +271,8 @@ class PSTrainer(Trainer):
     def _step(self, features: Any, labels: Any,
               targets: list[int]) -> tuple[torch.Tensor, dict[int, Any]]:
         self.model.zero_grad(set_to_none=True)
-        norm = GradNorm() if self.clip_grad_norm > 0 or self.scaler is not None else None
+        norm = GradNorm(float64=self.scaler is not None) \
+            if self.clip_grad_norm > 0 or self.scaler is not None else None
         session = PushSession(self, targets, self.epoch, norm)
         self._session = session
         try:
