@@ -68,6 +68,14 @@ def lr_scheduler(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
 
 
+def named_optimizer(named_params, lr=0.5):
+    """No weight decay on biases: groups by parameter name."""
+    named = list(named_params)
+    return torch.optim.SGD([
+        {"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.1},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}], lr=lr)
+
+
 def feed(records, mode):
     raise NotImplementedError
 
@@ -171,6 +179,26 @@ def test_epoch_scheduler_follows_the_task_epochs(zoo):
             for shard in cluster.shards:
                 assert shard.schedule.epoch == 2
                 assert shard.schedule.lr() == pytest.approx(0.5 * 0.49)
+        finally:
+            trainer.close()
+
+
+def test_ps_optimizer_gets_the_shards_named_parameters(zoo):
+    spec = load_model_spec(zoo, f"{MODULE}.custom_model", optimizer="named_optimizer")
+    sys.modules[MODULE].INTERVAL = "epoch"
+    with local_ps(2, spec, grads_to_wait=1) as cluster:
+        trainer = _trainer(spec, cluster, _job(grads_to_wait=1))
+        try:
+            trainer.train_minibatch(*_batch(0))
+            for shard in cluster.shards:
+                by_id = {id(p): n for n, p in shard.params.dense.items()}
+                decayed, plain = shard.schedule.optimizer.param_groups
+                names = [sorted(by_id.get(id(p), "placeholder") for p in g["params"])
+                         for g in (decayed, plain)]
+                assert all(not n.endswith("bias") for n in names[0]), names
+                assert all(n.endswith("bias") for n in names[1]), names
+                assert shard.schedule.interval == "epoch"
+                assert sorted(names[0] + names[1]) == sorted(shard.params.dense)
         finally:
             trainer.close()
 
