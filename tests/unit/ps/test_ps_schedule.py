@@ -166,3 +166,16 @@ def test_reduce_on_plateau_is_refused_clearly():
     with pytest.raises(ValueError, match="ReduceLROnPlateau"):
         shard.initialize(0, {"w": W0.clone()}, {}, [])
     assert not shard.initialized
+
+
+def test_rollback_restores_the_checkpointed_schedule(tmp_path):
+    shard = _shard(_steplr, checkpoint_dir=str(tmp_path))
+    for k, e in enumerate([0, 1, 2]):
+        _push(shard, k, e)
+    ps_ckpt.save_shard(shard, str(tmp_path), None, 0)
+    saved = shard.version
+    assert _push(shard, 3, 3).learning_rate == pytest.approx(0.343)  # after the checkpoint
+    shard.rollback(lambda s: ps_ckpt.restore_shard(
+        s, ps_ckpt.version_dir_of(str(tmp_path), saved)), saved + 100)
+    assert shard.schedule.epoch == 2 and shard.schedule.lr() == pytest.approx(0.49)
+    assert _push(shard, 4, 3).learning_rate == pytest.approx(0.343)  # epoch 3 again
