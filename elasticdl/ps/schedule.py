@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
 
 from elasticdl.api.model_spec import LRSchedule
+from elasticdl.ps.embedding_optimizer import RowOptimizer, row_optimizer_for
+from elasticdl.ps.parameters import Parameters
 
 logger = logging.getLogger(__name__)
+
+PLACEHOLDER = "__ps_placeholder__"   # the parameter of a shard without dense ones
 
 
 class ShardSchedule:
@@ -125,3 +129,46 @@ class ShardSchedule:
                            len(lrs), len(groups))
             for g in groups:
                 g["lr"] = lrs[0] if lrs else g["lr"]
+
+
+def build_optimizers(params: Parameters,
+                     make_optimizer: Callable[[list[tuple[str, Any]]], Any],
+                     make_scheduler: Optional[Callable[[Any], Optional[LRSchedule]]],
+                     ps_id: int) -> tuple[Optional[torch.optim.Optimizer],
+                                          Optional[RowOptimizer], ShardSchedule]:
+    """The shard's optimizer over its named trainable parameters (None when it
+    has none), its embedding rows' optimizer and its schedule.
+
+    A shard may hold no dense parameter; the optimizer's hyperparameters and
+    schedule are still needed for the embedding rows: a placeholder then.
+
+    Raises:
+        ValueError: no optimizer or scheduler can be built, or the optimizer has
+            no row-wise version while there are tables (the message names them).
+    """
+    trainable = [(n, p) for n, p in params.dense.items() if p.requires_grad]
+    named = trainable or [(PLACEHOLDER, torch.nn.Parameter(torch.zeros(1)))]
+    try:
+        probe = make_optimizer(named)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"PS {ps_id}: the model's optimizer(params) failed: "
+                         f"{type(e).__name__}: {e}") from e
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise ValueError(f"PS {ps_id}: the model's optimizer(params) returned "
+                         f"{type(probe).__name__}, not a torch.optim.Optimizer")
+    try:
+        schedule = ShardSchedule(probe, make_scheduler(probe) if make_scheduler else None,
+                                 ps_id)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"PS {ps_id}: the model's lr_scheduler(optimizer) failed: "
+                         f"{type(e).__name__}: {e}") from e
+    row_optimizer = None
+    if params.tables:
+        try:
+            row_optimizer = row_optimizer_for(probe)
+        except ValueError as e:
+            raise ValueError(f"embedding table(s) {sorted(params.tables)}: optimizer "
+                             f"{type(probe).__name__} has no row-wise version ({e})") from e
+        for table in params.tables.values():
+            row_optimizer.prepare(table)
+    return (probe if trainable else None), row_optimizer, schedule

@@ -47,21 +47,16 @@ import numpy as np
 import torch
 
 from elasticdl.api.model_spec import LRSchedule, ModelSpec
-from elasticdl.ps.embedding_optimizer import (
-    RowOptimizer,
-    refresh_row_optimizer,
-    row_optimizer_for,
-)
+from elasticdl.ps.embedding_optimizer import RowOptimizer, refresh_row_optimizer
 from elasticdl.ps.ledger import AppliedLedger
 from elasticdl.ps.parameters import Parameters, TableSpec
 from elasticdl.ps.push import GradientPush, Group, PushResult, coalesce, validate
-from elasticdl.ps.schedule import ShardSchedule
+from elasticdl.ps.schedule import ShardSchedule, build_optimizers
 
 logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Optional[LRSchedule]]
-PLACEHOLDER = "__ps_placeholder__"   # the parameter of a shard without dense ones
 
 
 class NotInitializedError(RuntimeError):
@@ -183,33 +178,14 @@ class PSShard:
 
     def _build_optimizers(self, params: Parameters) -> tuple[
             Optional[torch.optim.Optimizer], Optional[RowOptimizer], ShardSchedule]:
-        trainable = [(n, p) for n, p in params.dense.items() if p.requires_grad]
-        # a shard may hold no dense parameter; the optimizer's hyperparameters (and
-        # its schedule) are still needed for the embedding rows: a placeholder then
-        named = trainable or [(PLACEHOLDER, torch.nn.Parameter(torch.zeros(1)))]
-        try:
-            if self._spec is not None:
-                probe = self._spec.make_optimizer(named)
-            else:
-                probe = self._optimizer_factory([p for _, p in named])  # type: ignore[operator]
-            schedule = ShardSchedule(probe, self._scheduler_factory(probe)
-                                     if self._scheduler_factory else None, self.config.ps_id)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"PS {self.config.ps_id}: the model's optimizer(params) or "
-                             f"lr_scheduler(optimizer) failed: {type(e).__name__}: {e}") from e
-        if not isinstance(probe, torch.optim.Optimizer):
-            raise ValueError(f"PS {self.config.ps_id}: the model's optimizer(params) returned "
-                             f"{type(probe).__name__}, not a torch.optim.Optimizer")
-        row_optimizer = None
-        if params.tables:
-            try:
-                row_optimizer = row_optimizer_for(probe)
-            except ValueError as e:
-                raise ValueError(f"embedding table(s) {sorted(params.tables)}: optimizer "
-                                 f"{type(probe).__name__} has no row-wise version ({e})") from e
-            for table in params.tables.values():
-                row_optimizer.prepare(table)
-        return (probe if trainable else None), row_optimizer, schedule
+        spec, factory = self._spec, self._optimizer_factory
+
+        def make(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+            if spec is not None:
+                return spec.make_optimizer(named)
+            return factory([p for _, p in named])  # type: ignore[operator]
+
+        return build_optimizers(params, make, self._scheduler_factory, self.config.ps_id)
 
     def _require_init(self) -> None:
         if self.awaiting_rollback:
