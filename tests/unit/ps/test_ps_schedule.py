@@ -179,3 +179,42 @@ def test_rollback_restores_the_checkpointed_schedule(tmp_path):
         s, ps_ckpt.version_dir_of(str(tmp_path), saved)), saved + 100)
     assert shard.schedule.epoch == 2 and shard.schedule.lr() == pytest.approx(0.49)
     assert _push(shard, 4, 3).learning_rate == pytest.approx(0.343)  # epoch 3 again
+
+
+# ------------------------------------------------- grad_scale / discard pushes
+def test_grad_scale_and_discard_in_a_sync_group():
+    shard = _shard(None, grads_to_wait=2, sync_wait_s=20)
+    out = []
+    t = threading.Thread(target=lambda: out.append(shard.push_gradients(GradientPush(
+        version=0, dense={"w": torch.full((2, 3), float("inf"))}, discard=True,
+        task_id=1, minibatch=1, num_records=4))))
+    t.start()
+    shard.push_gradients(GradientPush(version=0, dense={"w": torch.ones(2, 3)},
+                                      grad_scale=0.25, task_id=2, minibatch=1,
+                                      num_records=4))
+    t.join(20)
+    assert out[0].accepted and shard.version == 1
+    # the discarded push neither adds nor dilutes: w -= lr * 0.25 * 1
+    assert torch.allclose(shard.params.dense["w"], W0 - 0.25)
+    assert {(e[0], e[1]) for e in shard.applied()[1]} == {(1, 1), (2, 1)}  # both counted
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_grad_scale_is_refused(bad):
+    shard = _shard(None)
+    with pytest.raises(ValueError, match="grad_scale"):
+        shard.push_gradients(GradientPush(version=0, dense={"w": torch.ones(2, 3)},
+                                          grad_scale=bad))
+    assert torch.equal(shard.params.dense["w"], W0)
+
+
+def test_new_push_fields_survive_the_hand_written_chunk_parser():
+    from elasticdl.common import chunk_wire
+    from elasticdl.proto import elasticdl_pb2 as pb
+
+    msg = pb.GradientChunk(version=5, epoch=3, grad_scale=0.375, discard=True, task_id=2)
+    view = chunk_wire.parse_gradient_chunk(msg.SerializeToString())
+    assert (view.version, view.epoch, view.grad_scale, view.discard, view.task_id) == \
+        (5, 3, 0.375, True, 2)
+    raw = chunk_wire.gradient_chunk_bytes([b""], version=1, epoch=7)
+    assert pb.GradientChunk.FromString(raw).epoch == 7
