@@ -6,7 +6,9 @@ Layout (shared with :mod:`elasticdl.checkpoint.single`)::
     checkpoint_dir/version-N/trained-ps-<i>-of-<n>.json   its data position
     checkpoint_dir/version-N/DONE               once all n shards are there
 
-Each PS writes its own file; after writing, a PS that sees all ``n`` files
+Each file holds the shard's parameters, optimizer state, learning-rate
+schedule (scheduler state and the epoch it is at) and ledger. Each PS writes
+its own file; after writing, a PS that sees all ``n`` files
 marks the version done (whichever finishes last; marking twice is harmless)
 and applies retention. A restore reads every shard of the newest complete
 version and keeps what the restoring PS owns under the *new* placement
@@ -146,8 +148,11 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
     # the ledger says which pushes these parameters contain; with a different
     # number of PS a push is in the restored state only if every old shard has it
     ledger = shards[cfg.ps_id].get("ledger") if same_layout else _common_ledger(shards)
+    # the learning-rate schedule (and the epoch it is at) is the same on every PS
+    schedule = shards[cfg.ps_id if same_layout else 0].get("lr_schedule")
     if not shard.initialize(version, dense, buffers, [t["spec"] for t in tables.values()],
-                            optimizer_state=opt_state, ledger=ledger):
+                            optimizer_state=opt_state, ledger=ledger,
+                            lr_schedule_state=schedule):
         raise ckpt.CheckpointError(f"PS {cfg.ps_id} is already initialised; cannot restore "
                                    f"{version_dir}")
     with shard.lock:

@@ -7,7 +7,8 @@ equals the dense torch optimizer's on those rows (tested to 1e-6).
 
 :func:`row_optimizer_for` maps the optimizer the model module's
 ``optimizer(params)`` returns to its row-wise counterpart, reading the
-hyperparameters from its first ``param_group``.
+hyperparameters from its first ``param_group``; :func:`refresh_row_optimizer`
+reads them again before every apply, so learning-rate schedules reach the rows.
 """
 
 from __future__ import annotations
@@ -168,6 +169,39 @@ def _hyper(group: dict, name: str, default: object) -> object:
     return value
 
 
+def _row_kwargs(optimizer: torch.optim.Optimizer) -> tuple[type[RowOptimizer], dict]:
+    """The row-wise class matching ``optimizer`` and its hyperparameters, read
+    from the optimizer's first ``param_group`` as they are now."""
+    g = optimizer.param_groups[0]
+    lr = float(_hyper(g, "lr", 1e-3))  # type: ignore[arg-type]
+    maximize = bool(_hyper(g, "maximize", False))
+    wd = float(_hyper(g, "weight_decay", 0.0))  # type: ignore[arg-type]
+    if isinstance(optimizer, torch.optim.SGD):
+        return RowSGD, dict(lr=lr, momentum=float(_hyper(g, "momentum", 0.0)),  # type: ignore[arg-type]
+                            dampening=float(_hyper(g, "dampening", 0.0)),  # type: ignore[arg-type]
+                            weight_decay=wd, nesterov=bool(_hyper(g, "nesterov", False)),
+                            maximize=maximize)
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return RowAdagrad, dict(
+            lr=lr, lr_decay=float(_hyper(g, "lr_decay", 0.0)),  # type: ignore[arg-type]
+            weight_decay=wd,
+            initial_accumulator_value=float(
+                _hyper(g, "initial_accumulator_value", 0.0)),  # type: ignore[arg-type]
+            eps=float(_hyper(g, "eps", 1e-10)),  # type: ignore[arg-type]
+            maximize=maximize)
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        betas = tuple(float(b.item() if isinstance(b, torch.Tensor) else b)
+                      for b in g.get("betas", (0.9, 0.999)))
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+            g.get("decoupled_weight_decay", False))
+        return RowAdam, dict(lr=lr, betas=(betas[0], betas[1]),
+                             eps=float(_hyper(g, "eps", 1e-8)),  # type: ignore[arg-type]
+                             weight_decay=wd, amsgrad=bool(_hyper(g, "amsgrad", False)),
+                             maximize=maximize, decoupled=decoupled)
+    raise ValueError(f"embedding tables support SGD (with momentum), Adagrad, Adam and AdamW; "
+                     f"the model's optimizer is {type(optimizer).__name__}")
+
+
 def row_optimizer_for(optimizer: torch.optim.Optimizer) -> RowOptimizer:
     """The row-wise counterpart of a torch optimizer, with its hyperparameters.
 
@@ -175,32 +209,19 @@ def row_optimizer_for(optimizer: torch.optim.Optimizer) -> RowOptimizer:
         ValueError: optimizers other than SGD (with or without momentum),
             Adagrad, Adam and AdamW have no row-wise version.
     """
-    g = optimizer.param_groups[0]
-    lr = float(_hyper(g, "lr", 1e-3))  # type: ignore[arg-type]
-    maximize = bool(_hyper(g, "maximize", False))
-    wd = float(_hyper(g, "weight_decay", 0.0))  # type: ignore[arg-type]
-    if isinstance(optimizer, torch.optim.SGD):
-        return RowSGD(lr, momentum=float(_hyper(g, "momentum", 0.0)),  # type: ignore[arg-type]
-                      dampening=float(_hyper(g, "dampening", 0.0)),  # type: ignore[arg-type]
-                      weight_decay=wd, nesterov=bool(_hyper(g, "nesterov", False)),
-                      maximize=maximize)
-    if isinstance(optimizer, torch.optim.Adagrad):
-        return RowAdagrad(lr, lr_decay=float(_hyper(g, "lr_decay", 0.0)),  # type: ignore[arg-type]
-                          weight_decay=wd,
-                          initial_accumulator_value=float(
-                              _hyper(g, "initial_accumulator_value", 0.0)),  # type: ignore[arg-type]
-                          eps=float(_hyper(g, "eps", 1e-10)),  # type: ignore[arg-type]
-                          maximize=maximize)
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        betas = tuple(float(b) for b in g.get("betas", (0.9, 0.999)))
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
-            g.get("decoupled_weight_decay", False))
-        return RowAdam(lr, betas=(betas[0], betas[1]),
-                       eps=float(_hyper(g, "eps", 1e-8)),  # type: ignore[arg-type]
-                       weight_decay=wd, amsgrad=bool(_hyper(g, "amsgrad", False)),
-                       maximize=maximize, decoupled=decoupled)
-    raise ValueError(f"embedding tables support SGD (with momentum), Adagrad, Adam and AdamW; "
-                     f"the model's optimizer is {type(optimizer).__name__}")
+    cls, kwargs = _row_kwargs(optimizer)
+    return cls(**kwargs)
+
+
+def refresh_row_optimizer(row: RowOptimizer, optimizer: torch.optim.Optimizer) -> None:
+    """Take ``optimizer``'s current hyperparameters (first param group) into ``row``:
+    a learning-rate scheduler (or one that cycles momentum/betas) reaches the
+    embedding rows at every apply. The per-row state is in the tables, not here."""
+    cls, kwargs = _row_kwargs(optimizer)
+    if cls is not type(row):
+        raise ValueError(f"optimizer {type(optimizer).__name__} no longer matches the row "
+                         f"optimizer {type(row).__name__}")
+    row.__init__(**kwargs)  # type: ignore[misc]
 
 
 def check_finite_lr(lr: float) -> float:

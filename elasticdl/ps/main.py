@@ -121,7 +121,7 @@ def restore_source(args: PSArgs) -> Optional[str]:
 
 def build_shard(args: PSArgs) -> PSShard:
     model_spec = load_from_job_spec(args.job_spec)
-    shard = PSShard(shard_config(args), model_spec.optimizer, on_version=checkpoint_every_n)
+    shard = PSShard(shard_config(args), model_spec, on_version=checkpoint_every_n)
     source = restore_source(args)
     if source:
         ps_ckpt.restore_shard(shard, source)

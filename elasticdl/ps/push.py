@@ -22,7 +22,10 @@ class GradientPush:
     """One worker's gradients for this shard (already decoded). Dense gradients
     may be read-only views of received bytes: the shard never writes into them.
 
-    ``minibatch`` is 1-based; 0 means the push carries no identity."""
+    ``minibatch`` is 1-based; 0 means the push carries no identity.
+    ``grad_scale`` multiplies the gradients before aggregation (the worker's
+    global-norm clip coefficient / fp16 loss scale); a ``discard`` push (an
+    overflowed fp16 step) counts, with its identity, but applies nothing."""
 
     version: int
     worker_id: int = 0
@@ -33,6 +36,9 @@ class GradientPush:
     task_id: int = 0
     minibatch: int = 0
     num_records: int = 0
+    epoch: int = 0
+    grad_scale: float = 1.0
+    discard: bool = False
 
     @property
     def identity(self) -> Optional[tuple[int, int]]:
@@ -44,6 +50,7 @@ class PushResult:
     accepted: bool
     version: int
     duplicate: bool = False
+    learning_rate: float = 0.0   # first param group's lr the push's group was applied with
 
 
 @dataclass
@@ -63,15 +70,26 @@ class Group:
     done: bool = False
     dropped: bool = False  # discarded by a rollback: its pushes were not applied
     owned: set[str] = field(default_factory=set)  # dense sums that are our own tensors
+    epoch: int = 0              # the newest epoch of its pushes
+    learning_rate: float = 0.0  # set when applied
 
     def add(self, push: GradientPush) -> None:
-        """Add a push, weighted by its records relative to the group's first."""
+        """Add a push, weighted by its records relative to the group's first
+        (times its ``grad_scale``); a discarded push adds only its identity."""
         g = self
-        weight = float(push.num_records or 1)
         if g.count == 0:
-            g.weight0 = weight
             g.started = time.monotonic()
-        rel = weight / g.weight0
+        g.count += 1
+        g.workers.add(push.worker_id)
+        g.epoch = max(g.epoch, push.epoch)
+        if push.identity is not None:
+            g.identities[push.identity] = push.num_records
+        if push.discard:
+            return
+        weight = float(push.num_records or 1)
+        if g.total == 0:
+            g.weight0 = weight
+        rel = weight / g.weight0 * push.grad_scale
         for name, grad in push.dense.items():
             acc = g.dense.get(name)
             if acc is None:
@@ -86,11 +104,7 @@ class Group:
                 acc.add_(grad, alpha=rel)
         for table, ids, grad in push.sparse:
             g.sparse.setdefault(table, []).append((ids, grad, rel))
-        g.count += 1
         g.total += weight
-        g.workers.add(push.worker_id)
-        if push.identity is not None:
-            g.identities[push.identity] = push.num_records
 
 
 def validate(params: Parameters, push: GradientPush) -> None:
@@ -105,9 +119,11 @@ def validate(params: Parameters, push: GradientPush) -> None:
         raise ValueError(f"push sets learning_rate={push.learning_rate}: the learning "
                          "rate is the optimizer's (the model's optimizer()); a client "
                          "may not change it")
-    if push.minibatch < 0 or push.num_records < 0:
-        raise ValueError(f"minibatch ({push.minibatch}) and num_records "
-                         f"({push.num_records}) must be >= 0")
+    if push.minibatch < 0 or push.num_records < 0 or push.epoch < 0:
+        raise ValueError(f"minibatch ({push.minibatch}), num_records "
+                         f"({push.num_records}) and epoch ({push.epoch}) must be >= 0")
+    if not (math.isfinite(push.grad_scale) and push.grad_scale > 0):
+        raise ValueError(f"grad_scale must be a finite number > 0, got {push.grad_scale}")
     for name, grad in push.dense.items():
         param = p.dense.get(name)
         if param is None:

@@ -99,7 +99,8 @@ def check_push_header(version: int, worker_id: int, learning_rate: float,
 
 def _push_response(result: PushResult) -> pb.PushGradientsResponse:
     return pb.PushGradientsResponse(accepted=result.accepted, version=result.version,
-                                    duplicate=result.duplicate)
+                                    duplicate=result.duplicate,
+                                    learning_rate=result.learning_rate)
 
 
 def _ids_of(ids: Any, id_tensor: pb.Tensor, has_tensor: bool, what: str) -> np.ndarray:
@@ -236,7 +237,9 @@ class PServicer(pb_grpc.PServerServicer):
             return pb.PushGradientsResponse(accepted=False, version=self.shard.version)
         push = GradientPush(version=request.version, worker_id=request.worker_id,
                             learning_rate=request.learning_rate, task_id=request.task_id,
-                            minibatch=request.minibatch, num_records=request.num_records)
+                            minibatch=request.minibatch, num_records=request.num_records,
+                            epoch=request.epoch, grad_scale=request.grad_scale or 1.0,
+                            discard=request.discard)
         for msg in request.dense:
             if msg.name in push.dense:
                 raise ValueError(f"gradient of {msg.name!r} given twice")
@@ -262,7 +265,11 @@ class PServicer(pb_grpc.PServerServicer):
                     return pb.PushGradientsResponse(accepted=False, version=shard.version)
                 push = GradientPush(version=msg.version, worker_id=msg.worker_id,
                                     learning_rate=msg.learning_rate, task_id=msg.task_id,
-                                    minibatch=msg.minibatch, num_records=msg.num_records)
+                                    minibatch=msg.minibatch, num_records=msg.num_records,
+                                    epoch=msg.epoch)
+            if msg.grad_scale:  # the worker knows it once backward is done: any message
+                push.grad_scale = msg.grad_scale
+            push.discard = push.discard or msg.discard
             if msg.dense is not None:
                 whole = codec.whole_chunk_view(msg.dense, expected)  # no copy
                 done = msg.dense.name if whole is not None else assembler.add(msg.dense)

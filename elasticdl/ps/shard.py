@@ -17,8 +17,8 @@ them with the model module's optimizer:
   applied as it is - never dropped - and later pushes are applied at once
   until two different workers push again.
 * **async** (``use_async``): every push is applied at once; with
-  ``lr_staleness_modulation`` the learning rate is divided by the staleness
-  ``version - push.version`` (when > 1).
+  ``lr_staleness_modulation`` the scheduled learning rates are divided by the
+  staleness ``version - push.version`` (when > 1) for that one apply.
 
 Exactly once: a push's identity ``(task_id, minibatch)`` is applied at most
 once (:mod:`~elasticdl.ps.ledger`); a repeat is answered ``duplicate``.
@@ -26,8 +26,12 @@ Gradients must be finite, and the learning rate is the optimizer's: a push
 that tries to set it is rejected.
 
 Dense parameters use any ``torch.optim`` optimizer built by the model's
-``optimizer(params)`` over this shard's parameters; embedding rows use the
-matching :mod:`row optimizer <elasticdl.ps.embedding_optimizer>`.
+``optimizer(named_params)`` over this shard's (named) parameters, stepped by
+the model's ``lr_scheduler`` (:mod:`~elasticdl.ps.schedule`); embedding rows
+use the matching :mod:`row optimizer <elasticdl.ps.embedding_optimizer>`,
+which reads the optimizer's current hyperparameters at every apply. Each
+push's gradients are multiplied by its ``grad_scale`` (the worker's
+global-norm clip coefficient) before aggregation.
 """
 
 from __future__ import annotations
@@ -37,19 +41,22 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
-from elasticdl.ps.embedding_optimizer import RowOptimizer, row_optimizer_for
+from elasticdl.api.model_spec import LRSchedule, ModelSpec
+from elasticdl.ps.embedding_optimizer import RowOptimizer, refresh_row_optimizer
 from elasticdl.ps.ledger import AppliedLedger
 from elasticdl.ps.parameters import Parameters, TableSpec
 from elasticdl.ps.push import GradientPush, Group, PushResult, coalesce, validate
+from elasticdl.ps.schedule import ShardSchedule, build_optimizers
 
 logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Optional[LRSchedule]]
 
 
 class NotInitializedError(RuntimeError):
@@ -94,13 +101,22 @@ class PSShard:
     ``ValueError`` (the servicer answers INVALID_ARGUMENT) and change nothing.
     """
 
-    def __init__(self, config: ShardConfig, optimizer_factory: OptimizerFactory,
-                 on_version: Optional[Callable[[PSShard], None]] = None):
+    def __init__(self, config: ShardConfig,
+                 optimizer_factory: Union[ModelSpec, OptimizerFactory],
+                 on_version: Optional[Callable[[PSShard], None]] = None,
+                 lr_scheduler: Optional[SchedulerFactory] = None):
+        """``optimizer_factory``: the model's :class:`ModelSpec` (its
+        ``make_optimizer`` over named parameters and ``make_lr_scheduler``), or a
+        plain ``optimizer(params)`` callable with an optional ``lr_scheduler``."""
         self.config = config
         self.params = Parameters(config.ps_id, config.num_ps)
+        self._spec = optimizer_factory if isinstance(optimizer_factory, ModelSpec) else None
         self._optimizer_factory = optimizer_factory
+        self._scheduler_factory = lr_scheduler if lr_scheduler is not None or \
+            self._spec is None else self._spec.make_lr_scheduler
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.row_optimizer: Optional[RowOptimizer] = None
+        self.schedule: Optional[ShardSchedule] = None
         self.ledger = AppliedLedger()
         self.duplicates_ignored = 0
         self._group = Group()
@@ -129,7 +145,8 @@ class PSShard:
     def initialize(self, version: int, dense: Mapping[str, torch.Tensor],
                    buffers: Mapping[str, torch.Tensor], tables: Iterable[TableSpec],
                    optimizer_state: Optional[dict] = None,
-                   ledger: Optional[dict] = None) -> bool:
+                   ledger: Optional[dict] = None,
+                   lr_schedule_state: Optional[dict] = None) -> bool:
         """Take a model; returns False (and changes nothing) when already initialised.
 
         All or nothing: the parameters are taken only once the optimizers were
@@ -144,10 +161,12 @@ class PSShard:
                 return False
             params = Parameters(self.config.ps_id, self.config.num_ps)
             params.initialize(version, dense, buffers, tables)
-            optimizer, row_optimizer = self._build_optimizers(params)
+            optimizer, row_optimizer, schedule = self._build_optimizers(params)
             if optimizer_state is not None and optimizer is not None:
                 optimizer.load_state_dict(optimizer_state)
+            schedule.load_state_dict(lr_schedule_state)
             self.params, self.optimizer, self.row_optimizer = params, optimizer, row_optimizer
+            self.schedule = schedule
             self.ledger.load_state_dict(ledger)
             self.last_checkpoint_version = params.version
             self._drop_group()
@@ -157,29 +176,16 @@ class PSShard:
                         len(params.dense), len(params.tables), len(self.ledger))
             return True
 
-    def _build_optimizers(self, params: Parameters
-                          ) -> tuple[Optional[torch.optim.Optimizer], Optional[RowOptimizer]]:
-        trainable = [p for p in params.dense.values() if p.requires_grad]
-        # a shard may hold no dense parameter; the optimizer's hyperparameters are
-        # still needed for the embedding rows, so build one over a placeholder
-        try:
-            probe = self._optimizer_factory(trainable or [torch.nn.Parameter(torch.zeros(1))])
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"PS {self.config.ps_id}: the model's optimizer(params) failed: "
-                             f"{type(e).__name__}: {e}") from e
-        if not isinstance(probe, torch.optim.Optimizer):
-            raise ValueError(f"PS {self.config.ps_id}: the model's optimizer(params) returned "
-                             f"{type(probe).__name__}, not a torch.optim.Optimizer")
-        row_optimizer = None
-        if params.tables:
-            try:
-                row_optimizer = row_optimizer_for(probe)
-            except ValueError as e:
-                raise ValueError(f"embedding table(s) {sorted(params.tables)}: optimizer "
-                                 f"{type(probe).__name__} has no row-wise version ({e})") from e
-            for table in params.tables.values():
-                row_optimizer.prepare(table)
-        return (probe if trainable else None), row_optimizer
+    def _build_optimizers(self, params: Parameters) -> tuple[
+            Optional[torch.optim.Optimizer], Optional[RowOptimizer], ShardSchedule]:
+        spec, factory = self._spec, self._optimizer_factory
+
+        def make(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+            if spec is not None:
+                return spec.make_optimizer(named)
+            return factory([p for _, p in named])  # type: ignore[operator]
+
+        return build_optimizers(params, make, self._scheduler_factory, self.config.ps_id)
 
     def _require_init(self) -> None:
         if self.awaiting_rollback:
@@ -221,6 +227,8 @@ class PSShard:
         """Validate and aggregate/apply a push."""
         with self._cond:
             self._require_init()
+            if push.discard:  # an overflowed fp16 step: counts, applies nothing
+                push.dense, push.sparse = {}, []
             validate(self.params, push)
             ident = push.identity
             if ident is not None and self.ledger.seen(*ident):
@@ -228,23 +236,23 @@ class PSShard:
                 logger.info("PS %d: push (task %d, minibatch %d) from worker %d was applied "
                             "before; ignored", self.config.ps_id, ident[0], ident[1],
                             push.worker_id)
-                return PushResult(True, self.version, True)
+                return PushResult(True, self.version, True, self._lr())
             for name, value in push.buffers.items():
                 self.params.buffers[name].copy_(value)
             if self.config.use_async:
                 staleness = self.version - push.version
-                lr = None
+                factor = 1.0
                 if self.config.lr_staleness_modulation and staleness > 1:
-                    lr = self._base_lr() / staleness
+                    factor = 1.0 / staleness
                 g = Group()
                 g.add(push)
-                self._apply_group(g, lr)
-                return PushResult(True, self.version)
+                self._apply_group(g, factor)
+                return PushResult(True, self.version, False, g.learning_rate)
             self._note_peer(push.worker_id)
             if push.version < self.version - self.config.sync_version_tolerance:
                 logger.debug("rejected gradients of version %d from worker %d (now %d)",
                              push.version, push.worker_id, self.version)
-                return PushResult(False, self.version)
+                return PushResult(False, self.version, False, self._lr())
             g = self._group
             if ident is not None and ident in g.identities:  # a repeat of a pending push
                 self.duplicates_ignored += 1
@@ -252,7 +260,7 @@ class PSShard:
             g.add(push)
             if g.count >= self.config.grads_to_wait or self._peers_absent:
                 self._complete(g)
-                return PushResult(True, self.version)
+                return PushResult(True, self.version, False, g.learning_rate)
             return self._wait(g, push.worker_id)
 
     def _note_peer(self, worker_id: int) -> None:
@@ -284,7 +292,8 @@ class PSShard:
                 self._complete(g)
                 break
             self._cond.wait(left)
-        return PushResult(not g.dropped, self.version, duplicate)
+        return PushResult(not g.dropped, self.version, duplicate,
+                          g.learning_rate if g.done and not g.dropped else self._lr())
 
     def _complete(self, g: Group) -> None:
         """Apply the pending group ``g`` (lock held)."""
@@ -293,7 +302,7 @@ class PSShard:
             self._spread = spread if self._spread is None else 0.8 * self._spread + 0.2 * spread
             self._wait_scale = 1.0
         self._group = Group()
-        self._apply_group(g, None)
+        self._apply_group(g, 1.0)
 
     def _drop_group(self) -> None:
         """Discard the pending group (rollback, re-initialisation); its pushes answer
@@ -305,44 +314,43 @@ class PSShard:
         self._group = Group()
         self._cond.notify_all()
 
-    def _base_lr(self) -> float:
-        if self.optimizer is not None:
-            return float(self.optimizer.param_groups[0]["lr"])
-        if self.row_optimizer is not None:
-            return self.row_optimizer.lr
-        return 0.0
+    def _lr(self) -> float:
+        """The first param group's learning rate as scheduled now (0: no model)."""
+        return self.schedule.lr() if self.schedule is not None else 0.0
 
-    def _apply_group(self, g: Group, lr: Optional[float]) -> None:
-        """Step the optimizers with the record-weighted average of ``g``, bump the
-        version, record its identities (lock held)."""
+    def _apply_group(self, g: Group, lr_factor: float) -> None:
+        """Step the optimizers with the record-weighted average of ``g`` (learning
+        rates as scheduled, times ``lr_factor`` for this apply only), step the
+        scheduler, bump the version, record its identities (lock held)."""
+        schedule = self.schedule
+        assert schedule is not None  # initialised
+        schedule.enter_epoch(g.epoch)
         scale = g.weight0 / g.total if g.total else 1.0
-        if g.dense:
-            if self.optimizer is None:
-                raise RuntimeError(f"PS {self.config.ps_id} has dense gradients but no "
-                                   "optimizer")
-            saved = [grp["lr"] for grp in self.optimizer.param_groups]
-            if lr is not None:
-                for grp in self.optimizer.param_groups:
-                    grp["lr"] = lr
-            for name, grad in g.dense.items():
-                param = self.params.dense[name]
-                param.grad = grad * scale if scale != 1.0 else grad  # never in place
-            try:
-                self.optimizer.step()
-            finally:
-                for grp, value in zip(self.optimizer.param_groups, saved):
-                    grp["lr"] = value
-                for param in self.params.dense.values():
-                    param.grad = None
-        if g.sparse:
-            if self.row_optimizer is None:
-                raise RuntimeError(f"PS {self.config.ps_id} has embedding gradients but no "
-                                   "row optimizer")
-            for table_name, parts in g.sparse.items():
-                table = self.params.tables[table_name]
-                ids, grad = coalesce(parts)
-                slots = table.slots(ids)
-                self.row_optimizer.apply(table, slots, grad.mul_(scale), lr)
+        with schedule.scaled(lr_factor):
+            g.learning_rate = schedule.lr()
+            if g.dense:
+                if self.optimizer is None:
+                    raise RuntimeError(f"PS {self.config.ps_id} has dense gradients but no "
+                                       "optimizer")
+                for name, grad in g.dense.items():
+                    param = self.params.dense[name]
+                    param.grad = grad * scale if scale != 1.0 else grad  # never in place
+                try:
+                    self.optimizer.step()
+                finally:
+                    for param in self.params.dense.values():
+                        param.grad = None
+            if g.sparse:
+                if self.row_optimizer is None:
+                    raise RuntimeError(f"PS {self.config.ps_id} has embedding gradients but "
+                                       "no row optimizer")
+                refresh_row_optimizer(self.row_optimizer, schedule.optimizer)
+                for table_name, parts in g.sparse.items():
+                    table = self.params.tables[table_name]
+                    ids, grad = coalesce(parts)
+                    slots = table.slots(ids)
+                    self.row_optimizer.apply(table, slots, grad.mul_(scale))
+        schedule.after_update()
         self.params.version += 1
         for (task, minibatch), records in g.identities.items():
             self.ledger.add(task, minibatch, records, self.params.version)
@@ -364,6 +372,7 @@ class PSShard:
             self.awaiting_rollback = False
             self.params = Parameters(self.config.ps_id, self.config.num_ps)
             self.optimizer = self.row_optimizer = None
+            self.schedule = None
             restored = restore(self)
             if new_version <= restored:
                 raise ValueError(f"new_version {new_version} must exceed the restored "
@@ -388,4 +397,5 @@ class PSShard:
                 "dense_order": list(p.dense),
                 "tables": {n: t.state_dict() for n, t in p.tables.items()},
                 "ledger": self.ledger.state_dict(),
+                "lr_schedule": self.schedule.state_dict() if self.schedule else None,
             }

@@ -29,7 +29,7 @@ from elasticdl.common import tensor_codec as codec
 from elasticdl.common.wire import GRPC_OPTIONS
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.ps.parameters import TableSpec, dense_owner
-from elasticdl.worker.ps_stream import Identity, PSStub, PushStream
+from elasticdl.worker.ps_stream import Identity, PSStub, PushReply, PushStream
 
 __all__ = ["Identity", "PSClient", "PSError", "PSNotInitializedError", "PSStub", "PushStream"]
 
@@ -264,26 +264,29 @@ class PSClient:
     def push_gradients(self, ps: int, version: int, dense: Mapping[str, torch.Tensor],
                        sparse: Sequence[tuple[str, np.ndarray, torch.Tensor]] = (),
                        buffers: Optional[Mapping[str, torch.Tensor]] = None,
-                       worker_id: int = 0, identity: Identity = (0, 0, 0)) -> Future:
-        """One unary push to PS ``ps``; the future gives ``(accepted, version)``."""
+                       worker_id: int = 0, identity: Identity = (0, 0, 0), epoch: int = 0,
+                       grad_scale: float = 1.0, discard: bool = False) -> Future:
+        """One unary push to PS ``ps``; the future gives a :class:`PushReply`
+        (``(accepted, version)`` and the lr it was applied with)."""
         task_id, minibatch, num_records = identity
 
-        def push(stub: PSStub) -> tuple[bool, int]:
+        def push(stub: PSStub) -> PushReply:
             req = pb.PushGradientsRequest(
                 version=version, worker_id=worker_id, task_id=task_id, minibatch=minibatch,
-                num_records=num_records,
+                num_records=num_records, epoch=epoch,
+                grad_scale=grad_scale if grad_scale != 1.0 else 0.0, discard=discard,
                 dense=[codec.encode(g, n) for n, g in dense.items()],
                 sparse=[pb.EmbeddingRows(table=t, id_tensor=codec.encode_ids(ids),
                                          values=codec.encode(g)) for t, ids, g in sparse],
                 buffers=[codec.encode(b, n) for n, b in (buffers or {}).items()])
             resp = stub.push_gradients(req, timeout=self.rpc_timeout_s)
-            return resp.accepted, resp.version
+            return PushReply.of(resp)
 
         return self.submit(ps, push, "push_gradients")
 
     def open_push_stream(self, ps: int, version: int, worker_id: int = 0,
-                         identity: Identity = (0, 0, 0)) -> PushStream:
-        return PushStream(self, ps, version, worker_id, identity)
+                         identity: Identity = (0, 0, 0), epoch: int = 0) -> PushStream:
+        return PushStream(self, ps, version, worker_id, identity, epoch)
 
     def applied(self, task_ids: Sequence[int] = ()) -> list[pb.AppliedResponse]:
         """Each PS's applied-identity ledger (of ``task_ids``; empty: all)."""

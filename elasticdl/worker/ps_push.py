@@ -4,7 +4,10 @@
 produces it and routes it to its PS: into that PS's open
 :class:`~elasticdl.worker.ps_stream.PushStream`, or, for PS whose dense part is
 small, into one unary push sent after backward. :func:`stage` makes the CPU
-copy (asynchronous for CUDA tensors).
+copy (asynchronous for CUDA tensors). With clipping or fp16 loss scaling a
+:class:`~elasticdl.worker.ps_amp.GradNorm` takes every gradient's norm from
+the same hooks (all of them, also on a retry to some PS only), and the push's
+``grad_scale`` (or ``discard``) goes with its last message.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from elasticdl.worker.ps_amp import GradNorm
 from elasticdl.worker.ps_client import PSNotInitializedError
 
 if TYPE_CHECKING:
@@ -39,11 +43,15 @@ def stage(t: torch.Tensor) -> Staged:
 class PushSession:
     """One step's gradient pushes to the PS in ``targets``."""
 
-    def __init__(self, trainer: PSTrainer, targets: list[int]):
+    def __init__(self, trainer: PSTrainer, targets: list[int], epoch: int = 0,
+                 norm: Optional[GradNorm] = None):
         self.t = trainer
         self.targets = set(targets)
+        self.epoch = epoch
+        self.norm = norm
         self.streams = {i: trainer.client.open_push_stream(i, trainer.versions[i],
-                                                           trainer.worker_id, trainer.identity)
+                                                           trainer.worker_id, trainer.identity,
+                                                           epoch)
                         for i in targets if trainer.streaming[i]}
         self.dense: dict[int, dict[str, torch.Tensor]] = {i: {} for i in targets}
         self.sparse: dict[int, list[tuple[str, np.ndarray, torch.Tensor]]] = \
@@ -52,6 +60,8 @@ class PushSession:
         self._lock = threading.Lock()
 
     def on_dense(self, name: str, grad: torch.Tensor) -> None:
+        if self.norm is not None:
+            self.norm.add_dense(grad)
         ps = self.t.owner[name]
         if ps not in self.targets:
             return
@@ -65,6 +75,8 @@ class PushSession:
                 self.waits.append(ready)
 
     def on_sparse(self, table: str, ids: np.ndarray, grad: torch.Tensor) -> None:
+        if self.norm is not None:
+            self.norm.add_rows(table, ids, grad)
         staged, ready = stage(grad)
         parts = [(ps, pos) for ps, pos in enumerate(self.t.client.partition_ids(ids))
                  if ps in self.targets and pos.shape[0]]
@@ -86,8 +98,11 @@ class PushSession:
         for stream in self.streams.values():
             stream.abort()
 
-    def finish(self, buffers: dict[str, torch.Tensor]) -> dict[int, Any]:
-        """Send what is left; per PS ``(accepted, version)`` or the exception raised."""
+    def finish(self, buffers: dict[str, torch.Tensor], grad_scale: float = 1.0,
+               discard: bool = False) -> dict[int, Any]:
+        """Send what is left, every PS's part times ``grad_scale`` (nothing of it
+        when ``discard``); per PS a :class:`~elasticdl.worker.ps_stream.PushReply`
+        or the exception raised."""
         for wait in self.waits:
             wait()
         parts = self.t.client.partition({n: b.detach().cpu() for n, b in buffers.items()})
@@ -96,11 +111,12 @@ class PushSession:
             if ps in self.streams:
                 for name, value in parts[ps].items():
                     self.streams[ps].put_buffer(name, value)
-                self.streams[ps].close()
+                self.streams[ps].close(grad_scale, discard)
             else:
+                dense, sparse = ({}, []) if discard else (self.dense[ps], self.sparse[ps])
                 futures[ps] = self.t.client.push_gradients(
-                    ps, self.t.versions[ps], self.dense[ps], self.sparse[ps], parts[ps],
-                    self.t.worker_id, self.t.identity)
+                    ps, self.t.versions[ps], dense, sparse, parts[ps],
+                    self.t.worker_id, self.t.identity, self.epoch, grad_scale, discard)
         out: dict[int, Any] = {}
         for ps in self.targets:
             try:

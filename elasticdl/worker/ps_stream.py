@@ -30,6 +30,22 @@ Ready = Optional[Callable[[], None]]
 Identity = tuple[int, int, int]  # task id, minibatch (1-based; 0: none), records
 
 
+class PushReply(tuple):
+    """A PS's answer to a push: ``(accepted, version)``, and ``learning_rate``
+    (the first param group's lr the push's group was applied with)."""
+
+    learning_rate: float
+
+    def __new__(cls, accepted: bool, version: int, learning_rate: float = 0.0) -> PushReply:
+        out = super().__new__(cls, (accepted, version))
+        out.learning_rate = learning_rate
+        return out
+
+    @classmethod
+    def of(cls, resp: pb.PushGradientsResponse) -> PushReply:
+        return cls(resp.accepted, resp.version, resp.learning_rate)
+
+
 class PSStub(pb_grpc.PServerStub):
     """The generated stub, with the two bulk streams (de)serialised by
     :mod:`~elasticdl.common.chunk_wire` (same wire format, fewer copies)."""
@@ -51,16 +67,17 @@ class PushStream:
     ``put_*`` may be called from autograd hooks: they only queue the tensor
     (with an optional ``ready`` callable, e.g. a CUDA event's synchronize);
     the gRPC request iterator encodes and sends it. :meth:`finish` closes the
-    stream and returns ``(accepted, version)``.
+    stream (with the push's ``grad_scale``/``discard`` in its last message) and
+    returns a :class:`PushReply`.
     """
 
     def __init__(self, client: PSClient, ps: int, version: int, worker_id: int,
-                 identity: Identity = (0, 0, 0)):
+                 identity: Identity = (0, 0, 0), epoch: int = 0):
         self._client = client
         self.ps = ps
         task_id, minibatch, num_records = identity
         self._header = {"version": version, "worker_id": worker_id, "task_id": task_id,
-                        "minibatch": minibatch, "num_records": num_records}
+                        "minibatch": minibatch, "num_records": num_records, "epoch": epoch}
         self._items: list[tuple[str, str, Any, Ready]] = []
         self._closed = False
         self._aborted = False
@@ -84,13 +101,16 @@ class PushStream:
             self._items.append(item)
             self._cond.notify()
 
-    def finish(self) -> tuple[bool, int]:
-        self.close()
+    def finish(self, grad_scale: float = 1.0, discard: bool = False) -> PushReply:
+        self.close(grad_scale, discard)
         return self._future.result()
 
-    def close(self) -> None:
-        """End the stream: the PS applies what it received."""
+    def close(self, grad_scale: float = 1.0, discard: bool = False) -> None:
+        """End the stream: the PS applies what it received, times ``grad_scale``
+        (nothing when ``discard``)."""
         with self._cond:
+            if not self._closed and (grad_scale != 1.0 or discard):
+                self._items.append(("commit", "", (grad_scale, discard), None))
             self._closed = True
             self._cond.notify()
 
@@ -100,9 +120,9 @@ class PushStream:
             self._aborted = self._closed = True
             self._cond.notify()
 
-    def _call(self, stub: PSStub) -> tuple[bool, int]:
+    def _call(self, stub: PSStub) -> PushReply:
         resp = stub.push_gradient_chunks(self._requests(), timeout=self._client.rpc_timeout_s)
-        return resp.accepted, resp.version
+        return PushReply.of(resp)
 
     def _requests(self) -> Iterator[Union[bytes, pb.GradientChunk]]:
         """Replays every queued item (so a retry after a reconnect resends all)."""
@@ -143,6 +163,9 @@ class PushStream:
             ids, grad = value
             msg = pb.GradientChunk(sparse=pb.EmbeddingRows(
                 table=name, id_tensor=codec.encode_ids(ids), values=codec.encode(grad)))
+        elif kind == "commit":
+            grad_scale, discard = value
+            msg = pb.GradientChunk(grad_scale=grad_scale, discard=discard)
         else:
             msg = pb.GradientChunk(buffer=codec.encode(value, name))
         if header:

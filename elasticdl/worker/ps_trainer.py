@@ -10,6 +10,12 @@ backward (for PS whose dense part is small, one unary push after backward is
 cheaper and is used instead). Every PS receives exactly one push per step,
 even an empty one, so sync-mode counting stays aligned.
 
+The optimizer, its learning-rate schedule and the clipping are applied on the
+PS: each push carries its task's epoch and a ``grad_scale`` (the global-norm
+clip coefficient over all the step's gradients, divided by the fp16 loss
+scale; see :mod:`~elasticdl.worker.ps_amp`), and each PS answers the learning
+rate it applied (``last_lr``).
+
 A push a PS rejects (sync mode, too stale) is recomputed on freshly pulled
 parameters and re-sent to that PS only. A PS that restarted without a
 checkpoint answers "not initialised": it gets this worker's current model
@@ -33,9 +39,10 @@ from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.task import Task
 from elasticdl.ps.server import tune_malloc
+from elasticdl.worker.ps_amp import GradNorm, LossScaler, push_scale
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
 from elasticdl.worker.ps_push import PushSession
-from elasticdl.worker.trainer import Trainer
+from elasticdl.worker.trainer import NonFiniteError, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,11 @@ class PSTrainer(Trainer):
         self.device = device
         self.push_retry_timeout_s = push_retry_timeout_s
         self.identity: Identity = (0, 0, 0)  # of the minibatch being trained
+        self.epoch = 0                        # of the task being trained
+        self.clip_grad_norm = float(job_spec.clip_grad_norm)
+        # fp16 autocast needs a loss scale; the optimizer is on the PS, so the
+        # scaler lives here and the PS gets the unscaling factor with each push
+        self.scaler = LossScaler() if job_spec.amp == "fp16" else None
         self._kill_after_steps = _kill_hook(worker_id)
         self.client = client or PSClient(ps_addrs)
         with tables_on_ps():
@@ -189,6 +201,7 @@ class PSTrainer(Trainer):
     def start_task(self, task: Task) -> frozenset[int]:
         """Minibatches of ``task`` every PS already applied (an earlier holder of
         the task pushed them): the task resumes after them."""
+        self.epoch = task.epoch
         done, _ = self.client.applied_minibatches(task.task_id)
         if done:
             logger.info("worker %d: task %d resumes; minibatches %s already applied",
@@ -213,6 +226,7 @@ class PSTrainer(Trainer):
         pull = not self.job_spec.use_async or self.steps % self.job_spec.get_model_steps == 0
         deadline = time.monotonic() + self.push_retry_timeout_s
         attempt = 0
+        lrs: dict[int, float] = {}
         while True:
             attempt += 1
             before = list(self.ps_versions)
@@ -233,8 +247,11 @@ class PSTrainer(Trainer):
                 self.ps_versions[ps] = version
                 if not accepted:
                     retry.append(ps)
+                else:
+                    lrs[ps] = result.learning_rate
             if not retry:
                 self.steps += 1
+                self.last_lr = lrs[min(lrs)] if lrs else self.last_lr
                 if self.steps == self._kill_after_steps:  # test hook: die before the report
                     logger.warning("worker %d: %s: SIGKILL after step %d", self.worker_id,
                                    KILL_AFTER_STEPS_ENV, self.steps)
@@ -254,17 +271,27 @@ class PSTrainer(Trainer):
     def _step(self, features: Any, labels: Any,
               targets: list[int]) -> tuple[torch.Tensor, dict[int, Any]]:
         self.model.zero_grad(set_to_none=True)
-        session = PushSession(self, targets)
+        norm = GradNorm(float64=self.scaler is not None) \
+            if self.clip_grad_norm > 0 or self.scaler is not None else None
+        session = PushSession(self, targets, self.epoch, norm)
         self._session = session
         try:
             loss = self.compute_loss(features, labels)
-            loss.backward()
+            (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+            grad_scale, discard = push_scale(norm, self.clip_grad_norm, self.scaler)
+        except FloatingPointError as e:
+            session.abort()
+            raise NonFiniteError(f"{e}: cannot clip to --clip_grad_norm="
+                                 f"{self.clip_grad_norm}") from None
         except BaseException:
             session.abort()
             raise
         finally:
             self._session = None
-        return loss.detach(), session.finish(self.buffers)
+        if discard:
+            logger.warning("worker %d: fp16 gradients overflowed; step skipped, loss scale "
+                           "now %g", self.worker_id, self.scaler.scale if self.scaler else 0)
+        return loss.detach(), session.finish(self.buffers, grad_scale, discard)
 
     def forward(self, features: Any) -> Any:
         """Outputs with the newest parameters (evaluation and prediction)."""
