@@ -1,0 +1,158 @@
+"""--clip_grad_norm and LR schedulers in AllreduceStrategy on a real 2-process gloo
+group (issue 15, items 1-2): :class:`AllreduceTrainer` members clip the averaged
+(global) gradient and step their schedulers at the same steps, so every member's
+parameters are identical and equal single-process training on the union batch."""
+
+from __future__ import annotations
+
+import io
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.integration.dist_procs import Procs, free_port
+
+WORLD = 2
+CLIP = 0.05
+STEPS = 4
+SIZES = (8, 5)   # members hold different numbers of records: weighting matters
+
+MODULE = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+def custom_model():
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+def feed(records, mode):
+    raise NotImplementedError
+
+def loss(labels, outputs):
+    return F.cross_entropy(outputs, labels)
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+def lr_scheduler(optimizer, interval="step"):
+    if interval == "step":
+        return {"scheduler": torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.8),
+                "interval": "step"}
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+"""
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(SIZES[rank], 6, generator=g) * 3
+    return x, torch.randint(0, 3, (SIZES[rank],), generator=g)
+
+
+class _Tag:  # an elastic-dataset-like tag: only the epoch matters here
+    def __init__(self, epoch: int, records: int):
+        self.epoch = epoch
+        self.records = records
+
+
+def _member(rank: int, port: int, zoo: str, interval: str, epochs: list) -> bytes:
+    from elasticdl.api.model_spec import load_model_spec
+    from elasticdl.common.job_spec import job_spec_from_flags
+    from elasticdl.worker.allreduce_trainer import AllreduceTrainer
+    from tests.unit.elastic.test_grad_sync import _StaticComm
+
+    spec = load_model_spec(zoo, "optim_mod.custom_model", model_kwargs={"interval": interval})
+    job = job_spec_from_flags("train", {
+        "model_zoo": zoo, "model_def": "optim_mod.custom_model", "training_data": zoo,
+        "distribution_strategy": "AllreduceStrategy", "num_workers": WORLD,
+        "clip_grad_norm": CLIP, "collective_timeout_s": 30, "model_params": f"interval='{interval}'"})
+    member = AllreduceTrainer(spec, job, rank, torch.device("cpu"),
+                              _StaticComm(rank, port), "127.0.0.1")
+    lrs = []
+    try:
+        for step in range(STEPS):
+            epoch = epochs[step][rank]
+            if epoch is None:   # no data this step: a filler member
+                member.runner.flush()
+            else:
+                member.runner.submit(member._step, _batch(step, rank), SIZES[rank],
+                                     _Tag(epoch, SIZES[rank]))
+            lrs.append(member.last_lr)
+        out = {"params": {k: v.detach().clone() for k, v in member.model.state_dict().items()},
+               "lrs": lrs, "extras": member.extras.state_dict()}
+    finally:
+        member.close()
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+def _run(tmp_path, interval: str, epochs: list) -> dict[int, Any]:
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    (zoo / "optim_mod.py").write_text(textwrap.dedent(MODULE))
+    port = free_port()
+    procs = Procs()
+    try:
+        for r in range(WORLD):
+            procs.start(r, _member, r, port, str(zoo), interval, epochs)
+        got = procs.collect(list(range(WORLD)), timeout_s=120)
+    finally:
+        procs.close()
+    return {r: torch.load(io.BytesIO(v)) for r, v in got.items()}
+
+
+def _reference(epochs: list, interval: str) -> tuple[torch.nn.Module, list]:
+    """One process, the union of the step's batches, clip_grad_norm_, the scheduler."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sched: Any = (torch.optim.lr_scheduler.ExponentialLR(opt, 0.8) if interval == "step"
+                  else torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7))
+    lrs, epoch = [], 0
+    for step in range(STEPS):
+        ranks = [r for r in range(WORLD) if epochs[step][r] is not None]
+        step_epoch = max(epochs[step][r] for r in ranks)
+        if interval == "epoch":
+            for _ in range(step_epoch - epoch):
+                sched.step()
+            epoch = max(epoch, step_epoch)
+        xs, ys = zip(*(_batch(step, r) for r in ranks))
+        opt.zero_grad()
+        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        if interval == "step":
+            sched.step()
+    return model, lrs
+
+
+def _check(results: dict[int, Any], ref: torch.nn.Module, ref_lrs: list) -> None:
+    a, b = results[0]["params"], results[1]["params"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs between members"
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(a[k], v, rtol=0, atol=1e-6, msg=k)
+    assert results[0]["lrs"] == results[1]["lrs"] == pytest.approx(ref_lrs, abs=1e-15)
+
+
+def test_global_norm_clipping_and_step_scheduler_equal_the_union_batch(tmp_path):
+    epochs = [(0, 0)] * STEPS
+    results = _run(tmp_path, "step", epochs)
+    ref, ref_lrs = _reference(epochs, "step")
+    _check(results, ref, ref_lrs)
+    assert len(set(ref_lrs)) == STEPS
+
+
+def test_epoch_scheduler_steps_at_the_agreed_epoch_on_every_member(tmp_path):
+    # step 1: only rank 0 has data (epoch 1), rank 1 is a filler member; step 2: rank 1
+    # is still on an epoch-1 batch while rank 0 reached epoch 2: the step's epoch is 2
+    epochs = [(0, 0), (1, None), (2, 1), (2, 2)]
+    results = _run(tmp_path, "epoch", epochs)
+    ref, ref_lrs = _reference(epochs, "epoch")
+    _check(results, ref, ref_lrs)
+    assert ref_lrs == pytest.approx([0.5, 0.5 * 0.7, 0.5 * 0.49, 0.5 * 0.49], abs=1e-15)
+    assert results[1]["extras"]["epoch"] == 2
