@@ -67,7 +67,7 @@ def _member(rank: int, port: int, zoo: str, interval: str, epochs: list) -> byte
     job = job_spec_from_flags("train", {
         "model_zoo": zoo, "model_def": "optim_mod.custom_model", "training_data": zoo,
         "distribution_strategy": "AllreduceStrategy", "num_workers": WORLD,
-        "clip_grad_norm": CLIP, "collective_timeout_s": 30, "model_params": f"interval='{interval}'"})
+        "clip_grad_norm": CLIP, "collective_timeout_s": 30})
     member = AllreduceTrainer(spec, job, rank, torch.device("cpu"),
                               _StaticComm(rank, port), "127.0.0.1")
     lrs = []
