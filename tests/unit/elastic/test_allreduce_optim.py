@@ -57,7 +57,8 @@ class _Tag:  # an elastic-dataset-like tag: only the epoch matters here
         self.records = records
 
 
-def _member(rank: int, port: int, zoo: str, interval: str, epochs: list) -> bytes:
+def _member(rank: int, port: int, zoo: str, interval: str, epochs: list,
+            scale: float = 0.0, overflow_at: int = -1) -> bytes:
     from elasticdl.api.model_spec import load_model_spec
     from elasticdl.common.job_spec import job_spec_from_flags
     from elasticdl.worker.allreduce_trainer import AllreduceTrainer
@@ -70,6 +71,8 @@ def _member(rank: int, port: int, zoo: str, interval: str, epochs: list) -> byte
         "clip_grad_norm": CLIP, "collective_timeout_s": 30})
     member = AllreduceTrainer(spec, job, rank, torch.device("cpu"),
                               _StaticComm(rank, port), "127.0.0.1")
+    if scale:  # the --amp=fp16 GradScaler path, on CPU in fp32 (fp16 itself needs CUDA)
+        member.extras.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
     lrs = []
     try:
         for step in range(STEPS):
@@ -77,11 +80,15 @@ def _member(rank: int, port: int, zoo: str, interval: str, epochs: list) -> byte
             if epoch is None:   # no data this step: a filler member
                 member.runner.flush()
             else:
-                member.runner.submit(member._step, _batch(step, rank), SIZES[rank],
+                x, y = _batch(step, rank)
+                if step == overflow_at and rank == 1:
+                    x = x * 1e20   # a finite loss whose scaled loss overflows on rank 1 only
+                member.runner.submit(member._step, (x, y), SIZES[rank],
                                      _Tag(epoch, SIZES[rank]))
             lrs.append(member.last_lr)
         out = {"params": {k: v.detach().clone() for k, v in member.model.state_dict().items()},
-               "lrs": lrs, "extras": member.extras.state_dict()}
+               "lrs": lrs, "extras": member.extras.state_dict(),
+               "scale": member.extras.scaler.get_scale() if scale else None}
     finally:
         member.close()
     buf = io.BytesIO()
@@ -89,7 +96,7 @@ def _member(rank: int, port: int, zoo: str, interval: str, epochs: list) -> byte
     return buf.getvalue()
 
 
-def _run(tmp_path, interval: str, epochs: list) -> dict[int, Any]:
+def _run(tmp_path, interval: str, epochs: list, *extra: Any) -> dict[int, Any]:
     zoo = tmp_path / "zoo"
     zoo.mkdir()
     (zoo / "optim_mod.py").write_text(textwrap.dedent(MODULE))
@@ -97,14 +104,15 @@ def _run(tmp_path, interval: str, epochs: list) -> dict[int, Any]:
     procs = Procs()
     try:
         for r in range(WORLD):
-            procs.start(r, _member, r, port, str(zoo), interval, epochs)
+            procs.start(r, _member, r, port, str(zoo), interval, epochs, *extra)
         got = procs.collect(list(range(WORLD)), timeout_s=120)
     finally:
         procs.close()
     return {r: torch.load(io.BytesIO(v)) for r, v in got.items()}
 
 
-def _reference(epochs: list, interval: str) -> tuple[torch.nn.Module, list]:
+def _reference(epochs: list, interval: str,
+               skip: int = -1) -> tuple[torch.nn.Module, list]:
     """One process, the union of the step's batches, clip_grad_norm_, the scheduler."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
@@ -119,6 +127,9 @@ def _reference(epochs: list, interval: str) -> tuple[torch.nn.Module, list]:
             for _ in range(step_epoch - epoch):
                 sched.step()
             epoch = max(epoch, step_epoch)
+        if step == skip:
+            lrs.append(opt.param_groups[0]["lr"])
+            continue
         xs, ys = zip(*(_batch(step, r) for r in ranks))
         opt.zero_grad()
         F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
@@ -156,3 +167,16 @@ def test_epoch_scheduler_steps_at_the_agreed_epoch_on_every_member(tmp_path):
     _check(results, ref, ref_lrs)
     assert ref_lrs == pytest.approx([0.5, 0.5 * 0.7, 0.5 * 0.49, 0.5 * 0.49], abs=1e-15)
     assert results[1]["extras"]["epoch"] == 2
+
+
+def test_grad_scaler_unscales_after_the_allreduce_and_members_skip_the_same_steps(tmp_path):
+    """The GradScaler path of --amp=fp16 (in fp32 on CPU: fp16 autocast needs CUDA):
+    gradients are unscaled after the allreduce, an overflow on one member makes every
+    member skip that step and back off its scale alike; the other steps equal the
+    union batch with clipping."""
+    epochs = [(0, 0)] * STEPS
+    results = _run(tmp_path, "epoch", epochs, 2.0 ** 64, 1)
+    ref, ref_lrs = _reference(epochs, "epoch", skip=1)
+    _check(results, ref, ref_lrs)
+    # one backoff (x0.5) on the overflow, no growth within 2000 steps
+    assert results[0]["scale"] == results[1]["scale"] == 2.0 ** 63
