@@ -58,7 +58,7 @@ class _Tag:  # an elastic-dataset-like tag: only the epoch matters here
 
 
 def _member(rank: int, port: int, zoo: str, interval: str, epochs: list,
-            scale: float = 0.0, overflow_at: int = -1) -> bytes:
+            scale: float = 0.0, overflow_at: int = -1, ahead: int = 0) -> bytes:
     from elasticdl.api.model_spec import load_model_spec
     from elasticdl.common.job_spec import job_spec_from_flags
     from elasticdl.worker.allreduce_trainer import AllreduceTrainer
@@ -73,9 +73,12 @@ def _member(rank: int, port: int, zoo: str, interval: str, epochs: list,
                               _StaticComm(rank, port), "127.0.0.1")
     if scale:  # the --amp=fp16 GradScaler path, on CPU in fp32 (fp16 itself needs CUDA)
         member.extras.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    if ahead and rank == 0:  # rank 0 resumed a state 2 epochs and `ahead` steps further
+        member.extras.advance_epoch(2)
+        member.state.model_version = ahead
     lrs = []
     try:
-        for step in range(STEPS):
+        for step in range(len(epochs)):
             epoch = epochs[step][rank]
             if epoch is None:   # no data this step: a filler member
                 member.runner.flush()
@@ -84,7 +87,7 @@ def _member(rank: int, port: int, zoo: str, interval: str, epochs: list,
                 if step == overflow_at and rank == 1:
                     x = x * 1e20   # a finite loss whose scaled loss overflows on rank 1 only
                 member.runner.submit(member._step, (x, y), SIZES[rank],
-                                     _Tag(epoch, SIZES[rank]))
+                                     _Tag(epoch, SIZES[rank]) if epoch >= 0 else None)
             lrs.append(member.last_lr)
         out = {"params": {k: v.detach().clone() for k, v in member.model.state_dict().items()},
                "lrs": lrs, "extras": member.extras.state_dict(),
@@ -180,3 +183,16 @@ def test_grad_scaler_unscales_after_the_allreduce_and_members_skip_the_same_step
     _check(results, ref, ref_lrs)
     # one backoff (x0.5) on the overflow, no growth within 2000 steps
     assert results[0]["scale"] == results[1]["scale"] == 2.0 ** 63
+
+
+def test_scheduler_state_is_broadcast_with_the_model(tmp_path):
+    """The scheduler (and its epoch) travel in the state broadcast when the group forms:
+    the member behind adopts the most advanced member's schedule. Steps here carry no
+    epoch (-1), so nothing but the broadcast can move rank 1's learning rate."""
+    epochs = [(-1, -1)] * 2
+    results = _run(tmp_path, "epoch", epochs, 0.0, -1, 5)
+    assert results[0]["lrs"] == results[1]["lrs"] == pytest.approx([0.5 * 0.49] * 2,
+                                                                   abs=1e-15)
+    assert results[1]["extras"]["epoch"] == 2
+    a, b = results[0]["params"], results[1]["params"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
