@@ -56,9 +56,12 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
     if effective_batch_note(spec):
         logger.info("%s", effective_batch_note(spec))
 
+    from elasticdl_client.model_check import LaunchCheckError, check_before_launch
+
     try:
+        check_before_launch(spec)
         report = _dispatch(spec)
-    except (ModelSpecError, UsageError) as e:
+    except (ModelSpecError, UsageError, LaunchCheckError) as e:
         _fail(job_type, str(e), USAGE_ERROR)
         return
     except DataError as e:

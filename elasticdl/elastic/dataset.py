@@ -68,6 +68,10 @@ class _TaskState:
     num_batches: int
     cursor: int = 0
     confirmed: set[int] = field(default_factory=set)
+    loss_sum: Any = 0.0          # of this member's steps of the task, weighted by records
+                                 # (a tensor: no device sync per step)
+    loss_records: int = 0
+    last_lr: Optional[float] = None   # the lr the task's last step was applied with
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,11 @@ class BatchTag:
     state: _TaskState
     index: int
     records: int
+
+    @property
+    def epoch(self) -> int:
+        """The master's epoch of the minibatch's task."""
+        return int(self.state.task.epoch)
 
 
 def batch_records(args: Sequence[Any]) -> int:
@@ -232,8 +241,25 @@ class ElasticDataset:
                 self._queue.remove(state)
                 self._report(state)
 
+    def record_step(self, tags: Sequence[Any], outputs: Sequence[Any],
+                    lr: Optional[float]) -> None:
+        """A step this member took part in applied ``tags`` (its own microbatches)
+        with ``outputs`` (the step function's results, one per tag) at learning rate
+        ``lr``: kept for the tasks' reports (mean loss, last learning rate). An
+        output counts as a loss when it is a scalar tensor or number, or a dict with
+        a ``"loss"`` entry."""
+        for tag, out in zip(tags, outputs):
+            if not isinstance(tag, BatchTag):
+                continue
+            tag.state.last_lr = lr
+            loss = _loss_of(out)
+            if loss is not None:
+                tag.state.loss_sum += loss * tag.records
+                tag.state.loss_records += tag.records
+
     def _report(self, state: _TaskState) -> None:
-        self.source.report_task(state.task)
+        loss = float(state.loss_sum) / state.loss_records if state.loss_records else None
+        self.source.report_task(state.task, loss=loss, learning_rate=state.last_lr)
         self.tasks_reported += 1
         logger.debug("task %d done (%d records)", state.task.task_id, len(state.records))
 
@@ -254,14 +280,47 @@ class ElasticDataset:
             self._redo.clear()
 
 
+def _loss_of(out: Any) -> Any:
+    if isinstance(out, dict):
+        out = out.get("loss")
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out.detach().float().reshape(())
+    if isinstance(out, (int, float)) and not isinstance(out, bool):
+        return float(out)
+    return None
+
+
 class TrainLoopContext:
     """What a model module's ``train_loop(ctx)`` receives (see module docs)."""
 
     def __init__(self, runner: ElasticRunner, dataset: ElasticDataset,
-                 device: torch.device):
+                 device: torch.device, lr_scheduler: Optional[Any] = None,
+                 amp: str = "off"):
         self.runner = runner
         self.dataset = dataset
         self.device = device
+        self._lr_scheduler = lr_scheduler
+        self.amp = amp
+
+    @property
+    def lr_scheduler(self) -> Optional[Any]:
+        """The module's ``lr_scheduler``, stepped by the framework (every member
+        alike: per epoch of the master, or after every global update); None when
+        the module defines none. A loop may make its own scheduler instead and step
+        it inside the step function (which every member runs every step)."""
+        return self._lr_scheduler
+
+    def autocast(self) -> Any:
+        """``torch.autocast`` for ``--amp=bf16`` (a no-op context when off)."""
+        from elasticdl.worker.trainer import autocast
+
+        return autocast(self.amp, self.device)
+
+    @property
+    def step_epoch(self) -> int:
+        """The agreed epoch of the current step, once its gradients are reduced
+        (after ``backward()``): the same on every member, filler ones included."""
+        return self.runner.step_epoch
 
     @property
     def state(self) -> ElasticState:
@@ -293,6 +352,7 @@ class TrainLoopContext:
 
     @property
     def epoch(self) -> int:
+        """The master's epoch of the minibatch ``ctx.dataset`` yielded last."""
         return self.dataset.epoch
 
     @property

@@ -72,6 +72,12 @@ __all__ = ["ElasticState", "ElasticRunner", "RoundResult", "RoundStatus", "StepA
            "CollectiveError", "Microbatch"]
 
 
+def _epoch_of(tag: Any) -> int:
+    """The master's epoch of a microbatch's task (``BatchTag.epoch``), or -1."""
+    epoch = getattr(tag, "epoch", None)
+    return int(epoch) if epoch is not None else -1
+
+
 class ElasticRunner:
     """Runs rounds over an :class:`ElasticGroup`; see the module docs.
 
@@ -109,6 +115,11 @@ class ElasticRunner:
         self.on_round = on_round
         self.trained = trained
         self.step_fn: Optional[StepFn] = None
+        # called in optimizer.step() once the step's gradients are reduced (identical
+        # on every member): before_step may clip, unscale or step a scheduler and
+        # returns False to skip the update; after_step(applied) follows the update
+        self.before_step: Optional[Callable[[], bool]] = None
+        self.after_step: Optional[Callable[[bool], None]] = None
         self.grads = GradientAllreducer(state.model.parameters(), state.model.buffers())
         self.confirmed_version = 0
         self.is_filler = False
@@ -247,6 +258,12 @@ class ElasticRunner:
         if self._need_fillers:
             self._exchange_fillers(micro)
         meta = [float(records), float(self.group.change_pending()), float(leaving)]
+        # the epoch of the step, agreed: each member's 1 + max epoch of its microbatches
+        # (0: none known) in its own slot; every member reads the same maximum
+        epochs = [0.0] * self.group.world_size
+        known = [_epoch_of(m.tag) for m in micro if m.records > 0]
+        epochs[self.group.rank] = float(max(known) + 1) if known else 0.0
+        meta += epochs
         if self.trained is not None:  # who trains what: [world, slots, 4], own row filled
             meta += self.trained.encode([m.tag for m in micro], self.group.rank,
                                         self.group.world_size, max(self.global_microbatches, 1))
@@ -289,7 +306,16 @@ class ElasticRunner:
         total, change, done = self.grads.result[:3]
         if micro:
             self._filler = micro[-1].args
-        return outputs, total, change > 0, done > 0, self.grads.result[3:]
+        return outputs, total, change > 0, done > 0, self.grads.result[3 + len(epochs):]
+
+    @property
+    def step_epoch(self) -> int:
+        """The epoch of the step whose gradients were last reduced: the highest epoch
+        of any member's microbatches in it (the same on every member; -1 if unknown,
+        e.g. batches a custom loop made itself)."""
+        world = self.group.world_size
+        slots = self.grads.result[3:3 + world]
+        return int(max(slots)) - 1 if slots else -1
 
     def _confirm(self, version: int) -> None:
         self.confirmed_version = max(self.confirmed_version, version)
@@ -392,7 +418,14 @@ class ElasticRunner:
             result = runner.grads.finish()
             if phase is not None and result and result[0] <= 0:
                 return None  # an idle round: nobody had data
-            return orig_step(*args, **kwargs)
+            if runner.before_step is not None and not runner.before_step():
+                if runner.after_step is not None:
+                    runner.after_step(False)
+                return None
+            out = orig_step(*args, **kwargs)
+            if runner.after_step is not None:
+                runner.after_step(True)
+            return out
 
         def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
             phase = runner._phase

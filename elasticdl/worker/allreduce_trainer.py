@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.checkpoint import api as ckpt
@@ -47,6 +48,7 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader
+from elasticdl.elastic.collective import guard
 from elasticdl.elastic.dataset import ElasticDataset, TrainLoopContext
 from elasticdl.elastic.group import CommClient, ElasticGroup, default_backend
 from elasticdl.elastic.runner import (
@@ -92,11 +94,21 @@ class AllreduceTrainer(Trainer):
         self.job_spec = job_spec
         self.worker_id = worker_id
         self.device = device
-        local = LocalTrainer(model_spec, device, job_spec.seed)
+        if model_spec.train_loop is not None and job_spec.amp == "fp16":
+            raise ValueError(f"--amp=fp16 is not applied to the custom train_loop of "
+                             f"{model_spec.module_path}: use torch.autocast and a GradScaler "
+                             "in the loop, or --amp=bf16 (ctx.autocast())")
+        local = LocalTrainer(model_spec, device, job_spec.seed, amp=job_spec.amp,
+                             clip_grad_norm=job_spec.clip_grad_norm)
         self.model = local.model
         self.optimizer = local.optimizer
+        self.amp = job_spec.amp
         self._compute_loss = local.compute_loss
+        # scheduler, its epoch, GradScaler: stepped in optimizer.step() once the step's
+        # gradients are averaged (the same on every member), broadcast with the state
+        self.extras = local.extras
         self.state = ElasticState(self.model, self.optimizer)
+        self.state.register("optimizer_extras", self.extras)
         # the minibatches of every member in the model (exchanged with each step's meta):
         # re-queued tasks skip them, checkpoints record them as their data position
         self.trained = TrainedRecords(job_spec.minibatch_size)
@@ -110,6 +122,9 @@ class AllreduceTrainer(Trainer):
                                     on_lost=self._count_lost, on_round=self._after_round,
                                     trained=self.trained)
         self.runner.step_fn = self._step
+        self.runner.before_step = self._before_step
+        self.runner.after_step = self._after_step
+        self._dataset: Optional[ElasticDataset] = None
         self._lost = 0
         self._on_step: Sequence[OnStep] = ()
         self.last_loss: Optional[torch.Tensor] = None
@@ -126,9 +141,46 @@ class AllreduceTrainer(Trainer):
     def _step(self, features: Any, labels: Any) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._compute_loss(features, labels)
-        loss.backward()
-        self.optimizer.step()
+        scaler = self.extras.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        self.optimizer.step()   # gated: reduce, _before_step, update, _after_step
         return loss.detach()
+
+    def _before_step(self) -> bool:
+        """In ``optimizer.step()`` after the gradients were averaged (identical on
+        every member): step an epoch scheduler at the step's agreed epoch, unscale
+        (``--amp=fp16``; the members agree on skipping), clip the global norm.
+        Returns False when the update is skipped (inf/nan under the GradScaler)."""
+        epoch = self.runner.step_epoch
+        if epoch >= 0:
+            self.extras.advance_epoch(epoch)
+        apply = True
+        scaler = self.extras.scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+            apply = not self._agree_found_inf(scaler)
+        if apply:
+            self.extras.clip(self.model.parameters())
+        self.last_lr = float(self.optimizer.param_groups[0]["lr"])
+        return apply
+
+    def _agree_found_inf(self, scaler: Any) -> bool:
+        """All-reduce (MAX) the GradScaler's inf/nan flags so every member skips the
+        same steps and updates its scale alike."""
+        found = scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
+        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for v in found.values():
+            flag = torch.maximum(flag, v.to(self.device, torch.float32).reshape(1))
+        with guard("all_reduce (GradScaler found-inf)"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        for v in found.values():
+            v.fill_(float(flag.item()))
+        return bool(flag.item() > 0)
+
+    def _after_step(self, applied: bool) -> None:
+        if self.extras.scaler is not None:
+            self.extras.scaler.update()
+        self.extras.after_update()
 
     def train_minibatch(self, features: Any, labels: Any) -> Optional[torch.Tensor]:  # type: ignore[override]
         """One minibatch through the group (plain-Trainer path; :meth:`run` is preferred).
@@ -157,6 +209,8 @@ class AllreduceTrainer(Trainer):
         loss = result.outputs[-1] if result.outputs else None
         if loss is not None:
             self.last_loss = loss
+        if self._dataset is not None and result.outputs:
+            self._dataset.record_step(result.tags, result.outputs, self.last_lr)
         version = result.version
         # every member decides alike: the same versions and the same last_saved
         # (broadcast with the state); a round counted after a failure (recovered) was
@@ -182,7 +236,8 @@ class AllreduceTrainer(Trainer):
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "model_version": self.state.model_version, "counters": dict(self.state.counters),
-                "trained_records": self.trained.state_dict()}
+                "trained_records": self.trained.state_dict(),
+                "extras": self.extras.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume (e.g. ``--checkpoint_dir_for_init``) before :meth:`run`; the most
@@ -194,6 +249,8 @@ class AllreduceTrainer(Trainer):
         self.state.counters.update(state.get("counters", {}))
         self.trained.load_state_dict(state.get("trained_records",
                                                {"last_saved": self.state.model_version}))
+        if "extras" in state:
+            self.extras.load_state_dict(state["extras"])
 
     def close(self) -> None:
         """Leave the group (idempotent)."""
@@ -240,11 +297,13 @@ class AllreduceTrainer(Trainer):
         dataset = ElasticDataset(self.runner, source, read, feed,
                                  self.job_spec.minibatch_size, run_other_task=loop.run_task,
                                  wait_s=wait_s)
+        self._dataset = dataset
 
         self.runner.start()
         try:
             if self.spec.train_loop is not None:
-                ctx = TrainLoopContext(self.runner, dataset, self.device)
+                ctx = TrainLoopContext(self.runner, dataset, self.device,
+                                       lr_scheduler=self.extras.scheduler, amp=self.amp)
                 self.spec.train_loop(ctx)
                 self._drain(ctx)
             else:

@@ -4,6 +4,10 @@ The master's :class:`JobCore` (tasks, ledger, schedule, evaluations, report)
 runs in process behind a :class:`LocalTaskSource`, with the same flags and
 rules as the gRPC master; the worker's :class:`TaskLoop` is the same code the
 distributed workers run.
+
+A model module with ``train_loop(ctx)`` runs as a one-member elastic allreduce
+group (:class:`~elasticdl.elastic.solo.SoloComm`): the loop gets the same
+``ctx`` as under AllreduceStrategy, so it can be debugged in one process.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -24,8 +28,9 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
 from elasticdl.master.job import JobCore
+from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 from elasticdl.worker.prediction import PredictionSink
-from elasticdl.worker.task_loop import TaskLoop
+from elasticdl.worker.task_loop import LoopStats, TaskLoop
 from elasticdl.worker.task_source import LocalTaskSource
 from elasticdl.worker.trainer import LocalTrainer, select_device
 
@@ -44,7 +49,18 @@ class LocalJob:
         self.report = self.core.report
         self.out_dir = job_dir_for(spec)
         self.source = LocalTaskSource(self.core, version=lambda: self.trainer.model_version)
-        self.trainer = LocalTrainer(self.model_spec, select_device(spec.device), spec.seed)
+        device = select_device(spec.device)
+        self.custom_loop = (spec.job_type == JobType.TRAIN
+                            and self.model_spec.train_loop is not None)
+        self.trainer: Union[LocalTrainer, AllreduceTrainer]
+        if self.custom_loop:  # train_loop(ctx): a one-member elastic group
+            from elasticdl.elastic.solo import SoloComm
+
+            self.trainer = AllreduceTrainer(self.model_spec, spec, 0, device, SoloComm(),
+                                            "127.0.0.1")
+        else:
+            self.trainer = LocalTrainer(self.model_spec, device, spec.seed, amp=spec.amp,
+                                        clip_grad_norm=spec.clip_grad_norm)
         self._records_done_in_task: dict[int, int] = {}
         self.progress: Optional[Progress] = None
         self._last_saved = 0
@@ -63,6 +79,14 @@ class LocalJob:
         if self.core.schedule.checkpoint_due(version, self._last_saved):
             self.save_checkpoint(partial={task.task_id: done})
 
+    def _run_custom_loop(self) -> LoopStats:
+        assert isinstance(self.trainer, AllreduceTrainer)
+        logger.info("model module defines train_loop(ctx): running it as a one-member "
+                    "elastic group")
+        return self.trainer.run(self.source, self.readers,
+                                on_step=[lambda version, loss: self.source.report_version(
+                                    version)])
+
     def _after_task(self, task: Task) -> None:
         self._records_done_in_task.pop(task.task_id, None)
 
@@ -80,6 +104,9 @@ class LocalJob:
             return
         state = ckpt.load(self.spec.checkpoint_dir_for_init,
                           map_location=str(self.trainer.device))
+        if "data_position" in state and self.custom_loop:
+            state = dict(state)  # the task manager's position says what is left to train
+            state.pop("trained_records", None)
         self.trainer.load_state_dict(state)
         if "data_position" in state:
             self.task_manager.load_state_dict(state["data_position"])
@@ -101,13 +128,13 @@ class LocalJob:
                         after_train_step=[self._after_train_step], after_task=[self._after_task],
                         skip_nonfinite_steps=spec.skip_nonfinite_steps,
                         eval_minibatch_size=spec.eval_minibatch_size)
-        if spec.job_type == JobType.TRAIN:
+        if spec.job_type == JobType.TRAIN and not self.custom_loop:
             self.progress = Progress(tm.training_records_left(), "training")
         logger.info("job %s: %s on %s, output in %s", spec.job_name, spec.job_type,
                     self.trainer.device, self.out_dir)
         start = time.monotonic()
         try:
-            loop.run()
+            stats = self._run_custom_loop() if self.custom_loop else loop.run()
         except BaseException as e:
             self.core.refresh_report()
             self.report.fail("worker-0", f"{type(e).__name__}: {e}", traceback.format_exc())
@@ -116,7 +143,7 @@ class LocalJob:
         finally:
             if self.progress is not None:
                 self.progress.close()
-        self.report.extra["nonfinite_steps_skipped"] = loop.stats.nonfinite_skipped
+        self.report.extra["nonfinite_steps_skipped"] = stats.nonfinite_skipped
         if tm.failure is not None:  # a task failed --max_task_retries times
             self.core.refresh_report()
             self.report.fail("worker-0", tm.failure.describe(), tm.failure.traceback)
@@ -129,7 +156,7 @@ class LocalJob:
             ckpt.export_model(self.trainer.model, self.out_dir)
         self.core.refresh_report()
         self.report.status = "succeeded"
-        self.report.extra["nonfinite_steps_skipped"] = loop.stats.nonfinite_skipped
+        self.report.extra["nonfinite_steps_skipped"] = stats.nonfinite_skipped
         self.report.extra["model_version"] = self.trainer.model_version
         self.report.extra["loop_wall_s"] = round(wall, 3)
         path = self.report.write(self.out_dir)

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from elasticdl.api.model_spec import ModelSpec
+from elasticdl.api.model_spec import ModelSpec, ModelSpecError
 from elasticdl.checkpoint import api as ckpt
-from elasticdl.common.enums import JobType
+from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.task import TaskType
 from elasticdl.data.api import DataReader
@@ -65,6 +65,26 @@ class RuntimeContext:
 
     def resolved_device(self) -> torch.device:
         return self.device if self.device is not None else select_device(self.job_spec.device)
+
+
+TRAIN_LOOP_STRATEGIES = (Strategy.LOCAL.value, Strategy.ALLREDUCE.value)
+
+
+def check_train_loop_supported(model_spec: ModelSpec, job_spec: JobSpec) -> None:
+    """A module's ``train_loop(ctx)`` runs under Local and AllreduceStrategy only.
+
+    Raises:
+        ModelSpecError: the module defines ``train_loop`` and the job trains with
+            another strategy (named with the module and the strategies that run it).
+    """
+    strategy = str(Strategy(job_spec.distribution_strategy).value)
+    if (model_spec.train_loop is not None and job_spec.job_type == JobType.TRAIN
+            and strategy not in TRAIN_LOOP_STRATEGIES):
+        raise ModelSpecError(
+            f"{model_spec.module_path} defines train_loop(ctx), which "
+            f"--distribution_strategy={strategy} does not run (its steps happen on the "
+            f"parameter servers); use {' or '.join(TRAIN_LOOP_STRATEGIES)}, or remove "
+            "train_loop to train with the built-in loop")
 
 
 class WorkerRuntime(ABC):
@@ -173,7 +193,8 @@ class LocalRuntime(TaskLoopRuntime):
     @classmethod
     def build(cls, ctx: RuntimeContext) -> LocalRuntime:
         spec = ctx.job_spec
-        trainer = LocalTrainer(ctx.model_spec, ctx.resolved_device(), spec.seed)
+        trainer = LocalTrainer(ctx.model_spec, ctx.resolved_device(), spec.seed,
+                               amp=spec.amp, clip_grad_norm=spec.clip_grad_norm)
         if spec.job_type != JobType.TRAIN:
             ckpt.load_for_inference(trainer, spec.checkpoint_dir_for_init)
         return cls(trainer, spec, ctx.worker_id)
@@ -200,6 +221,7 @@ class PSRuntime(TaskLoopRuntime):
     def build(cls, ctx: RuntimeContext) -> PSRuntime:
         from elasticdl.worker.ps_trainer import PSTrainer
 
+        check_train_loop_supported(ctx.model_spec, ctx.job_spec)
         trainer = PSTrainer(ctx.model_spec, list(ctx.ps_addrs), ctx.job_spec, ctx.worker_id,
                             ctx.resolved_device())
         return cls(trainer, ctx.job_spec, ctx.worker_id)

@@ -9,13 +9,14 @@ pushes around the same calls.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
 import torch
 
-from elasticdl.api.model_spec import ModelSpec, ModelSpecError
+from elasticdl.api.model_spec import LRSchedule, ModelSpec, ModelSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,81 @@ def check_finite_grads(named_parameters: Any) -> None:
                          f"(shape {tuple(grads[i].shape)})")
 
 
+AMP_MODES = ("off", "bf16", "fp16")
+
+
+def check_amp(amp: str, device: torch.device) -> None:
+    """Raise ``ValueError`` naming ``--amp`` when ``amp`` cannot run on ``device``."""
+    if amp not in AMP_MODES:
+        raise ValueError(f"--amp must be one of {AMP_MODES}, got {amp!r}")
+    if amp == "fp16" and device.type != "cuda":
+        raise ValueError(f"--amp=fp16 needs CUDA (float16 autocast with a GradScaler); this "
+                         f"worker trains on {device.type}: use --amp=bf16 or --amp=off")
+
+
+def autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` for ``--amp`` (bf16 or fp16), a no-op context for ``off``."""
+    if amp == "off":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+class OptimizerExtras:
+    """What steps alongside an optimizer: the module's LR scheduler, the epoch it
+    was last stepped for, a GradScaler (``--amp=fp16``) and ``--clip_grad_norm``.
+
+    Epoch-interval schedulers step once per epoch crossed (:meth:`advance_epoch`,
+    never backwards), step-interval ones after every optimizer update
+    (:meth:`after_update`). Its state (scheduler, epoch, scaler) goes into
+    checkpoints and, under allreduce, into the state broadcast to members.
+    """
+
+    def __init__(self, schedule: Optional[LRSchedule], scaler: Optional[Any] = None,
+                 clip_grad_norm: float = 0.0):
+        self.schedule = schedule
+        self.scaler = scaler
+        self.clip_grad_norm = float(clip_grad_norm)
+        self.epoch = 0
+
+    @property
+    def scheduler(self) -> Optional[Any]:
+        return self.schedule.scheduler if self.schedule is not None else None
+
+    def advance_epoch(self, epoch: int) -> None:
+        """A step of ``epoch`` is next: step an epoch scheduler once per epoch crossed."""
+        if epoch <= self.epoch:
+            return
+        if self.schedule is not None and self.schedule.interval == "epoch":
+            for _ in range(epoch - self.epoch):
+                self.schedule.scheduler.step()
+        self.epoch = epoch
+
+    def after_update(self) -> None:
+        """An optimizer update was applied (or skipped by the GradScaler)."""
+        if self.schedule is not None and self.schedule.interval == "step":
+            self.schedule.scheduler.step()
+
+    def clip(self, params: Any) -> None:
+        if self.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"epoch": self.epoch}
+        if self.schedule is not None:
+            out["lr_scheduler"] = self.schedule.scheduler.state_dict()
+        if self.scaler is not None:
+            out["grad_scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state.get("epoch", 0))
+        if self.schedule is not None and "lr_scheduler" in state:
+            self.schedule.scheduler.load_state_dict(state["lr_scheduler"])
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
+
+
 def call_model(model: torch.nn.Module, features: Any) -> Any:
     """``model(features)``; a dict of features is passed as one argument."""
     return model(features)
@@ -111,17 +187,19 @@ class Trainer(ABC):
     model_version: int
     spec: ModelSpec
     last_lr: Optional[float] = None   # the learning rate the last step was applied with
+    amp: str = "off"                  # --amp: forward and loss under torch.autocast
 
     def compute_loss(self, features: Any, labels: Any) -> torch.Tensor:
-        """Forward pass and the module's loss; the loss must be a scalar tensor."""
-        outputs = call_model(self.model, to_device(features, self.device))
-        loss = self.spec.compute_loss(to_device(labels, self.device), outputs, self.model)
+        """Forward pass and the module's loss (under ``torch.autocast`` with
+        ``--amp``); the loss must be a scalar tensor."""
+        with autocast(self.amp, self.device):
+            outputs = call_model(self.model, to_device(features, self.device))
+            loss = self.spec.compute_loss(to_device(labels, self.device), outputs, self.model)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
                                  f"tensor, got {getattr(loss, 'shape', type(loss))}")
         check_finite_loss(loss)
         return loss
-
 
     @abstractmethod
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
@@ -150,34 +228,70 @@ class Trainer(ABC):
 
 
 class LocalTrainer(Trainer):
-    """Model and optimizer in this process."""
+    """Model and optimizer in this process.
+
+    Args:
+        amp: ``--amp``: ``bf16`` autocast; ``fp16`` autocast and a GradScaler
+            (CUDA only, ``ValueError`` otherwise).
+        clip_grad_norm: ``--clip_grad_norm`` (0: off): the global norm of all
+            gradients is clipped before every optimizer step.
+    """
 
     def __init__(self, spec: ModelSpec, device: torch.device, seed: int = 0,
-                 model: Optional[torch.nn.Module] = None):
+                 model: Optional[torch.nn.Module] = None, amp: str = "off",
+                 clip_grad_norm: float = 0.0):
+        check_amp(amp, device)
         torch.manual_seed(seed)
         self.spec = spec
         self.device = device
+        self.amp = amp
         self.model = (model if model is not None else spec.build_model()).to(device)
         self.model.train()
         self.optimizer = spec.make_optimizer(self.model.named_parameters())
+        scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+        self.extras = OptimizerExtras(spec.make_lr_scheduler(self.optimizer), scaler,
+                                      clip_grad_norm)
         self.model_version = 0
+
+    @property
+    def lr_scheduler(self) -> Optional[Any]:
+        return self.extras.scheduler
+
+    def start_task(self, task: Any) -> frozenset[int]:
+        """A training task's steps are next: an epoch scheduler steps when its epoch
+        is higher than the last one trained."""
+        self.extras.advance_epoch(int(task.epoch))
+        return frozenset()
 
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.compute_loss(features, labels)
-        loss.backward()
-        check_finite_grads(self.model.named_parameters())
+        scaler = self.extras.scaler
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(self.optimizer)  # inf/nan: the scaler skips the step
+        else:
+            loss.backward()
+            check_finite_grads(self.model.named_parameters())
+        self.extras.clip(self.model.parameters())
         self.last_lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.extras.after_update()
         self.model_version += 1
         return loss.detach()
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "model_version": self.model_version}
+                "model_version": self.model_version, "extras": self.extras.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.model_version = int(state.get("model_version", 0))
+        if "extras" in state:
+            self.extras.load_state_dict(state["extras"])

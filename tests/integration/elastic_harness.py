@@ -88,8 +88,8 @@ class FakeSource(TaskSource):
         return self.tm.get(self.worker_id, task_type)
 
     def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False, counters: Any = None, loss: Any = None,
-                    learning_rate: Any = None) -> None:
+                    fatal: bool = False, counters: Any = None, loss: Optional[float] = None,
+                    learning_rate: Optional[float] = None) -> None:
         self.tm.report(task.task_id, self.worker_id, not error, error, traceback, fatal,
                        counters=counters)
 

@@ -64,9 +64,9 @@ def _setup(n: int, per_task: int, mb: int, epochs: int = 1, **tm_kw: Any):
     source = LocalTaskSource(tm, EvaluationAggregator())
     orig = source.report_task
 
-    def report(task, error="", traceback="", fatal=False):
+    def report(task, error="", traceback="", fatal=False, **kw):
         reported.append(task.task_id if not error else -task.task_id - 1)
-        orig(task, error, traceback, fatal)
+        orig(task, error, traceback, fatal, **kw)
 
     source.report_task = report  # type: ignore[method-assign]
     runner = ScriptedRunner()
