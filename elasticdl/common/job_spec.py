@@ -24,6 +24,7 @@ STRATEGIES = tuple(s.value for s in Strategy)
 JOB_TYPES = tuple(t.value for t in JobType)
 CLUSTERS = tuple(c.value for c in ClusterKind)
 DEVICES = ("auto", "cpu", "cuda")
+K8S_METRICS_PORT = 9090   # --metrics_port=0 on Kubernetes
 
 
 class JobSpecError(ValueError):
@@ -166,6 +167,9 @@ class JobSpec:
     cluster_spec: str = _f("", "JSON file (or JSON) patched into every pod spec", "cluster")
     yaml: str = _f("", "Write the job's manifests to this file instead of submitting",
                    "cluster")
+    metrics_port: int = _f(0, "Port of the master's Prometheus endpoint (/metrics): 0 "
+                           "picks a free port (Kubernetes: 9090), -1 turns it off; see "
+                           "docs/observability.md", "cluster", min=-1, max=65535)
     grpc_tls: bool = _f(False, "Encrypt the job's gRPC traffic with TLS (a self-signed "
                         "certificate made for the job, delivered with the job token; see "
                         "docs/security.md)", "cluster")
@@ -180,6 +184,9 @@ class JobSpec:
             low = f.metadata.get("min")
             if low is not None and value < low:
                 raise JobSpecError(f.name, f"must be >= {low}, got {value!r}")
+            high = f.metadata.get("max")
+            if high is not None and value > high:
+                raise JobSpecError(f.name, f"must be <= {high}, got {value!r}")
             kind = f.metadata.get("kind")
             try:
                 if kind == "resources":
@@ -240,6 +247,14 @@ class JobSpec:
             raise JobSpecError("use_async", "only applies to ParameterServerStrategy")
 
     # ------------------------------------------------------------- helpers
+    @property
+    def master_metrics_port(self) -> int:
+        """The port of the master's /metrics: -1 off, 0 a free one (local), a fixed
+        one on Kubernetes (its Service names it)."""
+        if self.metrics_port == 0 and self.cluster == ClusterKind.K8S:
+            return K8S_METRICS_PORT
+        return self.metrics_port
+
     @property
     def records_per_task(self) -> int:
         return self.minibatch_size * self.num_minibatches_per_task

@@ -31,7 +31,7 @@ from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
-from elasticdl.master import failover
+from elasticdl.master import failover, observability
 from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.rendezvous import RendezvousHandler
@@ -143,6 +143,10 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     master_addr = cluster.master_address() or f"{args.host}:{args.port}"
     controller = JobController(spec, cluster, core, master_addr, report_dir,
                                rendezvous=rendezvous)
+    in_pod = spec.cluster == "k8s"
+    obs = observability.attach(core, spec.output, spec.master_metrics_port,
+                               "0.0.0.0" if in_pod else args.host, args.host, track_ps=True)
+    observability.publish(obs, args.job_dir, report)
     servicer = MasterServicer(core, rendezvous, require_identity=True)
     server = start_master_server(servicer, args.port, job_secrets=job_secrets)
     stop = stop or threading.Event()
@@ -160,6 +164,7 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     finally:
         cluster.close()
         server.stop(grace=2).wait(5)
+        obs.close()
         journal.close()
     return 0 if status == "succeeded" else 1
 

@@ -23,6 +23,7 @@ from elasticdl.common.job_dirs import job_dir_for
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
+from elasticdl.master import observability
 from elasticdl.master.job import JobCore
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import TaskLoop
@@ -105,6 +106,8 @@ class LocalJob:
         logger.info("job %s: %s on %s, output in %s", spec.job_name, spec.job_type,
                     self.trainer.device, self.out_dir)
         start = time.monotonic()
+        # TensorBoard scalars in <--output>/tensorboard, as the master writes them
+        obs = observability.attach(self.core, spec.output)
         try:
             loop.run()
         except BaseException as e:
@@ -113,6 +116,7 @@ class LocalJob:
             self.report.write(self.out_dir)
             raise
         finally:
+            obs.close()
             if self.progress is not None:
                 self.progress.close()
         self.report.extra["nonfinite_steps_skipped"] = loop.stats.nonfinite_skipped
