@@ -211,16 +211,16 @@ class JobCore(Journaled):
                 self._on_version(worker_id, model_version)
             task, holders = self.tm.held_task(task_id)
             self.tm.report(task_id, worker_id, success, error, traceback, fatal, counters)
-            trained = success and task is not None and worker_id in holders and \
-                task.type == TaskType.TRAINING
-            if trained:
-                self.report.add_training(task.epoch, task.num_records, loss, learning_rate)
+            trained = task if success and task is not None and worker_id in holders and \
+                task.type == TaskType.TRAINING else None
+            if trained is not None:
+                self.report.add_training(trained.epoch, trained.num_records, loss, learning_rate)
             self._maybe_start_evaluation()
             self._log("report", t=t, task=task_id, w=worker_id, ok=success, error=error,
                       tb=traceback, fatal=fatal, counters=dict(counters or {}),
                       version=model_version, loss=loss, lr=learning_rate)
-            if trained and task is not None:
-                self.notify("on_training_task", epoch=task.epoch, records=task.num_records,
+            if trained is not None:
+                self.notify("on_training_task", epoch=trained.epoch, records=trained.num_records,
                             loss=loss, learning_rate=learning_rate, version=self.version)
 
     def report_evaluation(self, task_id: int, model_version: int,

@@ -253,3 +253,54 @@ def test_observability_never_imports_torch():
     r = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_restored_master_appends_without_duplicating(tmp_path):
+    """Failover: the first master dies mid-job (its events flushed), a second one
+    restores the core from its state and writes a second file in the same dir;
+    TensorBoard reads one series: each task's loss once, each evaluation once,
+    counters going on from the restored state."""
+    first = make_core()
+    obs = observability.attach(first, str(tmp_path), flush_secs=3600)
+    version, losses = 0, []
+    for _ in range(8):  # 8 of 12 training tasks (epoch 0 ends, its evaluation runs)
+        task = first.get(0)
+        while task.type == TaskType.EVALUATION:
+            first.report_evaluation(task.task_id, task.model_version,
+                                    [("accuracy", 0.5, task.num_records)])
+            first.report_task(task.task_id, 0, True, model_version=version)
+            task = first.get(0)
+        version += 2
+        losses.append(2.0 / version)
+        first.report_task(task.task_id, 0, True, model_version=version, loss=losses[-1])
+    first.report.add_relaunch("worker-0", "worker-1", "killed", -9)
+    first.notify("on_relaunch", replica="worker-0", new_replica="worker-1", reason="killed",
+                 version=first.version)
+    obs.flush()
+    state = first.state_dict()
+    obs.close()
+    second = make_core()
+    second.load_state_dict(state)
+    obs2 = observability.attach(second, str(tmp_path), flush_secs=3600)
+    for _ in range(1000):
+        if second.finished():
+            break
+        task = second.get(1)
+        if task.type == TaskType.TRAINING:
+            version += 2
+            losses.append(2.0 / version)
+            second.report_task(task.task_id, 1, True, model_version=version,
+                               loss=losses[-1])
+        elif task.type == TaskType.EVALUATION:
+            second.report_evaluation(task.task_id, task.model_version,
+                                     [("accuracy", 0.9, task.num_records)])
+            second.report_task(task.task_id, 1, True, model_version=version)
+    obs2.close()
+    logdir = os.path.join(str(tmp_path), observability.TENSORBOARD_DIR)
+    assert len(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))) == 2
+    s = scalars(logdir)
+    assert [v for _, v in s["train/loss"]] == pytest.approx(losses)
+    assert [st for st, _ in s["train/loss"]] == list(range(2, 26, 2))
+    assert s["eval/accuracy"] == [(12, 0.5), (24, pytest.approx(0.9))]
+    assert s["job/epochs_completed"][-1][1] == 2
+    assert [v for _, v in s["job/relaunches"]] == [0, 1, 1]  # the restored count goes on
