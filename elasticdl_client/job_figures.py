@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
 import urllib.request
 from typing import Any, Optional
 
@@ -27,7 +26,12 @@ def scrape(address: str, timeout_s: float = 3.0) -> Samples:
     """``/metrics`` of ``address`` (host:port) as ``{sample name: {labels: value}}``.
     Raises OSError (URLError) when it cannot be reached, ValueError on bad text."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as r:
-        text = r.read().decode("utf-8")
+        return parse(r.read().decode("utf-8"))
+
+
+def parse(text: str) -> Samples:
+    """Prometheus text as ``{sample name: {sorted label pairs: value}}``; raises
+    ValueError on text that is not the exposition format."""
     out: Samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -91,7 +91,8 @@ def test_close_writes_everything_and_is_final(tmp_path):
 def make_core(epochs=2, train=120, val=30):
     tm = TaskManager([("t", 0, train)], [("v", 0, val)], records_per_task=20,
                      num_epochs=epochs, seed=3)
-    return JobCore(tm, JobReport("obs-job", "ParameterServerStrategy", "local", 2, 1),
+    return JobCore(tm, JobReport("obs-job", "ParameterServerStrategy", "local", 2, 1,
+                             training_records=train, validation_records=val),
                    Schedule(), minibatch_size=10)
 
 
