@@ -112,7 +112,7 @@ def master_service(job_spec: JobSpec, port: int, owner: Optional[Manifest] = Non
     if owner:
         metadata["ownerReferences"] = [dict(owner)]
     ports = [{"name": "grpc", "port": port, "targetPort": port, "protocol": "TCP"}]
-    metrics = job_spec.master_metrics_port
+    metrics = job_spec.master_metrics_port(port)
     if metrics >= 0:  # the Prometheus endpoint (docs/observability.md)
         ports.append({"name": "metrics", "port": metrics, "targetPort": metrics,
                       "protocol": "TCP"})

@@ -24,7 +24,7 @@ STRATEGIES = tuple(s.value for s in Strategy)
 JOB_TYPES = tuple(t.value for t in JobType)
 CLUSTERS = tuple(c.value for c in ClusterKind)
 DEVICES = ("auto", "cpu", "cuda")
-K8S_METRICS_PORT = 9090   # --metrics_port=0 on Kubernetes
+K8S_METRICS_PORT_OFFSET = 1000   # --metrics_port=0 on Kubernetes: the master's port + this
 
 
 class JobSpecError(ValueError):
@@ -167,9 +167,10 @@ class JobSpec:
     cluster_spec: str = _f("", "JSON file (or JSON) patched into every pod spec", "cluster")
     yaml: str = _f("", "Write the job's manifests to this file instead of submitting",
                    "cluster")
-    metrics_port: int = _f(0, "Port of the master's Prometheus endpoint (/metrics): 0 "
-                           "picks a free port (Kubernetes: 9090), -1 turns it off; see "
-                           "docs/observability.md", "cluster", min=-1, max=65535)
+    metrics_port: int = _f(0, "Port of the master's Prometheus endpoint (/metrics): 0 picks "
+                           "a free port (Kubernetes: the master's port + 1000, i.e. 51001), "
+                           "-1 turns it off; see docs/observability.md", "cluster", min=-1,
+                           max=65535)
     grpc_tls: bool = _f(False, "Encrypt the job's gRPC traffic with TLS (a self-signed "
                         "certificate made for the job, delivered with the job token; see "
                         "docs/security.md)", "cluster")
@@ -247,12 +248,11 @@ class JobSpec:
             raise JobSpecError("use_async", "only applies to ParameterServerStrategy")
 
     # ------------------------------------------------------------- helpers
-    @property
-    def master_metrics_port(self) -> int:
-        """The port of the master's /metrics: -1 off, 0 a free one (local), a fixed
-        one on Kubernetes (its Service names it)."""
+    def master_metrics_port(self, master_port: int) -> int:
+        """The port of the master's /metrics: -1 off, 0 a free one (local); on
+        Kubernetes 0 is ``master_port`` + 1000 (its Service names a fixed port)."""
         if self.metrics_port == 0 and self.cluster == ClusterKind.K8S:
-            return K8S_METRICS_PORT
+            return master_port + K8S_METRICS_PORT_OFFSET
         return self.metrics_port
 
     @property

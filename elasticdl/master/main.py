@@ -144,7 +144,7 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     controller = JobController(spec, cluster, core, master_addr, report_dir,
                                rendezvous=rendezvous)
     in_pod = spec.cluster == "k8s"
-    obs = observability.attach(core, spec.output, spec.master_metrics_port,
+    obs = observability.attach(core, spec.output, spec.master_metrics_port(args.port),
                                "0.0.0.0" if in_pod else args.host, args.host, track_ps=True)
     observability.publish(obs, args.job_dir, report)
     servicer = MasterServicer(core, rendezvous, require_identity=True)

@@ -309,7 +309,7 @@ def test_a_restored_master_appends_without_duplicating(tmp_path):
 
 def test_master_service_exposes_the_metrics_port():
     from elasticdl.cluster.k8s_master import master_service
-    from elasticdl.common.job_spec import K8S_METRICS_PORT, JobSpecError, job_spec_from_flags
+    from elasticdl.common.job_spec import JobSpecError, job_spec_from_flags
 
     def ports(**flags):
         spec = job_spec_from_flags("train", {"model_zoo": "z", "model_def": "m.f",
@@ -317,7 +317,7 @@ def test_master_service_exposes_the_metrics_port():
                                              **flags})
         return {p["name"]: p["port"] for p in master_service(spec, 50001)["spec"]["ports"]}
 
-    assert ports() == {"grpc": 50001, "metrics": K8S_METRICS_PORT}
+    assert ports() == {"grpc": 50001, "metrics": 51001}
     assert ports(metrics_port=9300) == {"grpc": 50001, "metrics": 9300}
     assert ports(metrics_port=-1) == {"grpc": 50001}
     for bad in (-2, 70000):
