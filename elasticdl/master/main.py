@@ -134,6 +134,11 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     else:
         core.attach_journal(journal)
         core.begin()
+    in_pod = spec.cluster == "k8s"  # TensorBoard files and /metrics (docs/observability.md)
+    obs = observability.attach(core, spec.output, spec.master_metrics_port(args.port),
+                               "0.0.0.0" if in_pod else args.host, args.host, track_ps=True,
+                               fresh=not restoring)
+    observability.publish(obs, args.job_dir, report)
     cluster = create_cluster(spec.cluster, spec, args.job_dir)
     rendezvous = _rendezvous(spec, args.host)
     if rendezvous is not None:
@@ -143,10 +148,6 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     master_addr = cluster.master_address() or f"{args.host}:{args.port}"
     controller = JobController(spec, cluster, core, master_addr, report_dir,
                                rendezvous=rendezvous)
-    in_pod = spec.cluster == "k8s"
-    obs = observability.attach(core, spec.output, spec.master_metrics_port(args.port),
-                               "0.0.0.0" if in_pod else args.host, args.host, track_ps=True)
-    observability.publish(obs, args.job_dir, report)
     servicer = MasterServicer(core, rendezvous, require_identity=True)
     server = start_master_server(servicer, args.port, job_secrets=job_secrets)
     stop = stop or threading.Event()
@@ -182,7 +183,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     try:
         return run_master(args, stop)
-    except (DataError, ckpt_paths.CheckpointError, auth.AuthError) as e:
+    except (DataError, ckpt_paths.CheckpointError, auth.AuthError,
+            observability.ObservabilityError) as e:
         logger.error("cannot start job: %s", e)
         report_for(args.job_spec, status="failed",
                    failure={"replica": "master", "error": str(e), "traceback": ""}

@@ -137,20 +137,44 @@ def publish(obs: Observability, job_dir: str, report: Any) -> None:
     os.replace(path + ".tmp", path)
 
 
+class ObservabilityError(RuntimeError):
+    """The event files cannot be written or the metrics port cannot be served."""
+
+
+def _remove_old_runs(logdir: str) -> None:
+    """A fresh job on the same --output starts a new series: the event files an
+    earlier job wrote there (ours: suffix ``.elasticdl``) are removed."""
+    old = [n for n in os.listdir(logdir) if n.startswith("events.out.tfevents.")
+           and n.endswith(".elasticdl")] if os.path.isdir(logdir) else []
+    for name in old:
+        os.unlink(os.path.join(logdir, name))
+    if old:
+        logger.info("removed %d TensorBoard event file(s) of an earlier job in %s", len(old),
+                    logdir)
+
+
 def attach(core: Any, output: str = "", metrics_port: int = -1, host: str = "127.0.0.1",
-           advertise: str = "", track_ps: bool = False,
+           advertise: str = "", track_ps: bool = False, fresh: bool = True,
            flush_secs: float = 5.0) -> Observability:
     """Hook TensorBoard (``<output>/tensorboard``, when ``output``) and the Prometheus
     endpoint (``metrics_port`` >= 0, 0 picks a free port, bound to ``host`` and
     shown as ``advertise``:port) to ``core``. ``track_ps``: count live PS from the
-    job controller's notes (a master with a cluster)."""
+    job controller's notes (a master with a cluster). ``fresh``: a new job (not a
+    restored master): earlier jobs' event files in that directory are removed.
+    Raises :class:`ObservabilityError` naming the flag when either cannot start."""
     obs = Observability()
     core.add_listener(obs.figures)
     if output:
         from elasticdl.master.tensorboard_events import ScalarEventWriter, TensorBoardListener
 
-        obs.writer = ScalarEventWriter(os.path.join(output, TENSORBOARD_DIR),
-                                       flush_secs=flush_secs)
+        logdir = os.path.join(output, TENSORBOARD_DIR)
+        try:
+            if fresh:
+                _remove_old_runs(logdir)
+            obs.writer = ScalarEventWriter(logdir, flush_secs=flush_secs)
+        except OSError as e:
+            raise ObservabilityError(f"--output: cannot write TensorBoard event files in "
+                                     f"{logdir}: {e}") from e
         core.add_listener(TensorBoardListener(obs.writer, core))
         logger.info("TensorBoard event files in %s", obs.writer.logdir)
     if metrics_port >= 0:
@@ -159,7 +183,12 @@ def attach(core: Any, output: str = "", metrics_port: int = -1, host: str = "127
         replicas = ReplicaCounts() if track_ps else None
         if replicas is not None:
             core.add_listener(replicas)
-        obs.server = MetricsServer.start(core, obs.figures, host, metrics_port, replicas,
-                                         advertise)
+        try:
+            obs.server = MetricsServer.start(core, obs.figures, host, metrics_port, replicas,
+                                             advertise)
+        except OSError as e:
+            obs.close()
+            raise ObservabilityError(f"--metrics_port: cannot serve metrics on "
+                                     f"{host}:{metrics_port}: {e}") from e
         logger.info("Prometheus metrics at http://%s/metrics", obs.server.address)
     return obs

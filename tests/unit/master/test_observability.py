@@ -282,7 +282,7 @@ def test_a_restored_master_appends_without_duplicating(tmp_path):
     obs.close()
     second = make_core()
     second.load_state_dict(state)
-    obs2 = observability.attach(second, str(tmp_path), flush_secs=3600)
+    obs2 = observability.attach(second, str(tmp_path), fresh=False, flush_secs=3600)
     for _ in range(1000):
         if second.finished():
             break
@@ -323,3 +323,29 @@ def test_master_service_exposes_the_metrics_port():
     for bad in (-2, 70000):
         with pytest.raises(JobSpecError, match="--metrics_port"):
             ports(metrics_port=bad)
+
+
+def test_a_fresh_job_replaces_earlier_series_a_restored_one_keeps_them(tmp_path):
+    for fresh, files in ((True, 1), (True, 1), (False, 2)):
+        core = make_core(epochs=1)
+        obs = observability.attach(core, str(tmp_path), fresh=fresh, flush_secs=3600)
+        run_job(core, [])
+        obs.close()
+        logdir = os.path.join(str(tmp_path), observability.TENSORBOARD_DIR)
+        assert len(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))) == files
+        assert len(scalars(logdir)["train/loss"]) == 6 * files
+
+
+def test_unusable_port_or_directory_is_a_clear_error(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(observability.ObservabilityError, match="--metrics_port"):
+            observability.attach(make_core(), "", metrics_port=port)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(observability.ObservabilityError, match="--output"):
+        observability.attach(make_core(), str(blocker))
