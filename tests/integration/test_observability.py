@@ -214,3 +214,53 @@ def test_local_job_writes_the_same_series(digits_data, tmp_path):
     check_series(s, report)
     # one loss point per training task, at the job's version after it
     assert len(s["train/loss"]) == 2 * training_tasks(spec)
+
+
+def test_restarted_master_appends_to_the_series(digits_data, tmp_path):
+    """kill -9 of the master after the first evaluation reached its event file: the
+    relaunched master serves /metrics on a new port (republished) and writes a second
+    event file; together they hold each evaluation once, steps never go back."""
+    import signal
+
+    home, job, out = str(tmp_path / "home"), "obs-failover", str(tmp_path / "out")
+    args = ["train", f"--model_zoo={MODEL_ZOO}", "--model_def=digits.digits_cnn.custom_model",
+            f"--training_data={digits_data}/train", f"--validation_data={digits_data}/val",
+            "--distribution_strategy=ParameterServerStrategy", "--num_workers=2",
+            "--num_ps_pods=1", "--num_epochs=3", "--minibatch_size=32",
+            "--num_minibatches_per_task=1", f"--output={out}", f"--job_name={job}",
+            "--cluster=local"]
+    logdir = os.path.join(out, "tensorboard")
+    proc = start_cli(args, home, str(tmp_path / "cli.log"))
+    try:
+        first = wait_for(lambda: read_json(os.path.join(out, "metrics_endpoint.json")), 120,
+                         "the metrics endpoint")
+        wait_for(lambda: os.path.isdir(logdir) and scalars(logdir).get("eval/accuracy"), 300,
+                 "the first evaluation in the event file", interval_s=0.5)
+        os.kill(first["pid"], signal.SIGKILL)
+        second = wait_for(lambda: (lambda m: m if m and m["pid"] != first["pid"] else None)(
+            read_json(os.path.join(out, "metrics_endpoint.json"))), 120,
+            "the relaunched master's endpoint")
+        restarted = wait_for(lambda: (lambda s: s if s.get("elasticdl_master_restarts_total")
+                                      else None)(scrape(second["address"])), 60,
+                             "a scrape of the relaunched master")
+        assert one(restarted, "elasticdl_master_restarts_total") == 1
+        assert one(restarted, "elasticdl_epochs_completed") >= 1  # restored, not reset
+        assert proc.wait(timeout=600) == 0, (tmp_path / "cli.log").read_text()[-3000:]
+    finally:
+        kill_job_tree(proc, out)
+    report = read_json(os.path.join(out, "job_report.json"))
+    assert report["status"] == "succeeded" and len(report["master_restarts"]) == 1
+    assert report["metrics_endpoint"] == second["address"] != first["address"]
+    files = [n for n in os.listdir(logdir) if n.startswith("events.out.tfevents.")]
+    assert len(files) == 2, files
+    s = scalars(logdir)
+    evaluated = {e["model_version"]: e["metrics"]["accuracy"] for e in report["evaluations"]}
+    got = s["eval/accuracy"]
+    steps = [st for st, _ in got]
+    assert len(steps) == len(set(steps)), got  # no evaluation written twice
+    assert steps[0] == min(evaluated) and steps[-1] == max(evaluated)
+    for step, value in got:
+        assert value == pytest.approx(evaluated[step], rel=1e-6)
+    loss_steps = [st for st, _ in s["train/loss"]]
+    assert loss_steps == sorted(loss_steps)  # across both files: never back
+    assert [v for _, v in s["job/epochs_completed"]][-1] == 3
