@@ -69,9 +69,17 @@ def test_writer_queue_is_bounded_and_never_blocks(tmp_path):
     assert time.monotonic() - started < 1.0  # no blocking on a full queue
     assert results == [True] * 3 + [False] * 7
     assert w.dropped == 7
+    # rare scalars (evaluations...) are not lost to the burst: their own queue
+    assert [w.add_scalar("eval/acc", 0.5 + i / 10, i, keep=True) for i in range(3)] == \
+        [True] * 3
+    # that queue is bounded too (by max_queue, 3 here)
+    assert [w.add_scalar("eval/acc", 1.0, 9, keep=True) for _ in range(3)] == [False] * 3
+    assert w.dropped == 10
     release.set()
     assert w.flush()
-    assert [s for s, _ in scalars(str(tmp_path))["q"]] == [0, 1, 2, 3]
+    got = scalars(str(tmp_path))
+    assert [s for s, _ in got["q"]] == [0, 1, 2, 3]
+    assert got["eval/acc"] == [(0, 0.5), (1, pytest.approx(0.6)), (2, pytest.approx(0.7))]
     w.close()
 
 
