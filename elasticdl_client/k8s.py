@@ -141,6 +141,7 @@ def status(job_name: str, namespace: str = "default", tail: int = 5,
         with _core(kubeconfig) as core:
             raw, _ = list_pods(core, namespace, mf.job_selector(job_name))
             log = _master_log(core, job_name, namespace, tail) if raw and tail > 0 else ""
+            figures = live_figures(core, job_name, namespace) if raw else []
     except ClusterError as e:
         return _error("status", str(e), _cluster_error_code(e))
     except API_ERRORS as e:
@@ -153,11 +154,33 @@ def status(job_name: str, namespace: str = "default", tail: int = 5,
     print(f"  {'REPLICA':<14}{'PHASE':<11}{'REASON':<15}EXIT", file=out)
     for name, phase, reason, code in rows:
         print(f"  {name:<14}{phase:<11}{reason:<15}{code}", file=out)
+    for line in figures:
+        print(line, file=out)
     if tail > 0:
         print("progress (master log):", file=out)
         for line in log.splitlines():
             print(f"  {line}", file=out)
     return OK
+
+
+def live_figures(core: Any, job_name: str, namespace: str) -> list[str]:
+    """The job's figures from the master's /metrics through the API server's
+    service proxy (docs/observability.md); one line saying why when unavailable
+    (job ended, --metrics_port=-1, no proxy permission)."""
+    from elasticdl.cluster.k8s_api import API_ERRORS
+    from elasticdl_client import job_figures
+
+    service = f"{mf.master_service_name(job_name)}:metrics"
+    try:
+        text = core.connect_get_namespaced_service_proxy_with_path(service, namespace,
+                                                                   "metrics")
+        lines = job_figures.from_metrics(job_figures.parse(str(text)))
+    except API_ERRORS as e:
+        reason = getattr(e, "reason", None) or type(e).__name__
+        return [f"figures: master metrics endpoint unavailable ({reason})"]
+    except ValueError as e:
+        return [f"figures: master metrics endpoint sent bad text ({e})"]
+    return ["figures (live, master /metrics via the API server):"] + lines
 
 
 def _master_pods(core: Any, job_name: str, namespace: str) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from elasticdl.common.job_dirs import named_job_dir, register_job_dir
 from elasticdl.common.job_report import REPORT_NAME
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.master.journal import JOURNAL_DIR, RESTARTS_FILE
+from elasticdl_client import job_figures
 
 MASTER_FILE = "master.json"
 STOP_FILE = "stop_requested"   # `elasticdl stop` ran: a master that dies is not relaunched
@@ -62,7 +63,7 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
     out = out or sys.stderr
     job_dir = register_job_dir(spec)
     os.makedirs(os.path.join(job_dir, "logs"), exist_ok=True)
-    for stale in (REPORT_NAME, STATE_FILE, RESTARTS_FILE, STOP_FILE):
+    for stale in (REPORT_NAME, STATE_FILE, RESTARTS_FILE, STOP_FILE, job_figures.METRICS_FILE):
         if os.path.exists(os.path.join(job_dir, stale)):
             os.unlink(os.path.join(job_dir, stale))
     shutil.rmtree(os.path.join(job_dir, JOURNAL_DIR), ignore_errors=True)
@@ -245,11 +246,11 @@ def status(job_name: str) -> str:
         ds = report.get("dataset", {})
         lines.append(f"  strategy {report.get('strategy')}, training records "
                      f"{ds.get('training_records')}, validation {ds.get('validation_records')}")
-        for e in report.get("epochs", []):
-            lines.append(f"  epoch {e['epoch']}: {e['records_completed']} records done, "
-                         f"{e['records_redone']} redone")
+        source, figures = job_figures.figures(job_dir, report, running)
+        lines.append(f"  figures {source}:")
+        lines.extend(figures)
         if report.get("final_metrics"):
-            lines.append(f"  metrics: {report['final_metrics']}")
+            lines.append(f"  final metrics: {report['final_metrics']}")
         for r in report.get("relaunches", []):
             lines.append(f"  relaunch: {r['replica']} -> {r['new_replica']} ({r['reason']}, "
                          f"exit {r['exit_code']})")

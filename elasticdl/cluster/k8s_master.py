@@ -111,11 +111,15 @@ def master_service(job_spec: JobSpec, port: int, owner: Optional[Manifest] = Non
                           "labels": labels(job_spec.job_name, ReplicaType.MASTER, 0)}
     if owner:
         metadata["ownerReferences"] = [dict(owner)]
+    ports = [{"name": "grpc", "port": port, "targetPort": port, "protocol": "TCP"}]
+    metrics = job_spec.master_metrics_port(port)
+    if metrics >= 0:  # the Prometheus endpoint (docs/observability.md)
+        ports.append({"name": "metrics", "port": metrics, "targetPort": metrics,
+                      "protocol": "TCP"})
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata,
             "spec": {"type": "ClusterIP",
                      "selector": labels(job_spec.job_name, ReplicaType.MASTER, 0),
-                     "ports": [{"name": "grpc", "port": port, "targetPort": port,
-                                "protocol": "TCP"}]}}
+                     "ports": ports}}
 
 
 def master_pod(job_spec: JobSpec, base: int = DEFAULT_PORT_BASE) -> Manifest:

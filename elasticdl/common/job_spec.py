@@ -24,6 +24,7 @@ STRATEGIES = tuple(s.value for s in Strategy)
 JOB_TYPES = tuple(t.value for t in JobType)
 CLUSTERS = tuple(c.value for c in ClusterKind)
 DEVICES = ("auto", "cpu", "cuda")
+K8S_METRICS_PORT_OFFSET = 1000   # --metrics_port=0 on Kubernetes: the master's port + this
 
 
 class JobSpecError(ValueError):
@@ -166,6 +167,10 @@ class JobSpec:
     cluster_spec: str = _f("", "JSON file (or JSON) patched into every pod spec", "cluster")
     yaml: str = _f("", "Write the job's manifests to this file instead of submitting",
                    "cluster")
+    metrics_port: int = _f(0, "Port of the master's Prometheus endpoint (/metrics): 0 picks "
+                           "a free port (Kubernetes: the master's port + 1000, i.e. 51001), "
+                           "-1 turns it off; see docs/observability.md", "cluster", min=-1,
+                           max=65535)
     grpc_tls: bool = _f(False, "Encrypt the job's gRPC traffic with TLS (a self-signed "
                         "certificate made for the job, delivered with the job token; see "
                         "docs/security.md)", "cluster")
@@ -180,6 +185,9 @@ class JobSpec:
             low = f.metadata.get("min")
             if low is not None and value < low:
                 raise JobSpecError(f.name, f"must be >= {low}, got {value!r}")
+            high = f.metadata.get("max")
+            if high is not None and value > high:
+                raise JobSpecError(f.name, f"must be <= {high}, got {value!r}")
             kind = f.metadata.get("kind")
             try:
                 if kind == "resources":
@@ -240,6 +248,13 @@ class JobSpec:
             raise JobSpecError("use_async", "only applies to ParameterServerStrategy")
 
     # ------------------------------------------------------------- helpers
+    def master_metrics_port(self, master_port: int) -> int:
+        """The port of the master's /metrics: -1 off, 0 a free one (local); on
+        Kubernetes 0 is ``master_port`` + 1000 (its Service names a fixed port)."""
+        if self.metrics_port == 0 and self.cluster == ClusterKind.K8S:
+            return master_port + K8S_METRICS_PORT_OFFSET
+        return self.metrics_port
+
     @property
     def records_per_task(self) -> int:
         return self.minibatch_size * self.num_minibatches_per_task

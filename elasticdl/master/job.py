@@ -89,6 +89,7 @@ class JobCore(Journaled):
         self._begun = False
         self._epochs_ended: set[int] = set()
         self._manage = manage_evaluations
+        self._listeners: list[Any] = []
         self._init_journal(task_manager)
         task_manager.evaluation_done_callbacks.append(self._on_evaluation_done)
         if manage_evaluations:
@@ -211,13 +212,17 @@ class JobCore(Journaled):
                 self._on_version(worker_id, model_version)
             task, holders = self.tm.held_task(task_id)
             self.tm.report(task_id, worker_id, success, error, traceback, fatal, counters)
-            if success and task is not None and worker_id in holders and \
-                    task.type == TaskType.TRAINING:
-                self.report.add_training(task.epoch, task.num_records, loss, learning_rate)
+            trained = task if success and task is not None and worker_id in holders and \
+                task.type == TaskType.TRAINING else None
+            if trained is not None:
+                self.report.add_training(trained.epoch, trained.num_records, loss, learning_rate)
             self._maybe_start_evaluation()
             self._log("report", t=t, task=task_id, w=worker_id, ok=success, error=error,
                       tb=traceback, fatal=fatal, counters=dict(counters or {}),
                       version=model_version, loss=loss, lr=learning_rate)
+            if trained is not None:
+                self.notify("on_training_task", epoch=trained.epoch, records=trained.num_records,
+                            loss=loss, learning_rate=learning_rate, version=self.version)
 
     def report_evaluation(self, task_id: int, model_version: int,
                           metrics: Sequence[Metric], states: bytes = b"") -> None:
@@ -331,6 +336,7 @@ class JobCore(Journaled):
             return
         metrics = self.aggregator.complete(version)
         self.report.add_evaluation(version, metrics, running["reasons"], running["epoch"])
+        self.notify("on_evaluation", version=version, metrics=dict(metrics))
         self._last_evaluated = version
         self._running = None
         self.tm.hold_training = self._pending is not None
@@ -346,8 +352,26 @@ class JobCore(Journaled):
             else:
                 self._epochs_ended.add(epoch)
                 self._request_evaluation("epoch_end", epoch)
+                self.notify("on_epoch_end", epoch=epoch, version=self.version)
             if epoch >= self.tm.num_epochs - 1 and self.tm.training_records_left() == 0:
                 self._request_evaluation("final", epoch)
+
+    # ------------------------------------------------------------ listeners
+    def add_listener(self, listener: Any) -> None:
+        """``listener`` hears of the job's events by method name (see
+        :class:`elasticdl.master.observability.JobListener`): ``on_training_task``,
+        ``on_evaluation``, ``on_epoch_end``, ``on_relaunch``. Called under the core's
+        lock (from gRPC handlers): a listener returns at once (queues, never blocks)."""
+        self._listeners.append(listener)
+
+    def notify(self, event: str, **fields: Any) -> None:
+        """Tell every listener of ``event``; a listener's error is logged, never
+        fails the job (observability must not stop training)."""
+        for listener in self._listeners:
+            try:
+                getattr(listener, event)(**fields)
+            except Exception:  # noqa: BLE001 - logged with its traceback
+                logger.exception("job listener %r failed on %s", listener, event)
 
     # --------------------------------------------------------------- report
     def refresh_report(self) -> JobReport:

@@ -90,6 +90,7 @@ class JobController:
                f"--num_ps={self.spec.num_ps_pods}", f"--port={port}", *extra] + \
             self._common_flags()
         self.cluster.create_replica(self._replica(ReplicaType.PS, index, cmd, port))
+        self.core.notify("on_replica", kind="ps", index=index, alive=True)
 
     def _relaunch_ps(self, index: int) -> None:
         """Relaunch a dead PS; with a complete checkpoint, roll every PS back to it
@@ -151,6 +152,8 @@ class JobController:
         that is gone is handled as killed (its held tasks re-queued, relaunched).
         Returns the names of those lost."""
         have = {(r.type, r.index) for r in adopted}
+        for r in adopted:
+            self.core.notify("on_replica", kind=r.type.value, index=r.index, alive=True)
         num_ps = self._endpoints()
         lost = [ReplicaEvent(ReplicaType.PS, i, Phase.FAILED, None, "killed",
                              "gone while the master was down")
@@ -174,6 +177,7 @@ class JobController:
         if event.phase in (Phase.PENDING, Phase.RUNNING):
             return
         name = event.name
+        self.core.notify("on_replica", kind=event.type.value, index=event.index, alive=False)
         if event.type == ReplicaType.WORKER:
             self._worker_gone(event)
         key = f"{event.type.value}:" + str(self.book.lineage_of(event.index)
@@ -236,6 +240,8 @@ class JobController:
             self._fail(event.name, f"relaunch failed: {e}", "")
             return
         self.report.add_relaunch(event.name, new_name, reason, event.exit_code)
+        self.core.notify("on_relaunch", replica=event.name, new_replica=new_name, reason=reason,
+                         version=self.core.version)
         logger.info("relaunched %s as %s (%s)", event.name, new_name, reason)
 
     def _fail(self, replica: str, error: str, traceback: str) -> None:

@@ -31,7 +31,7 @@ from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
-from elasticdl.master import failover
+from elasticdl.master import failover, observability
 from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.rendezvous import RendezvousHandler
@@ -134,6 +134,11 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     else:
         core.attach_journal(journal)
         core.begin()
+    in_pod = spec.cluster == "k8s"  # TensorBoard files and /metrics (docs/observability.md)
+    obs = observability.attach(core, spec.output, spec.master_metrics_port(args.port),
+                               "0.0.0.0" if in_pod else args.host, args.host, track_ps=True,
+                               fresh=not restoring)
+    observability.publish(obs, args.job_dir, report)
     cluster = create_cluster(spec.cluster, spec, args.job_dir)
     rendezvous = _rendezvous(spec, args.host)
     if rendezvous is not None:
@@ -160,6 +165,7 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     finally:
         cluster.close()
         server.stop(grace=2).wait(5)
+        obs.close()
         journal.close()
     return 0 if status == "succeeded" else 1
 
@@ -177,7 +183,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     try:
         return run_master(args, stop)
-    except (DataError, ckpt_paths.CheckpointError, auth.AuthError) as e:
+    except (DataError, ckpt_paths.CheckpointError, auth.AuthError,
+            observability.ObservabilityError) as e:
         logger.error("cannot start job: %s", e)
         report_for(args.job_spec, status="failed",
                    failure={"replica": "master", "error": str(e), "traceback": ""}

@@ -27,6 +27,7 @@ from elasticdl.common.job_dirs import job_dir_for
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
+from elasticdl.master import observability
 from elasticdl.master.job import JobCore
 from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 from elasticdl.worker.prediction import PredictionSink
@@ -133,6 +134,8 @@ class LocalJob:
         logger.info("job %s: %s on %s, output in %s", spec.job_name, spec.job_type,
                     self.trainer.device, self.out_dir)
         start = time.monotonic()
+        # TensorBoard scalars in <--output>/tensorboard, as the master writes them
+        obs = observability.attach(self.core, spec.output)
         try:
             stats = self._run_custom_loop() if self.custom_loop else loop.run()
         except BaseException as e:
@@ -141,6 +144,7 @@ class LocalJob:
             self.report.write(self.out_dir)
             raise
         finally:
+            obs.close()
             if self.progress is not None:
                 self.progress.close()
         self.report.extra["nonfinite_steps_skipped"] = stats.nonfinite_skipped
