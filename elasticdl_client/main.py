@@ -82,6 +82,8 @@ def runs_in_process(spec: JobSpec) -> bool:
 
 
 def _dispatch(spec: JobSpec) -> dict[str, Any] | None:
+    from elasticdl_client.model_check import check_model
+
     if spec.cluster == ClusterKind.K8S:
         if entry_for(spec.distribution_strategy).in_process_training and \
                 spec.job_type == JobType.TRAIN:
@@ -89,6 +91,7 @@ def _dispatch(spec: JobSpec) -> dict[str, Any] | None:
                              "ParameterServerStrategy or AllreduceStrategy for Kubernetes")
         from elasticdl_client import k8s
 
+        check_model(spec)  # the replicas would build it: build it here first
         code = k8s.submit(spec)
         if code:
             sys.exit(code)
@@ -96,6 +99,7 @@ def _dispatch(spec: JobSpec) -> dict[str, Any] | None:
     if not runs_in_process(spec):
         from elasticdl_client.local_cluster import run_local_cluster_job
 
+        check_model(spec)
         return run_local_cluster_job(spec)
     from elasticdl.worker.local_job import run_local_job
 

@@ -83,8 +83,8 @@ class ModelPushes:
             current = self._pending
             now = time.monotonic()
             if current is not None and current.init_id != request.init_id:
-                if now - current.seen < self.stale_after_s:
-                    return False  # another worker is pushing
+                if request.part != 0 or now - current.seen < self.stale_after_s:
+                    return False  # another worker is pushing (or took over from this one)
                 logger.warning("PS %d: push_model %x went silent for %.0f s; discarded",
                                self.shard.config.ps_id, current.init_id, now - current.seen)
                 self._pending = current = None

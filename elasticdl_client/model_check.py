@@ -1,0 +1,70 @@
+"""Check the model module in the client, before any replica is launched.
+
+A deterministic error in the model code (a missing function, a constructor that
+raises, an ``Embedding`` option the strategy cannot honour) would otherwise
+surface only after the master started the PS and workers, tens of seconds
+later and once per replica. :func:`check_model` loads the module and builds the
+model once, in this process, the way the job's replicas will (under
+ParameterServerStrategy inside :func:`~elasticdl.api.layers.tables_on_ps`, and
+each embedding table checked as the PS trainer would attach it), and raises
+:class:`~elasticdl.api.model_spec.ModelSpecError` naming the problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+from elasticdl.common.enums import Strategy
+from elasticdl.common.job_spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+
+def check_model(spec: JobSpec) -> None:
+    """Load ``spec``'s model module and build its model once.
+
+    Raises:
+        ModelSpecError: the module breaks the contract, building the model failed,
+            or it uses an option the job's strategy does not support.
+    """
+    from elasticdl.api.layers import Embedding, tables_on_ps
+    from elasticdl.api.model_spec import ModelSpecError, load_from_job_spec
+
+    if not os.path.isdir(spec.model_zoo):
+        logger.info("model zoo %s is not on this machine; the model is checked by the job's "
+                    "replicas", spec.model_zoo)
+        return
+    start = time.monotonic()
+    model_spec = load_from_job_spec(spec)
+    on_ps = spec.distribution_strategy == Strategy.PS
+    try:
+        with tables_on_ps() if on_ps else contextlib.nullcontext():
+            model = model_spec.build_model()
+    except ModelSpecError:
+        raise
+    except Exception as e:  # re-raised as a usage error: the job must not start
+        raise ModelSpecError(f"{model_spec.module_path}: building the model failed: "
+                             f"{type(e).__name__}: {e}") from e
+    import torch
+
+    for name, module in model.named_modules():
+        where = f"{model_spec.module_path}: layer {name or '(model)'!r}"
+        sparse = isinstance(module, (Embedding, torch.nn.Embedding)) and module.sparse
+        if spec.distribution_strategy == Strategy.ALLREDUCE and sparse:
+            raise ModelSpecError(f"{where}: sparse=True embeddings give sparse gradients, "
+                                 "which AllreduceStrategy does not support; use sparse=False "
+                                 "(or ParameterServerStrategy)")
+        if on_ps and isinstance(module, Embedding):
+            weight = module._parameters.get("weight")
+            if weight is not None and not weight.requires_grad:
+                raise ModelSpecError(f"{where}: a frozen Embedding (requires_grad=False) is "
+                                     "not supported under ParameterServerStrategy")
+            try:
+                module.table_spec(f"{name}.weight" if name else "weight")
+            except ValueError as e:
+                raise ModelSpecError(f"{where}: {e}") from e
+    logger.info("model of %s built and checked in %.1f s", model_spec.module_path,
+                time.monotonic() - start)
