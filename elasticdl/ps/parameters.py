@@ -239,7 +239,11 @@ class EmbeddingTable:
                 raise ValueError(f"table {spec.name!r}: PS {ps_id} of {num_ps} expects initial "
                                  f"rows {spec.dtype} {(local, spec.dim)}, got {rows.dtype} "
                                  f"{tuple(rows.shape)}")
-            self._add_rows(np.arange(ps_id, spec.num_embeddings, num_ps, dtype=np.int64), rows)
+            # every row at once: the table adopts the tensor (no copy)
+            self.weights = rows.contiguous()
+            self.row_ids = np.arange(ps_id, spec.num_embeddings, num_ps, dtype=np.int64)
+            self._index.insert(self.row_ids // num_ps, np.arange(local, dtype=np.int64))
+            self.size = local
 
     def ensure_state(self, name: str, fill: float = 0.0, per_row_scalar: bool = False) -> None:
         """Create a per-row optimizer statistic (rows x dim, or rows for a scalar)."""
