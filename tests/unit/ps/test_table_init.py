@@ -74,6 +74,14 @@ def test_push_model_over_grpc_starts_tables_from_the_pushed_rows(num_ps, tmp_pat
             client.save_checkpoint()
             vdir = ps_shards.version_dir_of(ckpt, 0)
             assert torch.equal(ps_shards.export_state_dict(vdir)["emb.weight"], weight)
+            # and restores, into the same or another number of PS
+            for new_num_ps in (1, 3):
+                restored = PSShard(ShardConfig(ps_id=new_num_ps - 1, num_ps=new_num_ps), sgd())
+                ps_shards.restore_shard(restored, vdir)
+                table = restored.params.tables["emb.weight"]
+                mine = np.arange(new_num_ps - 1, N, new_num_ps)
+                assert table.spec.explicit and table.size == mine.shape[0]
+                assert torch.equal(table.lookup(mine, create=False), weight[mine])
         finally:
             client.close()
 
@@ -122,3 +130,79 @@ def test_malformed_pushes_are_refused_and_leave_the_ps_empty():
     with pytest.raises(ValueError, match="no initial rows"):
         list(model_messages(0, {}, {}, [_spec()], {}, 0, 1))
     assert not shard.initialized
+
+
+OPTIONS_MODULE = '''
+import torch
+from torch import nn
+
+from elasticdl.api.layers import Embedding
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.freq = Embedding(50, 3, padding_idx=2, scale_grad_by_freq=True)
+        self.sparse = Embedding(50, 3, sparse=True)
+        self.fc = nn.Linear(6, 1)
+
+    def forward(self, ids):
+        return self.fc(torch.cat([self.freq(ids).sum(1), self.sparse(ids).sum(1)], 1))[:, 0]
+
+
+def custom_model():
+    return Model()
+
+
+def loss(labels, outputs):
+    return ((outputs - labels) ** 2).mean()
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def feed(records, mode):
+    return records, None
+'''
+
+
+def test_ps_step_equals_local_step_with_scale_grad_by_freq_sparse_and_padding(tmp_path):
+    from elasticdl.api.model_spec import load_model_spec
+    from elasticdl.common.job_spec import JobSpec
+    from elasticdl.worker.ps_trainer import PSTrainer
+    from elasticdl.worker.trainer import LocalTrainer
+
+    pkg = tmp_path / "zoo" / "emb_options"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text(OPTIONS_MODULE)
+    zoo, model_def = str(tmp_path / "zoo"), "emb_options.model.custom_model"
+    spec = load_model_spec(zoo, model_def)
+    job = JobSpec(model_zoo=zoo, model_def=model_def, training_data="unused",
+                  distribution_strategy="ParameterServerStrategy", num_ps_pods=2, seed=4)
+    ids = torch.tensor([[1, 1, 1, 7], [7, 2, 2, 9], [1, 9, 3, 3]])  # repeats, padding id 2
+    labels = torch.tensor([1.0, -1.0, 0.5])
+    local = LocalTrainer(spec, torch.device("cpu"), seed=job.seed)
+    before = {k: v.clone() for k, v in local.model.state_dict().items()}
+    local.train_minibatch(ids, labels)
+    with local_ps(2, optimizer=sgd(0.1)) as cluster:
+        client = PSClient(cluster.addrs, rpc_timeout_s=30)
+        trainer = PSTrainer(spec, cluster.addrs, job, 0, torch.device("cpu"), client=client,
+                            init_timeout_s=30)
+        try:
+            for name in ("freq.weight", "sparse.weight"):  # same start
+                assert torch.equal(client.pull_embedding_unique(
+                    name, np.arange(50), 3, torch.float32, create=False), before[name])
+            trainer.train_minibatch(ids, labels)
+            for name in ("freq.weight", "sparse.weight"):
+                rows = client.pull_embedding_unique(name, np.arange(50), 3, torch.float32,
+                                                    create=False)
+                want = local.model.state_dict()[name]
+                assert torch.allclose(rows, want, atol=1e-6, rtol=0), name
+                assert not torch.equal(rows, before[name]), name
+            assert torch.equal(client.pull_embedding_unique(
+                "freq.weight", np.array([2]), 3, torch.float32, create=False),
+                before["freq.weight"][2:3])  # the padding row is never updated
+        finally:
+            trainer.close()
