@@ -206,3 +206,43 @@ def test_ps_step_equals_local_step_with_scale_grad_by_freq_sparse_and_padding(tm
                 before["freq.weight"][2:3])  # the padding row is never updated
         finally:
             trainer.close()
+
+
+def test_a_ps_restarted_without_checkpoint_gets_lazy_tables_with_the_initial_std(tmp_path):
+    """The initial rows were dropped after the first push: a PS that lost its model is
+    re-initialised by a worker with lazy tables (normal, the std of the initial rows)."""
+    from elasticdl.api.model_spec import load_model_spec
+    from elasticdl.common.job_spec import JobSpec
+    from elasticdl.ps.server import start_server
+    from elasticdl.ps.servicer import PServicer
+    from elasticdl.worker.ps_trainer import PSTrainer
+
+    pkg = tmp_path / "zoo" / "emb_restart"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text(OPTIONS_MODULE.replace(
+        "self.fc = nn.Linear(6, 1)",
+        "self.fc = nn.Linear(6, 1)\n        nn.init.normal_(self.freq.weight, std=0.01)"))
+    zoo, model_def = str(tmp_path / "zoo"), "emb_restart.model.custom_model"
+    spec = load_model_spec(zoo, model_def)
+    job = JobSpec(model_zoo=zoo, model_def=model_def, training_data="unused",
+                  distribution_strategy="ParameterServerStrategy", num_ps_pods=1, seed=4)
+    ids, labels = torch.tensor([[1, 5], [7, 9]]), torch.tensor([1.0, 0.0])
+    with local_ps(1, optimizer=sgd(0.1)) as cluster:
+        client = PSClient(cluster.addrs, rpc_timeout_s=30, reconnect_timeout_s=30)
+        trainer = PSTrainer(spec, cluster.addrs, job, 0, torch.device("cpu"), client=client,
+                            init_timeout_s=30)
+        try:
+            assert trainer._initial_rows == {}  # dropped once the PS held the model
+            trainer.train_minibatch(ids, labels)
+            cluster.stop(0)  # the PS dies and comes back empty on the same port
+            fresh = PSShard(ShardConfig(ps_id=0, num_ps=1), sgd(0.1))
+            server, _ = start_server(PServicer(fresh), cluster.ports[0], "127.0.0.1")
+            cluster.servers[0] = server
+            trainer.train_minibatch(ids, labels)
+            table = fresh.params.tables["freq.weight"]
+            assert not table.spec.explicit and table.spec.initializer.startswith("normal:")
+            assert 0.005 < float(table.spec.initializer.split(":")[1]) < 0.02
+            assert fresh.version == 1
+        finally:
+            trainer.close()
