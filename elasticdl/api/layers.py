@@ -185,7 +185,8 @@ class Embedding(nn.Module):
 
     # ------------------------------------------------------------ the weight
     def __getattr__(self, name: str) -> Any:
-        if name == "weight" and self.__dict__["_parameters"].get("weight") is None:
+        params = self.__dict__.get("_parameters")
+        if name == "weight" and params is not None and params.get("weight") is None:
             raise self._no_weight()
         return super().__getattr__(name)
 
