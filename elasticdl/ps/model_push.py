@@ -35,6 +35,7 @@ MAX_VERSION = (1 << 53) - 1
 MAX_TENSORS = 100_000
 MAX_TABLE_DIM = 1 << 16
 MAX_PARTS = 1 << 24
+MAX_PUSHED_ROWS_BYTES = 4 << 30   # initial rows one PS accepts in one push (all tables)
 
 
 def _check_range(what: str, value: float, low: float, high: float) -> None:
@@ -126,6 +127,7 @@ class ModelPushes:
             raise ValueError("push_model: a tensor without a name")
         tables = []
         rows: dict[str, torch.Tensor] = {}
+        explicit_bytes = 0
         for t in request.embedding_tables:
             _check_range(f"table {t.name!r} dim", t.dim, 1, MAX_TABLE_DIM)
             _check_range(f"table {t.name!r} num_embeddings", t.num_embeddings, 1, 1 << 48)
@@ -136,9 +138,11 @@ class ModelPushes:
                              explicit=t.rows_pushed)
             if spec.explicit:
                 local = local_rows(spec.num_embeddings, cfg.ps_id, cfg.num_ps)
-                if local * spec.dim * spec.dtype.itemsize > 1 << 34:
-                    raise ValueError(f"table {spec.name!r}: {local} x {spec.dim} rows are too "
-                                     "many to push; give it an initializer (lazy table)")
+                explicit_bytes += local * spec.dim * spec.dtype.itemsize
+                if explicit_bytes > MAX_PUSHED_ROWS_BYTES:
+                    raise ValueError(f"table {spec.name!r}: initial rows of more than "
+                                     f"{MAX_PUSHED_ROWS_BYTES >> 30} GiB per PS; give large "
+                                     "tables an initializer (lazy tables)")
                 rows[spec.name] = torch.empty((local, spec.dim), dtype=spec.dtype)
             tables.append(spec)
         pending = _Pending(request.init_id, request.version, dense, buffers, tables, rows,
