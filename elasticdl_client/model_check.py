@@ -1,38 +1,99 @@
-"""Checks of the model module and flags that run in the ``elasticdl`` command before
-any replica is launched, so a deterministic error costs seconds, not a cluster start.
+"""Checks in the ``elasticdl`` command, before any replica is launched.
+
+A deterministic error in the model code (a missing function, a constructor that
+raises, an ``Embedding`` option the strategy cannot honour, a ``train_loop`` for a
+strategy that does not run it) or an impossible flag (``--amp=fp16`` without CUDA)
+would otherwise surface only after the master started the PS and workers, tens
+of seconds later and once per replica. :func:`check_before_launch` loads the
+module and builds the model once, in this process, the way the job's replicas
+will (under ParameterServerStrategy inside :func:`~elasticdl.api.layers.tables_on_ps`,
+and each embedding table checked as the PS trainer would attach it).
 """
 
 from __future__ import annotations
 
-from elasticdl.common.enums import ClusterKind, JobType
+import contextlib
+import logging
+import os
+import time
+
+from elasticdl.common.enums import ClusterKind, JobType, Strategy
 from elasticdl.common.job_spec import JobSpec
+
+logger = logging.getLogger(__name__)
 
 
 class LaunchCheckError(ValueError):
     """The job cannot run as configured; the message names the flag or function."""
 
 
-def check_before_launch(spec: JobSpec) -> None:
-    """Load the model module (local cluster jobs: the zoo is on this machine) and
-    check what would fail at every replica's start.
+def check_before_launch(spec: JobSpec, in_process: bool = False) -> None:
+    """Check what would fail at every replica's start (``in_process``: the job
+    runs in this process, which fails as fast by itself: flags only).
 
     Raises:
-        ModelSpecError: the module breaks the contract, or defines ``train_loop``
-            for a strategy that does not run it.
-        LaunchCheckError: ``--amp=fp16`` on a machine without CUDA.
+        ModelSpecError: the module breaks the contract, building the model failed,
+            it uses an option the strategy does not support, or it defines
+            ``train_loop`` for a strategy that does not run it.
+        LaunchCheckError: ``--amp=fp16`` on a local machine without CUDA.
     """
-    if spec.cluster != ClusterKind.LOCAL:
-        return  # the image holds the zoo; the workers check at their start
-    if spec.amp == "fp16" and spec.device != "cuda":
+    if spec.cluster == ClusterKind.LOCAL and spec.amp == "fp16" and spec.device != "cuda":
         import torch
 
         if spec.device == "cpu" or not torch.cuda.is_available():
             raise LaunchCheckError("--amp=fp16 needs CUDA (float16 autocast with a "
                                    "GradScaler) and this job trains on the CPU: use "
                                    "--amp=bf16 or --amp=off")
-    if spec.job_type != JobType.TRAIN:
-        return
-    from elasticdl.api.model_spec import load_from_job_spec
-    from elasticdl.worker.runtime import check_train_loop_supported
+    if not in_process:
+        check_model(spec)
 
-    check_train_loop_supported(load_from_job_spec(spec), spec)
+
+def check_model(spec: JobSpec) -> None:
+    """Load ``spec``'s model module and build its model once.
+
+    Raises:
+        ModelSpecError: the module breaks the contract, building the model failed,
+            or it uses an option the job's strategy does not support.
+    """
+    from elasticdl.api.layers import Embedding, tables_on_ps
+    from elasticdl.api.model_spec import ModelSpecError, load_from_job_spec
+
+    if not os.path.isdir(spec.model_zoo):
+        logger.info("model zoo %s is not on this machine; the model is checked by the job's "
+                    "replicas", spec.model_zoo)
+        return
+    start = time.monotonic()
+    model_spec = load_from_job_spec(spec)
+    if spec.job_type == JobType.TRAIN:
+        from elasticdl.worker.runtime import check_train_loop_supported
+
+        check_train_loop_supported(model_spec, spec)
+    on_ps = spec.distribution_strategy == Strategy.PS
+    try:
+        with tables_on_ps() if on_ps else contextlib.nullcontext():
+            model = model_spec.build_model()
+    except ModelSpecError:
+        raise
+    except Exception as e:  # re-raised as a usage error: the job must not start
+        raise ModelSpecError(f"{model_spec.module_path}: building the model failed: "
+                             f"{type(e).__name__}: {e}") from e
+    import torch
+
+    for name, module in model.named_modules():
+        where = f"{model_spec.module_path}: layer {name or '(model)'!r}"
+        sparse = isinstance(module, (Embedding, torch.nn.Embedding)) and module.sparse
+        if spec.distribution_strategy == Strategy.ALLREDUCE and sparse:
+            raise ModelSpecError(f"{where}: sparse=True embeddings give sparse gradients, "
+                                 "which AllreduceStrategy does not support; use sparse=False "
+                                 "(or ParameterServerStrategy)")
+        if on_ps and isinstance(module, Embedding):
+            weight = module._parameters.get("weight")
+            if weight is not None and not weight.requires_grad:
+                raise ModelSpecError(f"{where}: a frozen Embedding (requires_grad=False) is "
+                                     "not supported under ParameterServerStrategy")
+            try:
+                module.table_spec(f"{name}.weight" if name else "weight")
+            except ValueError as e:
+                raise ModelSpecError(f"{where}: {e}") from e
+    logger.info("model of %s built and checked in %.1f s", model_spec.module_path,
+                time.monotonic() - start)

@@ -1,16 +1,40 @@
 """User-facing layers.
 
-:class:`Embedding` is a drop-in for ``torch.nn.Embedding`` whose table can
-live on the parameter servers. In the Local and allreduce strategies it *is*
-an ``nn.Embedding`` (a local ``weight`` parameter). Under
-ParameterServerStrategy the trainer attaches it to the PS: the local weight is
+:class:`Embedding` is a drop-in for ``torch.nn.Embedding`` whose table can live
+on the parameter servers. Same signature, same initialisation (``N(0, 1)``,
+padding row zero, ``reset_parameters()``), a real ``weight`` parameter at
+construction in every strategy, so the usual init idioms work unchanged::
+
+    self.embedding = Embedding(sum(field_dims), embed_dim)
+    torch.nn.init.xavier_uniform_(self.embedding.weight.data)     # torchfm
+    torch.nn.init.normal_(self.embedding.weight, mean=0, std=1e-4)  # DeepCTR-Torch
+
+and ``torch.manual_seed(s)`` + the same model code gives the same rows in
+Local, allreduce and on the PS. Under ParameterServerStrategy the worker that
+initialises the PS sends each table's rows *as the model code left them* (in
+chunks); then the trainer attaches the layer to the PS: the local weight is
 dropped, each forward pulls only the deduplicated rows of the batch, and the
 rows' gradient is pushed back to the PS that owns them.
 
-Rows start as a pure function of ``(seed, id)`` (see
-:mod:`elasticdl.ps.parameters`), so the local table and the lazily created PS
-rows hold the same values, and a PS checkpoint exports to this layer's
-``weight`` exactly.
+**Lazy tables.** A table too big to materialise is created row by row on the
+PS from a seeded initializer (a pure function of ``(seed, id)``, see
+:mod:`elasticdl.ps.parameters`). A table is lazy when ``initializer=`` is given
+(``"normal"``, ``"normal:STD"``, ``"uniform:LOW:HIGH"``, ``"zeros"``,
+``"constant:V"``) or when ``num_embeddings * embedding_dim * itemsize`` exceeds
+:attr:`Embedding.MATERIALIZE_MAX_BYTES` (1 GiB; set the class attribute at the
+top of the model module to change it: every process imports the module). Under
+ParameterServerStrategy a lazy table has no local weight: touching ``.weight``
+raises :class:`LazyTableError` saying why. Elsewhere its weight holds exactly
+the rows the PS would create.
+
+**Options.** ``sparse=True``: Local keeps torch's semantics (a sparse gradient:
+use an optimizer that takes one, e.g. ``SparseAdam``/``SGD``/``Adagrad``); on
+the PS rows are updated row-wise anyway, so it changes nothing there; allreduce
+refuses it at model load. ``scale_grad_by_freq=True`` is exact everywhere (the
+PS lookup scales by the count of each id in the minibatch, as torch does).
+``max_norm`` is refused (it rewrites rows in place at lookup, which the PS does
+not do). ``_weight``/``_freeze`` (``from_pretrained``) are supported; a frozen
+table is refused under ParameterServerStrategy.
 """
 
 from __future__ import annotations
@@ -18,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -34,8 +58,8 @@ _TABLES_ON_PS = contextvars.ContextVar("elasticdl_tables_on_ps", default=False)
 
 @contextlib.contextmanager
 def tables_on_ps() -> Iterator[None]:
-    """Models built inside skip the local tables of their :class:`Embedding` layers
-    (the parameter-server trainer attaches them to the PS right after)."""
+    """Models built inside are meant for ParameterServerStrategy: lazy tables get
+    no local weight (the parameter-server trainer attaches every table right after)."""
     token = _TABLES_ON_PS.set(True)
     try:
         yield
@@ -43,54 +67,155 @@ def tables_on_ps() -> Iterator[None]:
         _TABLES_ON_PS.reset(token)
 
 
-class Embedding(nn.Module):
-    """``nn.Embedding(num_embeddings, embedding_dim, padding_idx)`` with a PS-backed table.
+class LazyTableError(AttributeError):
+    """``.weight`` of a table that has none here (lazy on the PS, or attached to the PS)."""
 
-    Args:
-        initializer: ``"normal"`` (std 1, like ``nn.Embedding``), ``"normal:STD"``,
-            ``"uniform:LOW:HIGH"``, ``"zeros"`` or ``"constant:V"``.
-        seed: seed of the initializer; by default drawn from torch's generator,
-            so ``torch.manual_seed`` makes it reproducible.
+
+class Embedding(nn.Module):
+    """``torch.nn.Embedding`` whose table can live on the parameter servers.
+
+    Args (beyond ``nn.Embedding``'s, keyword only):
+        initializer: makes the table lazy (see the module doc): ``"normal"`` (std 1),
+            ``"normal:STD"``, ``"uniform:LOW:HIGH"``, ``"zeros"`` or ``"constant:V"``.
+        seed: seed of a lazy table's initializer; by default drawn from torch's
+            generator, so ``torch.manual_seed`` makes it reproducible.
+
+    Raises:
+        ValueError: ``max_norm``, bad sizes, ``padding_idx`` or initializer.
     """
+
+    MATERIALIZE_MAX_BYTES = 1 << 30
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: Optional[int] = None, max_norm: Optional[float] = None,
-                 scale_grad_by_freq: bool = False, sparse: bool = False, *,
-                 initializer: str = "normal", seed: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None):
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False,
+                 _weight: Optional[torch.Tensor] = None, _freeze: bool = False,
+                 device: Any = None, dtype: Optional[torch.dtype] = None, *,
+                 initializer: Optional[str] = None, seed: Optional[int] = None):
         super().__init__()
-        if max_norm is not None or scale_grad_by_freq or sparse:
-            raise ValueError("elasticdl Embedding does not support max_norm, "
-                             "scale_grad_by_freq or sparse")
+        if max_norm is not None:
+            raise ValueError("elasticdl Embedding does not support max_norm: it renormalises "
+                             "rows in place at lookup, which the parameter servers do not do; "
+                             "renormalise the looked-up vectors in forward() instead")
+        if num_embeddings <= 0 or embedding_dim <= 0:
+            raise ValueError(f"Embedding needs num_embeddings and embedding_dim > 0, got "
+                             f"{num_embeddings} x {embedding_dim}")
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"padding_idx {padding_idx} out of range")
+                raise ValueError(f"padding_idx {padding_idx} out of range for "
+                                 f"{num_embeddings} embeddings")
             padding_idx = padding_idx % num_embeddings
-        parse_initializer(initializer)
+        if initializer is not None:
+            parse_initializer(initializer)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
-        self.initializer = initializer
-        self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None \
-            else int(seed)
-        self.table_dtype = dtype or torch.get_default_dtype()
+        self.max_norm = None
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
+        self.sparse = bool(sparse)
+        self.table_dtype = dtype or (_weight.dtype if _weight is not None
+                                     else torch.get_default_dtype())
+        nbytes = num_embeddings * embedding_dim * torch.empty((), dtype=self.table_dtype
+                                                              ).element_size()
+        self.lazy_reason = ""
+        if initializer is not None:
+            self.lazy_reason = f"it was given initializer={initializer!r}"
+        elif _weight is None and nbytes > self.MATERIALIZE_MAX_BYTES:
+            initializer = "normal"
+            self.lazy_reason = (f"its {nbytes / 2**30:.1f} GiB exceed "
+                                f"Embedding.MATERIALIZE_MAX_BYTES "
+                                f"({self.MATERIALIZE_MAX_BYTES / 2**30:.1f} GiB)")
+        self.initializer = initializer  # None: materialised like nn.Embedding
+        self.seed: Optional[int] = None
+        if self.lazy:
+            self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None \
+                else int(seed)
         self._lookup: Optional[Lookup] = None
         self.table_name = ""
-        self.weight: Optional[nn.Parameter]
-        if _TABLES_ON_PS.get():
+        if _weight is not None:
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected "
+                                 f"{(num_embeddings, embedding_dim)}")
+            self.weight = nn.Parameter(_weight, requires_grad=not _freeze)
+        elif self.lazy and _TABLES_ON_PS.get():
             self.register_parameter("weight", None)
-            return
-        rows = initial_rows(initializer, self.seed, np.arange(num_embeddings, dtype=np.int64),
-                            embedding_dim, self.table_dtype,
-                            -1 if padding_idx is None else padding_idx)
-        self.weight = nn.Parameter(rows.to(device))
+        elif self.lazy:
+            assert initializer is not None and self.seed is not None
+            rows = initial_rows(initializer, self.seed,
+                                np.arange(num_embeddings, dtype=np.int64), embedding_dim,
+                                self.table_dtype, -1 if padding_idx is None else padding_idx)
+            self.weight = nn.Parameter(rows.to(device), requires_grad=not _freeze)
+        else:
+            self.weight = nn.Parameter(torch.empty((num_embeddings, embedding_dim),
+                                                   device=device, dtype=self.table_dtype),
+                                       requires_grad=not _freeze)
+            self.reset_parameters()
+
+    @property
+    def lazy(self) -> bool:
+        """Rows come from the seeded initializer, created on the PS when first used."""
+        return self.initializer is not None
+
+    def reset_parameters(self) -> None:
+        """``N(0, 1)``, padding row zero (``nn.Embedding.reset_parameters``)."""
+        weight = self._parameters.get("weight")
+        if weight is None:
+            raise self._no_weight()
+        nn.init.normal_(weight)
+        self._fill_padding_idx_with_zero()
+
+    def _fill_padding_idx_with_zero(self) -> None:
+        weight = self._parameters.get("weight")
+        if self.padding_idx is not None and weight is not None:
+            with torch.no_grad():
+                weight[self.padding_idx].fill_(0)
+
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True,
+                        padding_idx: Optional[int] = None, max_norm: Optional[float] = None,
+                        norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                        sparse: bool = False) -> Embedding:
+        """``nn.Embedding.from_pretrained``."""
+        if embeddings.dim() != 2:
+            raise ValueError("Embeddings parameter is expected to be 2-dimensional")
+        rows, cols = embeddings.shape
+        return cls(rows, cols, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
+                   _weight=embeddings, _freeze=freeze)
+
+    # ------------------------------------------------------------ the weight
+    def __getattr__(self, name: str) -> Any:
+        params = self.__dict__.get("_parameters")
+        if name == "weight" and params is not None and params.get("weight") is None:
+            raise self._no_weight()
+        return super().__getattr__(name)
+
+    def _no_weight(self) -> LazyTableError:
+        if self._lookup is not None:
+            return LazyTableError(
+                f"Embedding {self.table_name!r} lives on the parameter servers: there is no "
+                "local weight (each forward pulls the rows of its ids). Initialise tables in "
+                "the model's constructor; read the trained table from the exported model.")
+        return LazyTableError(
+            f"Embedding({self.num_embeddings}, {self.embedding_dim}) is a lazy table because "
+            f"{self.lazy_reason}: under ParameterServerStrategy its rows are created on the "
+            f"parameter servers from the seeded initializer {self.initializer!r}, so there is "
+            "no local weight to initialise or read. Drop initializer= (and keep the table "
+            "under Embedding.MATERIALIZE_MAX_BYTES) to get a materialised weight that "
+            "nn.init functions can set.")
+
+    def initial_weight(self) -> Optional[torch.Tensor]:
+        """The local weight's values (None for a lazy table or one attached to the PS)."""
+        weight = self._parameters.get("weight")
+        return None if weight is None or self.lazy else weight.detach()
 
     def table_spec(self, name: str) -> TableSpec:
-        """The PS table of this layer, named ``name`` (its weight's state-dict key)."""
+        """The PS table of this layer, named ``name`` (its weight's state-dict key);
+        a materialised table says its rows are given explicitly (``explicit``)."""
         return TableSpec(name=name, num_embeddings=self.num_embeddings, dim=self.embedding_dim,
-                         initializer=self.initializer, seed=self.seed,
+                         initializer=self.initializer or "normal", seed=self.seed or 0,
                          padding_idx=-1 if self.padding_idx is None else self.padding_idx,
-                         dtype=self.table_dtype)
+                         dtype=self.table_dtype, explicit=not self.lazy)
 
     @property
     def on_ps(self) -> bool:
@@ -98,22 +223,36 @@ class Embedding(nn.Module):
 
     def attach(self, lookup: Lookup, table_name: str) -> None:
         """Move the table to the PS: drop the local weight, look rows up via ``lookup``."""
+        weight = self._parameters.get("weight")
+        if weight is not None and not weight.requires_grad:
+            raise ValueError(f"Embedding {table_name!r} is frozen (requires_grad=False): "
+                             "frozen tables are not supported under ParameterServerStrategy")
         self._lookup = lookup
         self.table_name = table_name
-        if self.weight is not None:
-            del self.weight
+        if weight is not None:
+            del self._parameters["weight"]
             self.register_parameter("weight", None)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self._lookup is not None:
             return self._lookup(self, input)
-        if self.weight is None:
+        weight = self._parameters.get("weight")
+        if weight is None:
             raise RuntimeError("Embedding built inside tables_on_ps() was never attached to "
                                "a parameter server")
-        return F.embedding(input, self.weight, self.padding_idx)
+        return F.embedding(input, weight, self.padding_idx, None, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
 
     def extra_repr(self) -> str:
-        where = f", table on PS as {self.table_name!r}" if self.on_ps else ""
-        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
-        return (f"{self.num_embeddings}, {self.embedding_dim}{pad}, "
-                f"initializer={self.initializer!r}{where}")
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.scale_grad_by_freq:
+            s += ", scale_grad_by_freq=True"
+        if self.sparse:
+            s += ", sparse=True"
+        if self.lazy:
+            s += f", initializer={self.initializer!r}"
+        if self.on_ps:
+            s += f", table on PS as {self.table_name!r}"
+        return s

@@ -222,7 +222,12 @@ def export_state_dict(version_dir: str) -> dict[str, torch.Tensor]:
         out.update(s["buffers"])
     for name, t in _tables_of(shards).items():
         spec: TableSpec = t["spec"]
-        full = spec.initial_rows(np.arange(spec.num_embeddings, dtype=np.int64))
+        if spec.explicit:  # every row was pushed and checkpointed
+            if np.unique(t["ids"]).shape[0] != spec.num_embeddings:
+                raise ckpt.CheckpointError(f"{version_dir}: table {name!r} lacks rows")
+            full = torch.empty((spec.num_embeddings, spec.dim), dtype=spec.dtype)
+        else:
+            full = spec.initial_rows(np.arange(spec.num_embeddings, dtype=np.int64))
         full[torch.from_numpy(t["ids"])] = t["weights"].to(spec.dtype)
         out[name] = full
     return out

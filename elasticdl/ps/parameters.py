@@ -3,8 +3,11 @@
 Placement: a dense parameter lives on PS ``crc32(name) % num_ps``,
 row ``id`` of every embedding table on PS ``id % num_ps``.
 
-Embedding rows are created lazily, on the first pull that names them, with
-the table's initializer. An initializer is a pure function of ``(seed, id)``
+A table's rows either come with it (``TableSpec.explicit``: the worker that
+initialises the PS pushes the rows its model code produced, this PS's part as
+``TableSpec.rows``, so the PS starts from exactly the local table) or are
+created lazily, on the first pull that names them, with the table's
+initializer (tables too big to materialise). An initializer is a pure function of ``(seed, id)``
 (a counter-based hash, no RNG state; each layer draws its seed from torch's
 generator when it is built), so a row has
 the same initial value whichever PS creates it, in whatever order, and the
@@ -25,7 +28,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -107,6 +110,11 @@ def initial_rows(spec: str, seed: int, ids: np.ndarray, dim: int,
 DIRECT_INDEX_MAX = 1 << 22
 
 
+def local_rows(num_embeddings: int, ps_id: int, num_ps: int) -> int:
+    """How many rows of a table PS ``ps_id`` owns (ids ``ps_id + k * num_ps``)."""
+    return max(0, (num_embeddings - ps_id + num_ps - 1) // num_ps)
+
+
 class SlotIndex:
     """Local id -> slot of the rows present (-1: absent), vectorised."""
 
@@ -159,6 +167,10 @@ class TableSpec:
     seed: int = 0
     padding_idx: int = -1
     dtype: torch.dtype = torch.float32
+    # rows given by the pusher instead of the initializer; ``rows`` (this PS's part,
+    # ids ps_id, ps_id + num_ps, ... in order) only travels into EmbeddingTable
+    explicit: bool = False
+    rows: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -173,13 +185,22 @@ class TableSpec:
         parse_initializer(self.initializer)
 
     def initial_rows(self, ids: np.ndarray) -> torch.Tensor:
+        """Initial values of rows ``ids``.
+
+        Raises:
+            ValueError: the table's rows were given explicitly (there is no initializer).
+        """
+        if self.explicit:
+            raise ValueError(f"table {self.name!r} was initialised with explicit rows; rows "
+                             f"{np.asarray(ids).reshape(-1)[:5].tolist()} are missing")
         return initial_rows(self.initializer, self.seed, ids, self.dim, self.dtype,
                             self.padding_idx)
 
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "num_embeddings": self.num_embeddings, "dim": self.dim,
                 "initializer": self.initializer, "seed": self.seed,
-                "padding_idx": self.padding_idx, "dtype": dtype_name(self.dtype)}
+                "padding_idx": self.padding_idx, "dtype": dtype_name(self.dtype),
+                "explicit": self.explicit}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> TableSpec:
@@ -200,7 +221,7 @@ class EmbeddingTable:
         self.spec = spec
         self.ps_id = ps_id
         self.num_ps = num_ps
-        local = (spec.num_embeddings - ps_id + num_ps - 1) // num_ps
+        local = local_rows(spec.num_embeddings, ps_id, num_ps)
         self._index = SlotIndex(local)
         capacity = min(capacity, max(local, 1))
         self.weights = torch.empty((capacity, spec.dim), dtype=spec.dtype)
@@ -208,6 +229,21 @@ class EmbeddingTable:
         self.state: dict[str, torch.Tensor] = {}
         self._state_fill: dict[str, float] = {}
         self.size = 0
+        if spec.rows is not None:
+            rows = spec.rows
+            self.spec = replace(spec, rows=None)  # the table holds them from now on
+            if not spec.explicit:
+                raise ValueError(f"table {spec.name!r}: rows given for a table that is not "
+                                 "explicit")
+            if tuple(rows.shape) != (local, spec.dim) or rows.dtype != spec.dtype:
+                raise ValueError(f"table {spec.name!r}: PS {ps_id} of {num_ps} expects initial "
+                                 f"rows {spec.dtype} {(local, spec.dim)}, got {rows.dtype} "
+                                 f"{tuple(rows.shape)}")
+            # every row at once: the table adopts the tensor (no copy)
+            self.weights = rows.contiguous()
+            self.row_ids = np.arange(ps_id, spec.num_embeddings, num_ps, dtype=np.int64)
+            self._index.insert(self.row_ids // num_ps, np.arange(local, dtype=np.int64))
+            self.size = local
 
     def ensure_state(self, name: str, fill: float = 0.0, per_row_scalar: bool = False) -> None:
         """Create a per-row optimizer statistic (rows x dim, or rows for a scalar)."""

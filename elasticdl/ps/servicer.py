@@ -27,7 +27,7 @@ from elasticdl.common import tensor_codec as codec
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, short
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
-from elasticdl.ps.parameters import TableSpec
+from elasticdl.ps.model_push import ModelPushes
 from elasticdl.ps.shard import (
     GradientPush,
     NotInitializedError,
@@ -128,29 +128,13 @@ class PServicer(pb_grpc.PServerServicer):
         self.chunk_bytes = chunk_bytes
         self._cache_lock = threading.Lock()
         self._chunk_cache: tuple[int, int, list[bytes]] = (-1, 0, [])
+        self._model_pushes = ModelPushes(shard)
 
     # ------------------------------------------------------------ model
     @_guard
     def push_model(self, request: pb.Model, context: grpc.ServicerContext) -> pb.PushModelResponse:
-        if self.shard.initialized:
-            return pb.PushModelResponse(accepted=False, version=self.shard.version)
-        check_range("version", request.version, 0, MAX_VERSION)
-        n = len(request.dense) + len(request.buffers) + len(request.embedding_tables)
-        check_range("number of tensors and tables", n, 0, MAX_TENSORS)
-        for t in request.embedding_tables:
-            check_range(f"table {t.name!r} dim", t.dim, 1, MAX_TABLE_DIM)
-            check_range(f"table {t.name!r} num_embeddings", t.num_embeddings, 1, 1 << 48)
-        dense = {t.name: codec.decode(t) for t in request.dense}
-        buffers = {t.name: codec.decode(t) for t in request.buffers}
-        if len(dense) != len(request.dense) or len(buffers) != len(request.buffers):
-            raise ValueError("push_model: duplicate tensor names")
-        if not all(request_name for request_name in list(dense) + list(buffers)):
-            raise ValueError("push_model: a tensor without a name")
-        tables = [TableSpec(name=t.name, num_embeddings=t.num_embeddings, dim=t.dim,
-                            initializer=t.initializer, seed=t.seed, padding_idx=t.padding_idx,
-                            dtype=codec.torch_dtype(t.dtype or "float32"))
-                  for t in request.embedding_tables]
-        accepted = self.shard.initialize(request.version, dense, buffers, tables)
+        """One message of a model push (see :mod:`elasticdl.ps.model_push`)."""
+        accepted = self._model_pushes.push(request)
         return pb.PushModelResponse(accepted=accepted, version=self.shard.version)
 
     # ------------------------------------------------------------ pulls

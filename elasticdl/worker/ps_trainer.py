@@ -24,10 +24,12 @@ and the step is redone for it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import time
+import zlib
 from typing import Any, Optional
 
 import numpy as np
@@ -38,9 +40,11 @@ from elasticdl.api.layers import Embedding, tables_on_ps
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.task import Task
+from elasticdl.ps.parameters import TableSpec
 from elasticdl.ps.server import tune_malloc
 from elasticdl.worker.ps_amp import GradNorm, LossScaler, push_scale
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
+from elasticdl.worker.ps_model_push import push_model
 from elasticdl.worker.ps_push import PushSession
 from elasticdl.worker.trainer import NonFiniteError, Trainer
 
@@ -84,11 +88,18 @@ class PSTrainer(Trainer):
         with tables_on_ps():
             self.model = model_spec.build_model().to(device)
         self.model.train()
-        self.tables = {}
+        self.init_timeout_s = init_timeout_s
+        self.tables: dict[str, TableSpec] = {}
+        # the weight of each materialised table as the model code left it: pushed to
+        # the PS that this worker initialises, then dropped (see _initialize_ps)
+        self._initial_rows: dict[str, torch.Tensor] = {}
         for name, module in self.model.named_modules():
             if isinstance(module, Embedding):
                 table = f"{name}.weight" if name else "weight"
                 self.tables[table] = module.table_spec(table)
+                weight = module.initial_weight()
+                if weight is not None:
+                    self._initial_rows[table] = weight
                 module.attach(self._lookup, table)
         self.params = dict(self.model.named_parameters())
         state_keys = set(self.model.state_dict())
@@ -122,13 +133,40 @@ class PSTrainer(Trainer):
 
     # ------------------------------------------------------------ set-up
     def _push_model(self, ps_list: list[int]) -> None:
+        """Initialise PS ``ps_list`` with this worker's model, tables with the rows its
+        model code produced; returns once each of them holds a model (this one or
+        another worker's), TimeoutError after ``init_timeout_s``."""
         dense = {n: p.detach().cpu() for n, p in self.params.items()}
         buffers = {n: b.detach().cpu() for n, b in self.buffers.items()}
         version = max(0, max(self.versions))
-        took = self.client.push_model(version, dense, buffers, list(self.tables.values()),
-                                      ps_list)
-        logger.info("worker %d pushed its model to PS %s (taken: %s)", self.worker_id,
-                    ps_list, took)
+        deadline = time.monotonic() + self.init_timeout_s
+        todo = list(ps_list)
+        while True:
+            took = push_model(self.client, version, dense, buffers,
+                              list(self.tables.values()), self._initial_rows, todo)
+            logger.info("worker %d pushed its model to PS %s (taken: %s)", self.worker_id,
+                        todo, took)
+            status = self.client.status()
+            todo = [ps for ps in todo if not status[ps].initialized]
+            if not todo:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PS {todo} still without a model {self.init_timeout_s:.0f} "
+                                   "s after this worker began pushing it")
+            time.sleep(0.2)  # another worker's push is under way
+
+    def _forget_initial_rows(self) -> None:
+        """Every PS holds a model: free the initial rows. A PS that later restarts
+        without a checkpoint gets its tables back as lazy tables, from a normal
+        initializer with the std of the initial rows (the model code cannot be
+        replayed on the PS)."""
+        for name, rows in self._initial_rows.items():
+            spec = self.tables[name]
+            std = float(rows.float().std()) if rows.numel() > 1 else 1.0
+            self.tables[name] = dataclasses.replace(
+                spec, explicit=False, initializer=f"normal:{std:.9g}",
+                seed=zlib.crc32(name.encode("utf-8")))
+        self._initial_rows = {}
 
     def _initialize_ps(self, timeout_s: float) -> None:
         """Worker 0 initialises the PS; others wait for it (and push themselves if
@@ -143,6 +181,7 @@ class PSTrainer(Trainer):
                 self._push_model(missing)
             else:
                 time.sleep(0.2)
+        self._forget_initial_rows()
         self.pull_dense()
 
     # ------------------------------------------------------------ pulls
@@ -191,7 +230,7 @@ class PSTrainer(Trainer):
             rows.register_post_accumulate_grad_hook(
                 lambda leaf: session.on_sparse(layer.table_name, uniq, leaf.grad))
         index = torch.from_numpy(inverse.reshape(ids.shape)).to(self.device)
-        return F.embedding(index, rows, pad)
+        return F.embedding(index, rows, pad, scale_grad_by_freq=layer.scale_grad_by_freq)
 
     # ------------------------------------------------------------ steps
     def _on_grad(self, name: str, param: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from elasticdl.api.layers import Embedding, tables_on_ps
+from elasticdl.api.layers import Embedding, LazyTableError, tables_on_ps
 from elasticdl.ps.parameters import initial_rows
 from tests.conftest import MODEL_ZOO
 
@@ -32,18 +32,26 @@ def test_local_embedding_is_an_nn_embedding():
 
 
 def test_seed_follows_torch_manual_seed_and_layers_differ():
+    # lazy tables (initializer=...) draw a seed; materialised ones use torch's generator
+    torch.manual_seed(5)
+    a, b = Embedding(10, 2, initializer="normal"), Embedding(10, 2, initializer="normal")
+    torch.manual_seed(5)
+    a2 = Embedding(10, 2, initializer="normal")
+    assert a.seed == a2.seed != b.seed
+    assert torch.equal(a.weight, a2.weight) and not torch.equal(a.weight, b.weight)
     torch.manual_seed(5)
     a, b = Embedding(10, 2), Embedding(10, 2)
     torch.manual_seed(5)
     a2 = Embedding(10, 2)
-    assert a.seed == a2.seed != b.seed
     assert torch.equal(a.weight, a2.weight) and not torch.equal(a.weight, b.weight)
 
 
 def test_tables_on_ps_skips_the_local_table_until_attached():
     with tables_on_ps():
-        layer = Embedding(1_000_000, 8)
-    assert layer.weight is None and list(layer.parameters()) == []
+        layer = Embedding(1_000_000, 8, initializer="normal")  # lazy: no local table
+    with pytest.raises(LazyTableError, match="lazy table"):
+        _ = layer.weight
+    assert list(layer.parameters()) == []
     with pytest.raises(RuntimeError, match="never attached"):
         layer(torch.tensor([1]))
     seen = []
