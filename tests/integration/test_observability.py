@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -46,9 +47,10 @@ def check_series(s: dict[str, list[tuple[int, float]]], report: dict) -> None:
     assert all(math.isfinite(v) and 0 < v < 10 for v in values), values
     first, last = values[:3], values[-3:]
     assert sum(last) / 3 < sum(first) / 3, values  # it learns
-    # the learning rates the trainers reported (a trainer that reports none: no series)
-    lrs = sorted({round(v, 9) for _, v in s.get("train/learning_rate", [])})
-    report_lrs = sorted({round(lr, 9) for e in report["training"]
+    # the learning rates the trainers reported (a trainer that reports none: no series);
+    # TensorBoard keeps float32
+    lrs = sorted({float(np.float32(v)) for _, v in s.get("train/learning_rate", [])})
+    report_lrs = sorted({float(np.float32(lr)) for e in report["training"]
                          for lr in e["learning_rates"]})
     assert lrs == report_lrs and all(v > 0 for v in lrs)
     # every evaluation, at the version it evaluated, with the report's values
@@ -240,9 +242,11 @@ def test_restarted_master_appends_to_the_series(digits_data, tmp_path):
         second = wait_for(lambda: (lambda m: m if m and m["pid"] != first["pid"] else None)(
             read_json(os.path.join(out, "metrics_endpoint.json"))), 120,
             "the relaunched master's endpoint")
+        # the relaunched master may serve /metrics a moment before it noted its restart
         restarted = wait_for(lambda: (lambda s: s if s.get("elasticdl_master_restarts_total")
+                                      and one(s, "elasticdl_master_restarts_total") >= 1
                                       else None)(scrape(second["address"])), 60,
-                             "a scrape of the relaunched master")
+                             "a scrape of the relaunched master counting its restart")
         assert one(restarted, "elasticdl_master_restarts_total") == 1
         assert one(restarted, "elasticdl_epochs_completed") >= 1  # restored, not reset
         assert proc.wait(timeout=600) == 0, (tmp_path / "cli.log").read_text()[-3000:]
