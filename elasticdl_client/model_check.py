@@ -22,6 +22,8 @@ from elasticdl.common.job_spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
+DENSE_TABLE_WARN_ELEMENTS = 1 << 20   # a plain nn.Embedding this big under PS gets a warning
+
 
 class LaunchCheckError(ValueError):
     """The job cannot run as configured; the message names the flag or function."""
@@ -95,5 +97,12 @@ def check_model(spec: JobSpec) -> None:
                 module.table_spec(f"{name}.weight" if name else "weight")
             except ValueError as e:
                 raise ModelSpecError(f"{where}: {e}") from e
+        if on_ps and isinstance(module, torch.nn.Embedding) and \
+                module.weight.numel() >= DENSE_TABLE_WARN_ELEMENTS:
+            logger.warning("%s: torch.nn.Embedding of %d x %d is a dense parameter under "
+                           "ParameterServerStrategy (every step pulls and pushes the whole "
+                           "table); elasticdl.api.layers.Embedding is a drop-in whose rows "
+                           "live on the PS", where, module.num_embeddings,
+                           module.embedding_dim)
     logger.info("model of %s built and checked in %.1f s", model_spec.module_path,
                 time.monotonic() - start)

@@ -45,3 +45,30 @@ def test_fp16_without_cuda_fails_naming_the_flag():
     with pytest.raises(LaunchCheckError, match="--amp=fp16"):
         check_before_launch(_spec(model_def="mnist.mnist_example.custom_model", amp="fp16",
                                   device="cpu"))
+
+
+def test_a_large_plain_nn_embedding_under_ps_is_warned_about(tmp_path, caplog):
+    """A plain torch.nn.Embedding stays a dense parameter under PS (whole table pulled and
+    pushed every step): the client says so and names the drop-in."""
+    (tmp_path / "dense_table.py").write_text(
+        "import torch\n"
+        "def custom_model():\n"
+        "    return torch.nn.Sequential(torch.nn.Embedding(65536, 16))\n"
+        "def loss(labels, outputs):\n    return outputs.sum()\n"
+        "def optimizer(params):\n    return torch.optim.SGD(params, lr=0.1)\n"
+        "def feed(records, mode):\n    return records, None\n")
+    spec = job_spec_from_flags("train", {
+        "model_zoo": str(tmp_path), "model_def": "dense_table.custom_model",
+        "training_data": "/nonexistent", "cluster": "local",
+        "distribution_strategy": "ParameterServerStrategy", "num_workers": 2})
+    with caplog.at_level("WARNING", logger="elasticdl_client.model_check"):
+        check_before_launch(spec)
+    assert any("65536 x 16 is a dense parameter" in r.getMessage() and
+               "elasticdl.api.layers.Embedding" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="elasticdl_client.model_check"):
+        check_before_launch(job_spec_from_flags("train", {
+            "model_zoo": str(tmp_path), "model_def": "dense_table.custom_model",
+            "training_data": "/nonexistent", "cluster": "local",
+            "distribution_strategy": "AllreduceStrategy", "num_workers": 2}))
+    assert not caplog.records
