@@ -48,11 +48,12 @@ def client(addr: str, worker_id: int, mode: str, seconds: float, start, out) -> 
     channel.close()
 
 
-def measure(addr: str, mode: str, clients: int, seconds: float) -> float:
+def run_clients(target, args_of, clients: int, seconds: float) -> float:
+    """Start ``clients`` spawned processes ``target(*args_of(i, start, out))``, release them
+    together, and return the calls per second they put on ``out`` in all."""
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=client, args=(addr, i, mode, seconds, start, out))
-             for i in range(clients)]
+    procs = [ctx.Process(target=target, args=args_of(i, start, out)) for i in range(clients)]
     for p in procs:
         p.start()
     time.sleep(1.5)  # let every client connect
@@ -61,6 +62,11 @@ def measure(addr: str, mode: str, clients: int, seconds: float) -> float:
     for p in procs:
         p.join(timeout=30)
     return total / seconds
+
+
+def measure(addr: str, mode: str, clients: int, seconds: float) -> float:
+    return run_clients(client, lambda i, start, out: (addr, i, mode, seconds, start, out),
+                       clients, seconds)
 
 
 def main() -> None:

@@ -10,12 +10,13 @@ Run: python benchmarks/observability_overhead.py [--clients 4] [--seconds 3] [--
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import tempfile
 import threading
 import time
 import urllib.request
+
+from master_dispatch import run_clients  # benchmarks/ is the script's directory
 
 from elasticdl.cluster.process import free_port
 from elasticdl.common.job_report import JobReport
@@ -47,18 +48,8 @@ def client(addr: str, worker_id: int, seconds: float, start, out) -> None:
 
 
 def measure(addr: str, clients: int, seconds: float) -> float:
-    ctx = mp.get_context("spawn")
-    start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=client, args=(addr, i, seconds, start, out))
-             for i in range(clients)]
-    for p in procs:
-        p.start()
-    time.sleep(1.5)  # let every client connect
-    start.set()
-    total = sum(out.get(timeout=seconds + 60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    return total / seconds
+    return run_clients(client, lambda i, start, out: (addr, i, seconds, start, out),
+                       clients, seconds)
 
 
 def master(tasks: int, observed: bool):
