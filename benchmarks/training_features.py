@@ -36,6 +36,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +69,77 @@ def alternate(rounds: int, base: Callable[[int], float], cand: Callable[[int], f
 
 
 # ------------------------------------------------------------------ Local: data and loops
+class Lockstep:
+    """Two training loops in two threads taking turns step by step, so that each of
+    a candidate's steps sits next to a baseline step under the same machine load.
+
+    Each loop calls :meth:`tick` after every step; the step's time is from the
+    moment the loop got its turn to that call. The other loop is blocked on an
+    event meanwhile (one runs at a time). :meth:`tick` raises ``StopIteration``
+    once the loop has made ``steps`` steps (plus ``warmup`` not counted)."""
+
+    def __init__(self, steps: int, warmup: int = 2, timeout_s: float = 600.0):
+        self.steps, self.warmup, self.timeout_s = steps, warmup, timeout_s
+        self.turn = [threading.Event(), threading.Event()]
+        self.times: list[list[float]] = [[], []]
+        self.resumed = [0.0, 0.0]
+        self.finished = [False, False]
+
+    def begin(self, i: int) -> None:
+        if not self.turn[i].wait(self.timeout_s):
+            raise TimeoutError(f"loop {i} never got its turn")
+        self.resumed[i] = time.perf_counter()
+
+    def tick(self, i: int) -> None:
+        self.times[i].append(time.perf_counter() - self.resumed[i])
+        done = len(self.times[i]) >= self.steps + self.warmup
+        other = 1 - i
+        if not self.finished[other]:
+            self.turn[i].clear()
+            self.turn[other].set()
+            if not done:
+                self.begin(i)
+        if done:
+            self.finished[i] = True
+            raise StopIteration
+        self.resumed[i] = time.perf_counter()
+
+    def run(self, loops: tuple[Callable[[Callable[[], None]], None],
+                               Callable[[Callable[[], None]], None]],
+            first: int, threads: int) -> tuple[float, float]:
+        """Run ``loops[k](tick)`` side by side, ``loops[first]`` first; the median
+        step time of each (warm-up steps left out)."""
+        errors: list[BaseException] = []
+
+        def body(k: int) -> None:
+            torch.set_num_threads(threads)
+            try:
+                self.begin(k)
+                loops[k](lambda: self.tick(k))
+            except StopIteration:
+                pass
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                errors.append(e)
+            finally:
+                self.finished[k] = True
+                self.turn[1 - k].set()
+
+        workers = [threading.Thread(target=body, args=(k,), daemon=True) for k in (0, 1)]
+        for w in workers:
+            w.start()
+        self.turn[first].set()
+        for w in workers:
+            w.join(self.timeout_s)
+            if w.is_alive():
+                raise TimeoutError("a benchmark loop did not finish")
+        if errors:
+            raise errors[0]
+        counted = [t[self.warmup:] for t in self.times]
+        if min(len(t) for t in counted) < self.steps:
+            raise RuntimeError(f"too few steps: {[len(t) for t in counted]}")
+        return statistics.median(counted[0]), statistics.median(counted[1])
+
+
 def make_data(directory: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` MNIST-shaped records in one npz shard; the same data as tensors, standardised
     as the recipe's ``feed`` does."""
@@ -82,9 +154,9 @@ def make_data(directory: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return xt, torch.from_numpy(y)
 
 
-def plain_loop(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, clip: float,
-               amp: str) -> float:
-    """The recipe in plain PyTorch: median seconds per step (first step excluded)."""
+def plain_loop(x: torch.Tensor, y: torch.Tensor, batch: int, clip: float, amp: str,
+               tick: Callable[[], None]) -> None:
+    """The recipe in plain PyTorch, ``tick()`` after every step, until it raises."""
     import torch.nn.functional as F
     from mnist.mnist_example import Net
 
@@ -94,9 +166,8 @@ def plain_loop(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, clip: f
     opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     per_epoch = len(x) // batch
-    times = []
-    last = time.perf_counter()
-    for i in range(steps + 1):
+    i = 0
+    while True:
         s = (i % per_epoch) * batch
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
@@ -105,74 +176,82 @@ def plain_loop(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, clip: f
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
-        if (i + 1) % per_epoch == 0:
+        i += 1
+        if i % per_epoch == 0:
             sched.step()
         float(loss.detach())  # the framework reads the loss for its progress line too
-        now = time.perf_counter()
-        if i:
-            times.append(now - last)
-        last = now
-    return statistics.median(times)
+        tick()
 
 
-def local_job_loop(data_dir: str, out_dir: str, batch: int, steps: int, clip: float,
-                   amp: str) -> float:
-    """A Local job of the recipe: median seconds between consecutive steps' ends."""
+def local_job_loop(data_dir: str, out_dir: str, batch: int, clip: float, amp: str,
+                   tick: Callable[[], None]) -> None:
+    """A Local job of the recipe (every per-step hook of the job included), ``tick()``
+    after every step, until it raises."""
     from elasticdl.common.job_spec import job_spec_from_flags
     from elasticdl.worker.local_job import LocalJob
 
     spec = job_spec_from_flags("train", {
         "model_zoo": ZOO, "model_def": MODEL_DEF, "training_data": data_dir,
         "minibatch_size": batch, "num_minibatches_per_task": 8, "output": out_dir,
-        "job_name": "bench", "log_level": "WARNING", "clip_grad_norm": clip, "amp": amp})
+        "job_name": "bench", "log_level": "WARNING", "clip_grad_norm": clip, "amp": amp,
+        "num_epochs": 1000})
     job = LocalJob(spec)
-    times: list[float] = []
-    last = [0.0]
     original = job._after_train_step
 
     def hook(task: Any, done: int, loss: torch.Tensor) -> None:
         original(task, done, loss)
-        now = time.perf_counter()
-        if last[0]:
-            times.append(now - last[0])
-        last[0] = now
-        if len(times) >= steps:
-            raise StopIteration
+        tick()
 
     job._after_train_step = hook  # type: ignore[method-assign]
-    try:
-        job.run()
-    except StopIteration:
-        pass
-    return statistics.median(times)
+    job.run()
+    raise RuntimeError("the Local job ended before the benchmark's steps")
+
+
+def side_by_side(a: argparse.Namespace, loops: tuple[Any, Any],
+                 names: tuple[str, str]) -> tuple[float, float, float]:
+    """Rounds of :class:`Lockstep` runs of ``loops`` (baseline, candidate), the one
+    going first alternated; (median baseline, median candidate, median ratio)."""
+    b_all, c_all = [], []
+    for r in range(a.rounds):
+        b, c = Lockstep(a.steps).run((lambda t, r=r: loops[0](r, t),
+                                      lambda t, r=r: loops[1](r, t)),
+                                     r % 2, a.threads)
+        b_all.append(b)
+        c_all.append(c)
+        print(f"  round {r}: {names[0]} {b * 1e3:.2f} ms/step, {names[1]} {c * 1e3:.2f} "
+              f"ms/step, ratio {c / b:.3f}", flush=True)
+    ratio = statistics.median(c / b for b, c in zip(b_all, c_all))
+    return statistics.median(b_all), statistics.median(c_all), ratio
 
 
 def part_local(a: argparse.Namespace, tmp: str) -> None:
     data = os.path.join(tmp, "data")
-    x, y = make_data(data, a.batch * (a.steps + 10))
-    print(f"[local] MNIST recipe + clip_grad_norm=1.0, batch {a.batch}, {a.steps} steps/run, "
-          f"{torch.get_num_threads()} threads")
-    b, c, r = alternate(a.rounds, lambda i: plain_loop(x, y, a.batch, a.steps, 1.0, "off"),
-                        lambda i: local_job_loop(data, os.path.join(tmp, f"local{i}"),
-                                                 a.batch, a.steps, 1.0, "off"),
-                        ("plain", "Local"))
+    x, y = make_data(data, a.batch * 40)
+    print(f"[local] MNIST recipe + clip_grad_norm=1.0, batch {a.batch}, {a.steps} steps "
+          f"each per round in lockstep, {a.threads} thread(s)")
+    b, c, r = side_by_side(a, (
+        lambda i, t: plain_loop(x, y, a.batch, 1.0, "off", t),
+        lambda i, t: local_job_loop(data, os.path.join(tmp, f"local{i}"), a.batch, 1.0,
+                                    "off", t)), ("plain", "Local"))
     print(f"[local] median: plain {b * 1e3:.2f} ms/step, elasticdl Local {c * 1e3:.2f} "
           f"ms/step; median per-round ratio {r:.3f}x (target <= 1.05x)", flush=True)
 
 
 def part_amp(a: argparse.Namespace, tmp: str) -> None:
     data = os.path.join(tmp, "data")
-    x, y = make_data(data, a.batch * (a.steps + 10))
-    print(f"[amp] MNIST recipe, Local job, --amp=bf16 vs off on CPU, batch {a.batch}")
-    b, c, r = alternate(a.rounds, lambda i: local_job_loop(
-        data, os.path.join(tmp, f"off{i}"), a.batch, a.steps, 0.0, "off"),
-        lambda i: local_job_loop(data, os.path.join(tmp, f"bf16{i}"), a.batch, a.steps, 0.0,
-                                 "bf16"), ("off", "bf16"))
+    x, y = make_data(data, a.batch * 40)
+    print(f"[amp] MNIST recipe, Local job, --amp=bf16 vs off on CPU, batch {a.batch}, "
+          f"{a.threads} thread(s)")
+    b, c, r = side_by_side(a, (
+        lambda i, t: local_job_loop(data, os.path.join(tmp, f"off{i}"), a.batch, 0.0, "off",
+                                    t),
+        lambda i, t: local_job_loop(data, os.path.join(tmp, f"bf16{i}"), a.batch, 0.0,
+                                    "bf16", t)), ("off", "bf16"))
     print(f"[amp] Local median: off {b * 1e3:.2f} ms/step, bf16 {c * 1e3:.2f} ms/step; "
           f"median per-round ratio {r:.3f}x", flush=True)
-    b, c, r = alternate(a.rounds, lambda i: plain_loop(x, y, a.batch, a.steps, 0.0, "off"),
-                        lambda i: plain_loop(x, y, a.batch, a.steps, 0.0, "bf16"),
-                        ("off", "bf16"))
+    b, c, r = side_by_side(a, (lambda i, t: plain_loop(x, y, a.batch, 0.0, "off", t),
+                               lambda i, t: plain_loop(x, y, a.batch, 0.0, "bf16", t)),
+                           ("off", "bf16"))
     print(f"[amp] plain PyTorch median: off {b * 1e3:.2f} ms/step, bf16 autocast "
           f"{c * 1e3:.2f} ms/step; median per-round ratio {r:.3f}x", flush=True)
 
