@@ -303,24 +303,34 @@ def part_ps(a: argparse.Namespace, tmp: str) -> None:
                     torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(8)]
         task_ids = {0.0: 1, 1.0: 1_000_001}
 
-        def block(clip: float) -> float:
-            trainer = trainers[clip]
-            times = []
-            for step in range(a.steps + 3):
-                features, labels = batches[step % len(batches)]
-                task_ids[clip] += 1
-                start = time.perf_counter()
-                trainer.set_position(task_ids[clip], 1, a.batch)
-                trainer.train_minibatch(features, labels)
-                if step >= 3:  # the first steps after the other trainer's block: warm-up
-                    times.append(time.perf_counter() - start)
-            return statistics.median(times)
+        def step(clip: float, k: int) -> float:
+            features, labels = batches[k % len(batches)]
+            task_ids[clip] += 1
+            start = time.perf_counter()
+            trainers[clip].set_position(task_ids[clip], 1, a.batch)
+            trainers[clip].train_minibatch(features, labels)
+            return time.perf_counter() - start
 
         print(f"[ps] MNIST recipe, 1 worker (this process) + {num_ps} PS (subprocesses), "
-              f"sync, batch {a.batch}, {a.steps} steps per block, 1 thread per process; "
-              f"streamed PS: {trainers[0.0].streaming}")
-        b, c, r = alternate(a.rounds, lambda i: block(0.0), lambda i: block(1.0),
-                            ("no clip", "clip_grad_norm=1.0"))
+              f"sync, batch {a.batch}, {a.steps} steps of each per round, taking turns "
+              f"step by step; 1 thread per process; PS streamed during backward: "
+              f"{trainers[0.0].streaming}")
+        b_all, c_all = [], []
+        for r in range(a.rounds):
+            times: dict[float, list[float]] = {0.0: [], 1.0: []}
+            order = (0.0, 1.0) if r % 2 == 0 else (1.0, 0.0)
+            for k in range(a.steps + 2):
+                for clip in order:
+                    t = step(clip, k)
+                    if k >= 2:  # warm-up
+                        times[clip].append(t)
+            b_all.append(statistics.median(times[0.0]))
+            c_all.append(statistics.median(times[1.0]))
+            print(f"  round {r}: no clip {b_all[-1] * 1e3:.2f} ms/step, clip_grad_norm=1.0 "
+                  f"{c_all[-1] * 1e3:.2f} ms/step, ratio {c_all[-1] / b_all[-1]:.3f}",
+                  flush=True)
+        b, c = statistics.median(b_all), statistics.median(c_all)
+        r = statistics.median(y / x for x, y in zip(b_all, c_all))
         lrs = {clip: t.last_lr for clip, t in trainers.items()}
         print(f"[ps] median: no clip {b * 1e3:.2f} ms/step, clip {c * 1e3:.2f} ms/step; "
               f"median per-round ratio {r:.3f}x (target <= 1.05x); lr applied {lrs}",
