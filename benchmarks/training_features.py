@@ -24,7 +24,7 @@ from other processes on a shared machine hits both alike.
   data. The two values must agree within 1e-6.
 
 Run: python benchmarks/training_features.py [--part local|ps|amp|auc|all] [--rounds 7]
-     [--steps 30] [--threads 1] [--batch 64] [--auc_records 1000000] [--auc_tasks 100]
+     [--steps 30] [--threads 1] [--clip 1.0] [--batch 64] [--auc_records 1000000] [--auc_tasks 100]
 """
 
 from __future__ import annotations
@@ -227,11 +227,11 @@ def side_by_side(a: argparse.Namespace, loops: tuple[Any, Any],
 def part_local(a: argparse.Namespace, tmp: str) -> None:
     data = os.path.join(tmp, "data")
     x, y = make_data(data, a.batch * 40)
-    print(f"[local] MNIST recipe + clip_grad_norm=1.0, batch {a.batch}, {a.steps} steps "
+    print(f"[local] MNIST recipe + clip_grad_norm={a.clip}, batch {a.batch}, {a.steps} steps "
           f"each per round in lockstep, {a.threads} thread(s)")
     b, c, r = side_by_side(a, (
-        lambda i, t: plain_loop(x, y, a.batch, 1.0, "off", t),
-        lambda i, t: local_job_loop(data, os.path.join(tmp, f"local{i}"), a.batch, 1.0,
+        lambda i, t: plain_loop(x, y, a.batch, a.clip, "off", t),
+        lambda i, t: local_job_loop(data, os.path.join(tmp, f"local{i}"), a.batch, a.clip,
                                     "off", t)), ("plain", "Local"))
     print(f"[local] median: plain {b * 1e3:.2f} ms/step, elasticdl Local {c * 1e3:.2f} "
           f"ms/step; median per-round ratio {r:.3f}x (target <= 1.05x)", flush=True)
@@ -361,20 +361,32 @@ def part_auc(a: argparse.Namespace, tmp: str) -> None:
     mb = a.auc_minibatch
     value: dict[str, float] = {}
 
+    phases: dict[str, list[float]] = {"update": [], "serialise": [], "merge+compute": []}
+
     def elasticdl_auc(_: int) -> float:
         start = time.perf_counter()
         blobs = []
+        spent = {"update": 0.0, "serialise": 0.0}
         worker = EvalMetrics({"auc": AUC()})
         for t in range(tasks):  # each evaluation task, as a worker runs it
+            t0 = time.perf_counter()
             worker.begin_task()
             for s in range(t * per_task, (t + 1) * per_task, mb):
                 e = min(s + mb, (t + 1) * per_task)
                 worker.update(labels_t[s:e], scores_t[s:e], e - s)
+            t1 = time.perf_counter()
             blobs.append(worker.end_task()[1])
+            spent["update"] += t1 - t0
+            spent["serialise"] += time.perf_counter() - t1
+        t2 = time.perf_counter()
         final = EvalMetrics({"auc": AUC()})  # the finalize task: load, merge, compute
         value["elasticdl"] = final.finalize(blobs)[0][1]
+        end = time.perf_counter()
         value["blob_bytes"] = sum(len(b) for b in blobs)
-        return time.perf_counter() - start
+        for k, v in spent.items():
+            phases[k].append(v)
+        phases["merge+compute"].append(end - t2)
+        return end - start
 
     def sklearn_auc(_: int) -> float:
         start = time.perf_counter()
@@ -389,6 +401,8 @@ def part_auc(a: argparse.Namespace, tmp: str) -> None:
           f"update+serialise+merge+compute {c * 1e3:.1f} ms; median per-round ratio "
           f"{r:.2f}x; AUC {value['elasticdl']:.9f} vs {value['sklearn']:.9f} "
           f"(|diff| {diff:.1e}); states {value['blob_bytes'] / 1e6:.1f} MB", flush=True)
+    print("[auc] elasticdl phases (median ms): " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in phases.items()), flush=True)
     if diff > 1e-6:
         raise SystemExit(f"AUC differs from roc_auc_score by {diff}")
 
@@ -405,6 +419,8 @@ def main() -> None:
     ap.add_argument("--auc_records", type=int, default=1_000_000)
     ap.add_argument("--auc_tasks", type=int, default=100)
     ap.add_argument("--auc_minibatch", type=int, default=1024)
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="--clip_grad_norm of the local part (0: off, on both sides)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads of the Local runs (1: steadier on a "
                          "loaded machine; the PS part always uses 1 per process)")
