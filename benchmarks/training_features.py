@@ -1,30 +1,35 @@
 """Cost of issue 15's training features, each against a baseline run side by side.
 
-Every part alternates its baseline and candidate runs in rounds (the order
-swapped every round) and reports the median of the per-round ratios, so load
-from other processes on a shared machine hits both alike.
+Baseline and candidate take turns step by step (the Local parts run the two
+loops in two threads passing a baton, :class:`Lockstep`; the PS part alternates
+two trainers in one loop), so each candidate step sits next to a baseline step
+under the same load from other processes; the one going first alternates per
+round. Reported: per round the median step time of each, and the median of the
+per-round ratios.
 
 ``--part local``: a Local job of the pytorch/examples MNIST recipe
   (``model_zoo/mnist/mnist_example.py``: Adadelta, StepLR per epoch) with
   ``--clip_grad_norm=1.0`` through everything a Local job does per step (task
-  manager, reader, feed, trainer, progress, TensorBoard writer) vs a plain PyTorch
-  loop doing the same (Adadelta, StepLR, ``clip_grad_norm_``) on the same data
-  held as tensors. Ratio of median step times (target <= 1.05).
+  manager, reader, feed, trainer, progress, TensorBoard writer) vs a plain
+  PyTorch loop doing the same (Adadelta, StepLR, ``clip_grad_norm_``) on the same
+  data held as tensors (target <= 1.05). ``--clip 0``: both without clipping.
+  ``--two_norm_check``: diagnostic, see :func:`use_two_norm_finite_check`.
 ``--part ps``: one worker (this process) and 2 PS (subprocesses) training the
-  same recipe, ``clip_grad_norm=1.0`` vs off: two PSTrainers on the same PS,
-  alternated in blocks of steps. Clipping takes every gradient's norm in the
-  autograd hooks that stream the push, so the push still overlaps backward;
-  the clip factor goes with the push's last message (target <= 1.05).
+  same recipe, ``clip_grad_norm=1.0`` vs off: two PSTrainers on the same PS.
+  Clipping takes every gradient's norm in the autograd hooks that stream the
+  push, so the push still overlaps backward; the clip factor goes with the
+  push's last message (target <= 1.05).
 ``--part amp``: ``--amp=bf16`` vs off, Local job, CPU; the same two settings in
-  a plain PyTorch loop too, to tell torch's own autocast cost from ours.
+  a plain PyTorch loop too, to tell torch's own autocast effect from ours.
 ``--part auc``: exact ``elasticdl.api.metrics.AUC`` over 1M scores in 100
   evaluation tasks (per task: update per minibatch, state serialised as the
   worker sends it; then every state loaded, merged and computed, as the
   finalize task does) vs ``sklearn.metrics.roc_auc_score`` on the concatenated
-  data. The two values must agree within 1e-6.
+  data, rounds alternated. The two values must agree within 1e-6.
 
 Run: python benchmarks/training_features.py [--part local|ps|amp|auc|all] [--rounds 7]
-     [--steps 30] [--threads 1] [--clip 1.0] [--batch 64] [--auc_records 1000000] [--auc_tasks 100]
+     [--steps 30] [--batch 64] [--threads 1] [--clip 1.0] [--two_norm_check]
+     [--auc_records 1000000] [--auc_tasks 100] [--auc_minibatch 1024]
 """
 
 from __future__ import annotations
@@ -224,7 +229,30 @@ def side_by_side(a: argparse.Namespace, loops: tuple[Any, Any],
     return statistics.median(b_all), statistics.median(c_all), ratio
 
 
+def use_two_norm_finite_check() -> None:
+    """Diagnostic (``--two_norm_check``): the Local trainer's non-finite gradient
+    check with one 2-norm pass per tensor (non-finite iff an element is, or a square
+    overflowed), the framework's max-abs pass run only when that is not finite, so
+    the result is the same. Shows what the max-abs pass costs: on CPU
+    ``torch._foreach_norm(grads, inf)`` is far slower than the 2-norm."""
+    from elasticdl.worker import trainer
+
+    exact = trainer.check_finite_grads
+
+    def check(named_parameters: Any) -> None:
+        named = list(named_parameters)
+        grads = [p.grad for _, p in named if p.grad is not None]
+        if grads and not any(g.is_sparse for g in grads) and bool(
+                torch.isfinite(torch.stack(torch._foreach_norm(grads, 2.0))).all()):
+            return
+        exact(named)
+
+    trainer.check_finite_grads = check
+
+
 def part_local(a: argparse.Namespace, tmp: str) -> None:
+    if a.two_norm_check:
+        use_two_norm_finite_check()
     data = os.path.join(tmp, "data")
     x, y = make_data(data, a.batch * 40)
     print(f"[local] MNIST recipe + clip_grad_norm={a.clip}, batch {a.batch}, {a.steps} steps "
@@ -421,6 +449,9 @@ def main() -> None:
     ap.add_argument("--auc_minibatch", type=int, default=1024)
     ap.add_argument("--clip", type=float, default=1.0,
                     help="--clip_grad_norm of the local part (0: off, on both sides)")
+    ap.add_argument("--two_norm_check", action="store_true",
+                    help="diagnostic for the local part: the trainer's non-finite gradient "
+                         "check by 2-norm first (see use_two_norm_finite_check)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads of the Local runs (1: steadier on a "
                          "loaded machine; the PS part always uses 1 per process)")
