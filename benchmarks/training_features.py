@@ -13,7 +13,6 @@ per-round ratios.
   manager, reader, feed, trainer, progress, TensorBoard writer) vs a plain
   PyTorch loop doing the same (Adadelta, StepLR, ``clip_grad_norm_``) on the same
   data held as tensors (target <= 1.05). ``--clip 0``: both without clipping.
-  ``--two_norm_check``: diagnostic, see :func:`use_two_norm_finite_check`.
 ``--part ps``: one worker (this process) and 2 PS (subprocesses) training the
   same recipe, ``clip_grad_norm=1.0`` vs off: two PSTrainers on the same PS.
   Clipping takes every gradient's norm in the autograd hooks that stream the
@@ -28,7 +27,7 @@ per-round ratios.
   data, rounds alternated. The two values must agree within 1e-6.
 
 Run: python benchmarks/training_features.py [--part local|ps|amp|auc|all] [--rounds 7]
-     [--steps 30] [--batch 64] [--threads 1] [--clip 1.0] [--two_norm_check]
+     [--steps 30] [--batch 64] [--threads 1] [--clip 1.0]
      [--auc_records 1000000] [--auc_tasks 100] [--auc_minibatch 1024]
 """
 
@@ -229,30 +228,7 @@ def side_by_side(a: argparse.Namespace, loops: tuple[Any, Any],
     return statistics.median(b_all), statistics.median(c_all), ratio
 
 
-def use_two_norm_finite_check() -> None:
-    """Diagnostic (``--two_norm_check``): the Local trainer's non-finite gradient
-    check with one 2-norm pass per tensor (non-finite iff an element is, or a square
-    overflowed), the framework's max-abs pass run only when that is not finite, so
-    the result is the same. Shows what the max-abs pass costs: on CPU
-    ``torch._foreach_norm(grads, inf)`` is far slower than the 2-norm."""
-    from elasticdl.worker import trainer
-
-    exact = trainer.check_finite_grads
-
-    def check(named_parameters: Any) -> None:
-        named = list(named_parameters)
-        grads = [p.grad for _, p in named if p.grad is not None]
-        if grads and not any(g.is_sparse for g in grads) and bool(
-                torch.isfinite(torch.stack(torch._foreach_norm(grads, 2.0))).all()):
-            return
-        exact(named)
-
-    trainer.check_finite_grads = check
-
-
 def part_local(a: argparse.Namespace, tmp: str) -> None:
-    if a.two_norm_check:
-        use_two_norm_finite_check()
     data = os.path.join(tmp, "data")
     x, y = make_data(data, a.batch * 40)
     print(f"[local] MNIST recipe + clip_grad_norm={a.clip}, batch {a.batch}, {a.steps} steps "
@@ -449,9 +425,6 @@ def main() -> None:
     ap.add_argument("--auc_minibatch", type=int, default=1024)
     ap.add_argument("--clip", type=float, default=1.0,
                     help="--clip_grad_norm of the local part (0: off, on both sides)")
-    ap.add_argument("--two_norm_check", action="store_true",
-                    help="diagnostic for the local part: the trainer's non-finite gradient "
-                         "check by 2-norm first (see use_two_norm_finite_check)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads of the Local runs (1: steadier on a "
                          "loaded machine; the PS part always uses 1 per process)")
