@@ -44,6 +44,7 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) model_zoo/digits/prepare_data.py --output=data/digits
+	rm -rf out/digits-demo  # a fresh run each time (its checkpoints would be refused)
 	$(VENV)/bin/elasticdl train --model_zoo=model_zoo \
 		--model_def=digits.digits_cnn.custom_model \
 		--training_data=data/digits/train --validation_data=data/digits/val \

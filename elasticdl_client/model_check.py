@@ -37,7 +37,8 @@ def check_before_launch(spec: JobSpec, in_process: bool = False) -> None:
         ModelSpecError: the module breaks the contract, building the model failed,
             it uses an option the strategy does not support, or it defines
             ``train_loop`` for a strategy that does not run it.
-        LaunchCheckError: ``--amp=fp16`` on a local machine without CUDA.
+        LaunchCheckError: ``--amp=fp16`` on a local machine without CUDA, or a
+            ``--checkpoint_dir`` holding an earlier run's checkpoints.
     """
     if spec.cluster == ClusterKind.LOCAL and spec.amp == "fp16" and spec.device != "cuda":
         import torch
@@ -46,6 +47,13 @@ def check_before_launch(spec: JobSpec, in_process: bool = False) -> None:
             raise LaunchCheckError("--amp=fp16 needs CUDA (float16 autocast with a "
                                    "GradScaler) and this job trains on the CPU: use "
                                    "--amp=bf16 or --amp=off")
+    if spec.job_type == JobType.TRAIN:
+        from elasticdl.checkpoint.paths import CheckpointError, check_fresh_checkpoint_dir
+
+        try:
+            check_fresh_checkpoint_dir(spec.checkpoint_dir, spec.checkpoint_dir_for_init)
+        except CheckpointError as e:
+            raise LaunchCheckError(str(e)) from e
     if not in_process:
         check_model(spec)
 

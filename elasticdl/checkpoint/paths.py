@@ -58,3 +58,29 @@ def version_of(version_path: str) -> int:
     if not m:
         raise CheckpointError(f"{version_path!r} is not a version-N checkpoint directory")
     return int(m.group(1))
+
+
+def check_fresh_checkpoint_dir(checkpoint_dir: str, checkpoint_dir_for_init: str) -> None:
+    """A new training run may write into ``checkpoint_dir`` only if it holds no
+    complete checkpoint, or the run resumes from one there
+    (``--checkpoint_dir_for_init`` inside it). Otherwise a relaunched PS, which
+    restores the newest checkpoint of its own directory, would take an earlier
+    job's model as this job's.
+
+    Raises:
+        CheckpointError: naming both flags.
+    """
+    if not checkpoint_dir:
+        return
+    versions = complete_versions(checkpoint_dir)
+    if not versions:
+        return
+    if checkpoint_dir_for_init:
+        init_dir = os.path.dirname(os.path.abspath(resolve(checkpoint_dir_for_init)))
+        if init_dir == os.path.abspath(checkpoint_dir):
+            return
+    raise CheckpointError(
+        f"--checkpoint_dir {checkpoint_dir} already holds checkpoints of an earlier run "
+        f"(version-{versions[-1]}); to continue it pass "
+        f"--checkpoint_dir_for_init={checkpoint_dir}, otherwise use an empty directory")
+

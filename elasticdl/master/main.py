@@ -92,6 +92,8 @@ def build_core(spec: JobSpec, restoring: bool = False) -> JobCore:
     ``restoring``: its state comes from the journal next (no data position to
     resume, the task table of the run is appended to)."""
     start = 0
+    if spec.job_type == JobType.TRAIN and not restoring:
+        ckpt_paths.check_fresh_checkpoint_dir(spec.checkpoint_dir, spec.checkpoint_dir_for_init)
     if spec.checkpoint_dir_for_init:  # the version workers load (train, evaluate, predict)
         start = start_version_of(spec.checkpoint_dir_for_init)
     # a new task id range per run: no task matches a PS ledger of an earlier run

@@ -72,3 +72,28 @@ def test_a_large_plain_nn_embedding_under_ps_is_warned_about(tmp_path, caplog):
             "training_data": "/nonexistent", "cluster": "local",
             "distribution_strategy": "AllreduceStrategy", "num_workers": 2}))
     assert not caplog.records
+
+
+def test_a_fresh_run_into_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """A relaunched PS restores the newest checkpoint of its own --checkpoint_dir, so a new
+    run must not start over an earlier run's checkpoints (it would take that model as its
+    own): refused before launch unless it resumes from them."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "version-150").mkdir(parents=True)
+    spec = _spec(model_def="mnist.mnist_example.custom_model", checkpoint_dir=str(ckpt),
+                 distribution_strategy="ParameterServerStrategy", num_workers=2)
+    check_before_launch(spec)   # incomplete (no DONE): not a checkpoint yet
+    (ckpt / "version-150" / "DONE").write_text("")
+    with pytest.raises(LaunchCheckError, match="version-150.*--checkpoint_dir_for_init="):
+        check_before_launch(spec)
+    check_before_launch(_spec(model_def="mnist.mnist_example.custom_model",
+                              checkpoint_dir=str(ckpt), checkpoint_dir_for_init=str(ckpt),
+                              distribution_strategy="ParameterServerStrategy", num_workers=2))
+    other = tmp_path / "other"
+    (other / "version-3").mkdir(parents=True)
+    (other / "version-3" / "DONE").write_text("")
+    with pytest.raises(LaunchCheckError, match="earlier run"):
+        check_before_launch(_spec(model_def="mnist.mnist_example.custom_model",
+                                  checkpoint_dir=str(ckpt), checkpoint_dir_for_init=str(other),
+                                  distribution_strategy="ParameterServerStrategy",
+                                  num_workers=2))
