@@ -54,22 +54,32 @@ MODEL_DEF = "mnist.mnist_example.custom_model"
 sys.path[:0] = [ROOT, ZOO]
 
 
-def alternate(rounds: int, base: Callable[[int], float], cand: Callable[[int], float],
+def rounds_of(rounds: int, measure: Callable[[int], tuple[float, float]],
               names: tuple[str, str], unit: str = "ms/step") -> tuple[float, float, float]:
-    """Run ``base(r)`` and ``cand(r)`` ``rounds`` times, order swapped each round;
-    print each round; return (median base, median cand, median of cand/base ratios)."""
+    """``measure(r) -> (base, cand)`` for ``rounds`` rounds; print each round; return
+    (median base, median cand, median of cand/base ratios)."""
     b_all, c_all = [], []
     for r in range(rounds):
-        if r % 2:
-            c, b = cand(r), base(r)
-        else:
-            b, c = base(r), cand(r)
+        b, c = measure(r)
         b_all.append(b)
         c_all.append(c)
         print(f"  round {r}: {names[0]} {b * 1e3:.2f} {unit}, {names[1]} {c * 1e3:.2f} {unit}, "
               f"ratio {c / b:.3f}", flush=True)
     ratio = statistics.median(c / b for b, c in zip(b_all, c_all))
     return statistics.median(b_all), statistics.median(c_all), ratio
+
+
+def alternate(rounds: int, base: Callable[[int], float], cand: Callable[[int], float],
+              names: tuple[str, str], unit: str = "ms/step") -> tuple[float, float, float]:
+    """Run ``base(r)`` and ``cand(r)`` ``rounds`` times, order swapped each round."""
+    def measure(r: int) -> tuple[float, float]:
+        if r % 2:
+            c = cand(r)
+            return base(r), c
+        b = base(r)
+        return b, cand(r)
+
+    return rounds_of(rounds, measure, names, unit)
 
 
 # ------------------------------------------------------------------ Local: data and loops
@@ -215,17 +225,8 @@ def side_by_side(a: argparse.Namespace, loops: tuple[Any, Any],
                  names: tuple[str, str]) -> tuple[float, float, float]:
     """Rounds of :class:`Lockstep` runs of ``loops`` (baseline, candidate), the one
     going first alternated; (median baseline, median candidate, median ratio)."""
-    b_all, c_all = [], []
-    for r in range(a.rounds):
-        b, c = Lockstep(a.steps).run((lambda t, r=r: loops[0](r, t),
-                                      lambda t, r=r: loops[1](r, t)),
-                                     r % 2, a.threads)
-        b_all.append(b)
-        c_all.append(c)
-        print(f"  round {r}: {names[0]} {b * 1e3:.2f} ms/step, {names[1]} {c * 1e3:.2f} "
-              f"ms/step, ratio {c / b:.3f}", flush=True)
-    ratio = statistics.median(c / b for b, c in zip(b_all, c_all))
-    return statistics.median(b_all), statistics.median(c_all), ratio
+    return rounds_of(a.rounds, lambda r: Lockstep(a.steps).run(
+        (lambda t: loops[0](r, t), lambda t: loops[1](r, t)), r % 2, a.threads), names)
 
 
 def part_local(a: argparse.Namespace, tmp: str) -> None:
