@@ -41,12 +41,12 @@ def check_before_launch(spec: JobSpec, in_process: bool = False) -> None:
             ``--checkpoint_dir`` holding an earlier run's checkpoints.
     """
     if spec.cluster == ClusterKind.LOCAL and spec.amp == "fp16" and spec.device != "cuda":
-        import torch
+        from elasticdl.worker.trainer import check_amp, select_device
 
-        if spec.device == "cpu" or not torch.cuda.is_available():
-            raise LaunchCheckError("--amp=fp16 needs CUDA (float16 autocast with a "
-                                   "GradScaler) and this job trains on the CPU: use "
-                                   "--amp=bf16 or --amp=off")
+        try:  # the check every replica makes, on the device it would pick here
+            check_amp(spec.amp, select_device(spec.device))
+        except ValueError as e:
+            raise LaunchCheckError(str(e)) from e
     if spec.job_type == JobType.TRAIN:
         from elasticdl.checkpoint.paths import CheckpointError, check_fresh_checkpoint_dir
 
