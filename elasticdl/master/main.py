@@ -165,6 +165,7 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
         report.write(report_dir)
         raise
     finally:
+        obs.stop_endpoint()
         cluster.close()
         server.stop(grace=2).wait(5)
         obs.close()

@@ -116,10 +116,15 @@ class Observability:
         if self.writer is not None:
             self.writer.flush()
 
-    def close(self) -> None:
+    def stop_endpoint(self) -> None:
+        """Stop serving /metrics (first thing when a master ends: its successor
+        may be waiting for the port)."""
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+    def close(self) -> None:
+        self.stop_endpoint()
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -160,8 +165,9 @@ def attach(core: Any, output: str = "", metrics_port: int = -1, host: str = "127
     endpoint (``metrics_port`` >= 0, 0 picks a free port, bound to ``host`` and
     shown as ``advertise``:port) to ``core``. ``track_ps``: count live PS from the
     job controller's notes (a master with a cluster). ``fresh``: a new job (not a
-    restored master): earlier jobs' event files in that directory are removed.
-    Raises :class:`ObservabilityError` naming the flag when either cannot start."""
+    restored master): earlier jobs' event files in that directory are removed; a
+    restored master retries a metrics port in use for ``BIND_WAIT_S`` (its
+    predecessor may still be closing). Raises :class:`ObservabilityError` naming the flag when either cannot start."""
     obs = Observability()
     core.add_listener(obs.figures)
     if output:
@@ -178,14 +184,15 @@ def attach(core: Any, output: str = "", metrics_port: int = -1, host: str = "127
         core.add_listener(TensorBoardListener(obs.writer, core))
         logger.info("TensorBoard event files in %s", obs.writer.logdir)
     if metrics_port >= 0:
-        from elasticdl.master.prometheus_metrics import MetricsServer, ReplicaCounts
+        from elasticdl.master.prometheus_metrics import BIND_WAIT_S, MetricsServer, ReplicaCounts
 
         replicas = ReplicaCounts() if track_ps else None
         if replicas is not None:
             core.add_listener(replicas)
         try:
+            # a restored master may race its terminating predecessor for the port
             obs.server = MetricsServer.start(core, obs.figures, host, metrics_port, replicas,
-                                             advertise)
+                                             advertise, bind_wait_s=0.0 if fresh else BIND_WAIT_S)
         except OSError as e:
             obs.close()
             raise ObservabilityError(f"--metrics_port: cannot serve metrics on "

@@ -8,8 +8,10 @@ are listed in docs/observability.md and :data:`METRICS`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -21,6 +23,8 @@ from elasticdl.common.task import TaskType
 from elasticdl.master.observability import JobListener, LiveFigures
 
 logger = logging.getLogger(__name__)
+
+BIND_WAIT_S = 30.0  # how long a restored master retries a metrics port in use
 
 # family name -> (type, labels); a counter's sample is <name>_total
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -199,13 +203,30 @@ class MetricsServer:
 
     @classmethod
     def start(cls, core: Any, figures: LiveFigures, host: str, port: int,
-              replicas: Optional[ReplicaCounts] = None, advertise: str = "") -> MetricsServer:
+              replicas: Optional[ReplicaCounts] = None, advertise: str = "",
+              bind_wait_s: float = 0.0) -> MetricsServer:
         """Serve on ``port`` (0: a free one) of ``host`` ("0.0.0.0": every interface);
-        ``address`` is ``advertise`` (default ``host``) and the port."""
+        ``address`` is ``advertise`` (default ``host``) and the port. A port in use
+        is retried for ``bind_wait_s``: a replacement master pod can start while its
+        terminating predecessor still holds the port (pods sharing the host's
+        network); past that the ``OSError`` is raised."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(JobCollector(core, figures, replicas))
-        server, thread = start_http_server(port, addr=host, registry=registry)
-        return cls(server, thread, advertise or host)
+        deadline = time.monotonic() + bind_wait_s
+        warned = False
+        while True:
+            try:
+                server, thread = start_http_server(port, addr=host, registry=registry)
+                return cls(server, thread, advertise or host)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE or port == 0 or time.monotonic() >= deadline:
+                    raise
+                if not warned:
+                    logger.warning("metrics port %s:%d in use (the master this one replaces "
+                                   "still closing?): retrying for up to %.0f s", host, port,
+                                   bind_wait_s)
+                    warned = True
+                time.sleep(0.5)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._server.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -224,6 +225,37 @@ def test_metrics_server_stops_and_frees_its_port():
     obs.close()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://{address}/metrics", timeout=5)
+
+
+def _hold_a_port() -> tuple[socket.socket, int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    return sock, sock.getsockname()[1]
+
+
+def test_a_fresh_job_fails_at_once_on_a_metrics_port_in_use():
+    sock, port = _hold_a_port()
+    try:
+        start = time.monotonic()
+        with pytest.raises(observability.ObservabilityError, match="--metrics_port"):
+            observability.attach(make_core(), "", metrics_port=port)
+        assert time.monotonic() - start < 5
+    finally:
+        sock.close()
+
+
+def test_a_restored_master_waits_for_its_predecessor_to_free_the_port():
+    # the replacement master pod can start while the one it replaces still serves
+    sock, port = _hold_a_port()
+    threading.Timer(1.5, sock.close).start()
+    obs = observability.attach(make_core(), "", metrics_port=port, fresh=False)
+    try:
+        assert obs.address.endswith(f":{port}")
+        body = urllib.request.urlopen(f"http://{obs.address}/metrics", timeout=5).read()
+        assert b"elasticdl_model_version" in body
+    finally:
+        obs.close()
 
 
 def test_task_counts_include_epochs_not_created_yet():
