@@ -167,7 +167,8 @@ def attach(core: Any, output: str = "", metrics_port: int = -1, host: str = "127
     job controller's notes (a master with a cluster). ``fresh``: a new job (not a
     restored master): earlier jobs' event files in that directory are removed; a
     restored master retries a metrics port in use for ``BIND_WAIT_S`` (its
-    predecessor may still be closing). Raises :class:`ObservabilityError` naming the flag when either cannot start."""
+    predecessor may still be closing). Raises :class:`ObservabilityError` naming
+    the flag when either cannot start."""
     obs = Observability()
     core.add_listener(obs.figures)
     if output:
