@@ -28,6 +28,7 @@ import importlib
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
@@ -144,6 +145,56 @@ class LRSchedule:
 
     scheduler: Any
     interval: str = "epoch"
+
+
+class ScheduleClock:
+    """When a module's scheduler steps, one rule for every strategy (the PS
+    shards' :class:`~elasticdl.ps.schedule.ShardSchedule`, the Local and
+    allreduce trainers' :class:`~elasticdl.worker.trainer.OptimizerExtras`):
+
+    * ``"epoch"``: once per epoch crossed when a step of a newer epoch is next
+      (:meth:`advance_epoch`; epochs are the master's and never go backwards);
+    * ``"step"``: once after every optimizer update (:meth:`after_update`).
+
+    ``epoch`` (the epoch the schedule was last advanced to) belongs in the
+    owner's checkpoints with the scheduler's state.
+    """
+
+    def __init__(self, schedule: Optional[LRSchedule]):
+        self.schedule = schedule
+        self.epoch = 0
+
+    @property
+    def interval(self) -> str:
+        return self.schedule.interval if self.schedule is not None else ""
+
+    @property
+    def scheduler(self) -> Optional[Any]:
+        return self.schedule.scheduler if self.schedule is not None else None
+
+    def advance_epoch(self, epoch: int) -> bool:
+        """A step of ``epoch`` is next; whether an epoch scheduler stepped."""
+        if epoch <= self.epoch:
+            return False
+        crossed, self.epoch = epoch - self.epoch, epoch
+        if self.interval != "epoch":
+            return False
+        for _ in range(crossed):
+            self._step()
+        return True
+
+    def after_update(self) -> None:
+        """An optimizer update was applied (or skipped by a loss scaler)."""
+        if self.interval == "step":
+            self._step()
+
+    def _step(self) -> None:
+        assert self.schedule is not None
+        with warnings.catch_warnings():
+            # a new epoch's first step can come before any optimizer.step() (a PS
+            # placeholder optimizer never steps, a loss scaler skips): intended
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*")
+            self.schedule.scheduler.step()
 
 
 def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:

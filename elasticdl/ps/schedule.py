@@ -19,14 +19,13 @@ apply (:meth:`ShardSchedule.scaled`) and restores the scheduled values.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
 
-from elasticdl.api.model_spec import LRSchedule
+from elasticdl.api.model_spec import LRSchedule, ScheduleClock
 from elasticdl.ps.embedding_optimizer import RowOptimizer, row_optimizer_for
 from elasticdl.ps.parameters import Parameters
 
@@ -35,7 +34,7 @@ logger = logging.getLogger(__name__)
 PLACEHOLDER = "__ps_placeholder__"   # the parameter of a shard without dense ones
 
 
-class ShardSchedule:
+class ShardSchedule(ScheduleClock):
     """An optimizer's scheduler (or none) and the epoch the shard is at."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: Optional[LRSchedule],
@@ -44,45 +43,19 @@ class ShardSchedule:
                                                torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise ValueError("ReduceLROnPlateau needs a metric at every step; the parameter "
                              "servers have none (use a scheduler of the epoch or step count)")
+        super().__init__(schedule)
         self.optimizer = optimizer
-        self.schedule = schedule
         self.ps_id = ps_id
-        self.epoch = 0
-
-    @property
-    def interval(self) -> str:
-        return self.schedule.interval if self.schedule is not None else ""
 
     def lr(self) -> float:
         """The first param group's learning rate as scheduled now."""
         return float(self.optimizer.param_groups[0]["lr"])
 
     def enter_epoch(self, epoch: int) -> None:
-        """A group of ``epoch`` is about to be applied: an "epoch" scheduler steps
-        once per epoch crossed since the last (never backwards)."""
-        if epoch <= self.epoch:
-            return
-        crossed = epoch - self.epoch
-        self.epoch = epoch
-        if self.interval == "epoch":
-            assert self.schedule is not None
-            for _ in range(crossed):
-                self._step()
+        """A group of ``epoch`` is about to be applied."""
+        if self.advance_epoch(epoch):
             logger.info("PS %d: epoch %d, learning rate %s", self.ps_id, epoch,
                         [g["lr"] for g in self.optimizer.param_groups])
-
-    def after_update(self) -> None:
-        """An update was applied: a "step" scheduler steps."""
-        if self.interval == "step":
-            self._step()
-
-    def _step(self) -> None:
-        assert self.schedule is not None
-        with warnings.catch_warnings():
-            # a new epoch's first group steps the scheduler before the optimizer
-            # (and a placeholder optimizer never steps): intended here
-            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*")
-            self.schedule.scheduler.step()
 
     @contextmanager
     def scaled(self, factor: float) -> Iterator[None]:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from elasticdl.api.model_spec import LRSchedule, ModelSpec, ModelSpecError
+from elasticdl.api.model_spec import LRSchedule, ModelSpec, ModelSpecError, ScheduleClock
 
 logger = logging.getLogger(__name__)
 
@@ -116,40 +116,19 @@ def autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManage
     return torch.autocast(device.type, dtype=dtype)
 
 
-class OptimizerExtras:
-    """What steps alongside an optimizer: the module's LR scheduler, the epoch it
-    was last stepped for, a GradScaler (``--amp=fp16``) and ``--clip_grad_norm``.
-
-    Epoch-interval schedulers step once per epoch crossed (:meth:`advance_epoch`,
-    never backwards), step-interval ones after every optimizer update
-    (:meth:`after_update`). Its state (scheduler, epoch, scaler) goes into
-    checkpoints and, under allreduce, into the state broadcast to members.
+class OptimizerExtras(ScheduleClock):
+    """What steps alongside an optimizer: the module's LR scheduler (stepped by
+    the :class:`~elasticdl.api.model_spec.ScheduleClock` rule), a GradScaler
+    (``--amp=fp16``) and ``--clip_grad_norm``. Its state (scheduler, epoch,
+    scaler) goes into checkpoints and, under allreduce, into the state broadcast
+    to members.
     """
 
     def __init__(self, schedule: Optional[LRSchedule], scaler: Optional[Any] = None,
                  clip_grad_norm: float = 0.0):
-        self.schedule = schedule
+        super().__init__(schedule)
         self.scaler = scaler
         self.clip_grad_norm = float(clip_grad_norm)
-        self.epoch = 0
-
-    @property
-    def scheduler(self) -> Optional[Any]:
-        return self.schedule.scheduler if self.schedule is not None else None
-
-    def advance_epoch(self, epoch: int) -> None:
-        """A step of ``epoch`` is next: step an epoch scheduler once per epoch crossed."""
-        if epoch <= self.epoch:
-            return
-        if self.schedule is not None and self.schedule.interval == "epoch":
-            for _ in range(epoch - self.epoch):
-                self.schedule.scheduler.step()
-        self.epoch = epoch
-
-    def after_update(self) -> None:
-        """An optimizer update was applied (or skipped by the GradScaler)."""
-        if self.schedule is not None and self.schedule.interval == "step":
-            self.schedule.scheduler.step()
 
     def clip(self, params: Any) -> None:
         if self.clip_grad_norm > 0:
