@@ -57,6 +57,19 @@ class ShardSchedule(ScheduleClock):
             logger.info("PS %d: epoch %d, learning rate %s", self.ps_id, epoch,
                         [g["lr"] for g in self.optimizer.param_groups])
 
+    def catch_up_steps(self, updates: int) -> None:
+        """The shard took a model at version ``updates`` without a schedule state
+        (a PS relaunched without a checkpoint takes a worker's model): a "step"
+        scheduler steps that many times, as the other PS did (one step per applied
+        update; versions count updates from 0 when there was no rollback, which
+        needs a checkpoint). An "epoch" one catches up at the next push."""
+        if self.interval != "step" or updates <= 0:
+            return
+        for _ in range(updates):
+            self._step()
+        logger.info("PS %d: step schedule caught up with %d applied updates, learning rate "
+                    "%s", self.ps_id, updates, [g["lr"] for g in self.optimizer.param_groups])
+
     @contextmanager
     def scaled(self, factor: float) -> Iterator[None]:
         """Every group's learning rate times ``factor`` inside; the scheduled values after."""

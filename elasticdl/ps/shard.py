@@ -164,7 +164,10 @@ class PSShard:
             optimizer, row_optimizer, schedule = self._build_optimizers(params)
             if optimizer_state is not None and optimizer is not None:
                 optimizer.load_state_dict(optimizer_state)
-            schedule.load_state_dict(lr_schedule_state)
+            if lr_schedule_state is None:
+                schedule.catch_up_steps(version)
+            else:
+                schedule.load_state_dict(lr_schedule_state)
             self.params, self.optimizer, self.row_optimizer = params, optimizer, row_optimizer
             self.schedule = schedule
             self.ledger.load_state_dict(ledger)

@@ -111,6 +111,27 @@ def test_step_interval_scheduler_gives_torchs_lrs():
     assert shard.optimizer.param_groups[0]["lr"] == pytest.approx(0.9 ** len(epochs))
 
 
+def test_a_ps_relaunched_without_a_checkpoint_catches_up_with_the_step_schedule():
+    # the survivor applied 7 updates; the relaunched PS takes a worker's model at
+    # version 7 and must apply the next update with the survivor's learning rate
+    survivor = _shard(_exp_per_step)
+    for k in range(7):
+        _push(survivor, k, 0)
+    relaunched = PSShard(ShardConfig(), lambda p: torch.optim.SGD(p, lr=1.0),
+                         lr_scheduler=_exp_per_step)
+    relaunched.initialize(survivor.version, {"w": survivor.params.dense["w"].clone()}, {},
+                          [TABLE])
+    assert relaunched.version == 7
+    assert _push(relaunched, 7, 0).learning_rate == _push(survivor, 7, 0).learning_rate \
+        == pytest.approx(0.9 ** 7)
+    assert torch.equal(relaunched.params.dense["w"], survivor.params.dense["w"])
+    # an epoch schedule is left to the next push's epoch
+    epochly = PSShard(ShardConfig(), lambda p: torch.optim.SGD(p, lr=1.0), lr_scheduler=_steplr)
+    epochly.initialize(7, {"w": W0.clone()}, {}, [TABLE])
+    assert epochly.optimizer.param_groups[0]["lr"] == 1.0
+    assert _push(epochly, 0, 2).learning_rate == pytest.approx(0.7 ** 2)
+
+
 def test_async_staleness_scales_one_apply_and_keeps_the_schedule():
     shard = _shard(_steplr, use_async=True, lr_staleness_modulation=True)
     for k in range(3):
