@@ -165,9 +165,10 @@ class AUC(Metric):
                 "neg": torch.from_numpy(neg.copy())}
 
     def merge(self, states: Sequence[dict[str, Any]]) -> None:
-        for s in states:
-            self._add(_as_numpy(s["scores"], np.float64), _as_numpy(s["pos"], np.int64),
-                      _as_numpy(s["neg"], np.int64))
+        # the states are in memory already: one compaction (one sort) for all of them
+        self._parts.extend((_as_numpy(s["scores"], np.float64), _as_numpy(s["pos"], np.int64),
+                            _as_numpy(s["neg"], np.int64)) for s in states)
+        self._compact()
 
     def compute(self) -> float:
         _, pos, neg = self._compact()  # ascending scores
