@@ -89,8 +89,10 @@ def check_failover(job_dir: str, before: dict[str, int], kills: int, epochs: int
     return report
 
 
-@pytest.mark.parametrize("kills", [1, 2])
-def test_ps_job_survives_master_kill(digits_data, tmp_path, kills):
+def test_ps_job_survives_master_kill(digits_data, tmp_path):
+    # two kills: the first is what one kill does, the second restores a master
+    # that was itself restored (a separate one-kill run added ~20 s and nothing else)
+    kills = 2
     job_dir = str(tmp_path / "ps")
     flags = dict(num_epochs=3, distribution_strategy="ParameterServerStrategy",
                  num_workers=2, num_ps_pods=1, minibatch_size=32, num_minibatches_per_task=1)
