@@ -24,18 +24,41 @@ from elasticdl.cluster.api import Cluster
 from elasticdl.common.enums import JobType
 from elasticdl.master.job import JobCore
 from elasticdl.master.job_controller import JobController
-from elasticdl.master.journal import JOURNAL_DIR, RESTARTS_FILE, Journal
+from elasticdl.master.journal import (
+    JOURNAL_DIR,
+    LOCK_FILE,
+    RESTARTS_FILE,
+    Journal,
+    JournalOwner,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def open_journal(job_dir: str, restore: bool) -> tuple[Journal, bool]:
-    """The job's journal and whether to restore from it (``restore`` and there
-    is one); a fresh start discards an old one."""
+RESTORE_LOCK_WAIT_S = 90.0   # a restoring master waits this long for the one it replaces
+
+
+def open_journal(job_dir: str, restore: bool,
+                 lock_wait_s: float = RESTORE_LOCK_WAIT_S) -> tuple[Journal, bool]:
+    """The job's journal, owned by this master until it is closed, and whether to
+    restore from it (``restore`` and there is one); a fresh start discards an old
+    one. A restoring master first waits up to ``lock_wait_s`` for the master it
+    replaces to release the journal (a pod being deleted serves and journals its
+    last RPCs); a fresh start fails at once when another master holds it.
+
+    Raises:
+        JournalLockedError: another master holds the journal (the message names it).
+    """
+    owner = JournalOwner(os.path.join(job_dir, LOCK_FILE))
+    owner.acquire(lock_wait_s if restore else 0.0)
     path = os.path.join(job_dir, JOURNAL_DIR)
-    if not restore and os.path.exists(path):
-        shutil.rmtree(path)
-    journal = Journal(path)
+    try:
+        if not restore and os.path.exists(path):
+            shutil.rmtree(path)
+        journal = Journal(path, owner=owner)
+    except BaseException:
+        owner.release()
+        raise
     restoring = restore and journal.exists()
     if restore and not restoring:
         logger.warning("--restore: no journal in %s; starting the job afresh", path)

@@ -15,20 +15,32 @@ afterwards. :meth:`Journal.load` gives the snapshot and the records after it;
 the core replays them (:meth:`JobCore.restore`). A record cut short by a kill
 (the last line of a segment) was never acknowledged and is dropped; a
 damaged record anywhere else raises :class:`JournalError`.
+
+One master writes a job's journal at a time: :class:`JournalOwner` is an
+exclusive ``flock`` on ``<job_dir>/journal.lock``, taken before the journal is
+read and released when it is closed (or the process dies). A replacement
+master pod can start while the one it replaces is still ending (SIGTERM,
+serving its last RPCs, journaling them): it waits for the lock, so it reads a
+journal nobody appends to any more.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
 import re
+import socket
 import threading
+import time
 from typing import IO, Any, Optional
 
 logger = logging.getLogger(__name__)
 
 JOURNAL_DIR = "journal"                   # in the job directory
+LOCK_FILE = "journal.lock"                # in the job directory (JournalOwner)
 RESTARTS_FILE = "master_restarts.json"    # the launcher's notes of each master death
 SNAPSHOT = "snapshot.json"
 _SEGMENT = re.compile(r"^journal-(\d{12})\.jsonl$")
@@ -36,6 +48,67 @@ _SEGMENT = re.compile(r"^journal-(\d{12})\.jsonl$")
 
 class JournalError(RuntimeError):
     """The journal cannot be read or replayed (message names the file and record)."""
+
+
+class JournalLockedError(JournalError):
+    """Another master holds the journal (the message names it)."""
+
+
+class JournalOwner:
+    """The right to write one job's journal: an exclusive ``flock`` on ``path``
+    (advisory; local file systems and NFSv4 honour it), held from
+    :meth:`acquire` until :meth:`release` or the process's death. The holder's
+    pid and host are written into the file for the error message of a master
+    that cannot take it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd: Optional[int] = None
+
+    def acquire(self, wait_s: float) -> None:
+        """Take the lock, waiting up to ``wait_s``; :class:`JournalError` naming the
+        holder when another process keeps it longer. A file system without
+        ``flock`` is warned about and the journal used unlocked."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        waited = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = self._holder(fd)
+                    os.close(fd)
+                    raise JournalLockedError(f"the job's journal is held by another master "
+                                       f"({holder}) after {wait_s:.0f} s: {self.path}") from None
+                if not waited:
+                    logger.info("waiting up to %.0f s for the master holding the journal "
+                                "(%s) to end", wait_s, self._holder(fd))
+                    waited = True
+                time.sleep(0.2)
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    os.close(fd)
+                    raise
+                logger.warning("cannot lock %s (%s): two masters of this job could write its "
+                               "journal at once", self.path, e)
+                break
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            return os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)   # closing the descriptor drops the flock
+            self._fd = None
 
 
 def _fsync_dir(path: str) -> None:
@@ -53,8 +126,10 @@ class Journal:
     so the journal's order is the order the transitions happened in.
     """
 
-    def __init__(self, directory: str, fsync: bool = True):
+    def __init__(self, directory: str, fsync: bool = True,
+                 owner: Optional[JournalOwner] = None):
         self.directory = directory
+        self.owner = owner   # released by close()
         self.fsync = fsync
         os.makedirs(directory, exist_ok=True)
         self._io_lock = threading.Lock()
@@ -174,6 +249,9 @@ class Journal:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+            if self.owner is not None:
+                self.owner.release()
+                self.owner = None
 
     # ------------------------------------------------------------ reading
     def load(self) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:

@@ -34,6 +34,7 @@ from elasticdl.data.api import DataError
 from elasticdl.master import failover, observability
 from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
+from elasticdl.master.journal import JournalLockedError
 from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.servicer import MasterServicer, start_master_server
 
@@ -186,6 +187,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     try:
         return run_master(args, stop)
+    except JournalLockedError as e:   # the job is another master's: leave its report alone
+        logger.error("cannot start job: %s", e)
+        return 1
     except (DataError, ckpt_paths.CheckpointError, auth.AuthError,
             observability.ObservabilityError) as e:
         logger.error("cannot start job: %s", e)
