@@ -30,7 +30,13 @@ from elasticdl.common import auth
 from elasticdl.common.job_dirs import named_job_dir, register_job_dir
 from elasticdl.common.job_report import REPORT_NAME
 from elasticdl.common.job_spec import JobSpec
-from elasticdl.master.journal import JOURNAL_DIR, RESTARTS_FILE
+from elasticdl.master.journal import (
+    JOURNAL_DIR,
+    LOCK_FILE,
+    RESTARTS_FILE,
+    JournalLockedError,
+    JournalOwner,
+)
 from elasticdl_client import job_figures
 
 MASTER_FILE = "master.json"
@@ -54,6 +60,20 @@ def _follow(path: str, pos: int, out: Any) -> int:
     return pos + len(chunk)
 
 
+def _refuse_a_running_job(spec: JobSpec, job_dir: str) -> None:
+    """A master still owning ``job_dir``'s journal means a job is running there: its
+    files must not be wiped (JournalLockedError, a usage error)."""
+    owner = JournalOwner(os.path.join(job_dir, LOCK_FILE))
+    try:
+        owner.acquire(0.0)
+    except JournalLockedError as e:
+        raise JournalLockedError(f"a job is already running in {job_dir} ({e}); stop it "
+                                 f"(elasticdl stop {spec.job_name}) or give this run another "
+                                 "--job_name or --output") from None
+    finally:
+        owner.release()
+
+
 def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[float] = None
                           ) -> dict[str, Any]:
     """Start the master process, stream its log, wait; returns the job report.
@@ -62,6 +82,7 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
     """
     out = out or sys.stderr
     job_dir = register_job_dir(spec)
+    _refuse_a_running_job(spec, job_dir)
     os.makedirs(os.path.join(job_dir, "logs"), exist_ok=True)
     for stale in (REPORT_NAME, STATE_FILE, RESTARTS_FILE, STOP_FILE, job_figures.METRICS_FILE):
         if os.path.exists(os.path.join(job_dir, stale)):

@@ -50,6 +50,7 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
     from elasticdl.api.model_spec import ModelSpecError
     from elasticdl.common.advice import config_warnings, effective_batch_note
     from elasticdl.data.api import DataError
+    from elasticdl.master.journal import JournalLockedError
 
     for warning in config_warnings(spec):
         logger.warning("%s", warning)
@@ -61,7 +62,7 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
     try:
         check_before_launch(spec, in_process=runs_in_process(spec))
         report = _dispatch(spec)
-    except (ModelSpecError, UsageError, LaunchCheckError) as e:
+    except (ModelSpecError, UsageError, LaunchCheckError, JournalLockedError) as e:
         _fail(job_type, str(e), USAGE_ERROR)
         return
     except DataError as e:

@@ -56,6 +56,11 @@ def test_status_logs_and_stop(toy_checkpoint):  # noqa: F811
                  or "elasticdl.worker" in open(os.path.join(job_dir, "logs",
                                                               "worker-1.log")).read(),
                  60, "worker-1 logging")
+        # the same job again, into the running one's directory: refused, nothing wiped
+        again = cli(home, *slow_job(tmp, "stopme"))
+        assert again.returncode == 2, again.stderr
+        assert "already running in" in again.stderr and "elasticdl stop stopme" in again.stderr
+        assert os.path.exists(os.path.join(job_dir, "journal"))
         st = cli(home, "status", "stopme")
         assert st.returncode == 0 and "master running" in st.stdout
         assert "worker-1" in st.stdout
