@@ -83,4 +83,3 @@ def check_fresh_checkpoint_dir(checkpoint_dir: str, checkpoint_dir_for_init: str
         f"--checkpoint_dir {checkpoint_dir} already holds checkpoints of an earlier run "
         f"(version-{versions[-1]}); to continue it pass "
         f"--checkpoint_dir_for_init={checkpoint_dir}, otherwise use an empty directory")
-

@@ -66,8 +66,8 @@ class JournalOwner:
         self._fd: Optional[int] = None
 
     def acquire(self, wait_s: float) -> None:
-        """Take the lock, waiting up to ``wait_s``; :class:`JournalError` naming the
-        holder when another process keeps it longer. A file system without
+        """Take the lock, waiting up to ``wait_s``; :class:`JournalLockedError` naming
+        the holder when another process keeps it longer. A file system without
         ``flock`` is warned about and the journal used unlocked."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + wait_s
