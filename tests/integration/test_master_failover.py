@@ -2,7 +2,8 @@
 job; the client relaunches it, it restores its journal and adopts the running
 PS and workers (same pids: no replica restarts), and the job succeeds with every
 epoch's records counted exactly once and the final accuracy within 0.02 of the
-same job without a fault. With restarts exhausted, every replica is
+same job without a fault (one fault-free run, or the median of three when one
+disagrees: see assert_as_accurate_as_without_a_fault). With restarts exhausted, every replica is
 gone within --master_reconnect_timeout_s + 10 s."""
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import time
 
 import pytest
 
+from tests.conftest import FIXTURE_ZOO
 from tests.integration.helpers import (
     journal_records,
     kill_job_tree,
@@ -23,9 +26,19 @@ from tests.integration.helpers import (
     start_cli,
     wait_for,
 )
-from tests.integration.test_chaos import all_pids, check_report, train_args
+from tests.integration.test_chaos import all_pids, check_report
+from tests.integration.test_chaos import train_args as digits_args
 
 pytestmark = pytest.mark.integration
+
+
+def train_args(digits: str, out: str, job: str, **flags) -> list[str]:
+    """The digits job with its rate decayed per epoch (tests/fixtures/zoo/toy/
+    digits_decay.py): a steadier final accuracy to compare with the fault-free run's."""
+    args = digits_args(digits, out, job, **flags)
+    return [f"--model_zoo={FIXTURE_ZOO}" if a.startswith("--model_zoo=") else
+            "--model_def=toy.digits_decay.custom_model" if a.startswith("--model_def=") else a
+            for a in args]
 
 
 def journal_seq(job_dir: str) -> int:
@@ -50,30 +63,54 @@ def kill_master_when(job_dir: str, ready, what: str) -> int:
     return pid
 
 
-_BASELINES: dict[tuple, float] = {}
+TOLERANCE = 0.02  # the final accuracy's allowed distance from the fault-free one
+
+_BASELINES: dict[tuple, list[float]] = {}
 
 
-def fault_free_accuracy(digits: str, tmp_path, **flags) -> float:
-    """The final accuracy of the same job without a fault (run once per flags)."""
-    key = tuple(sorted(flags.items()))
-    if key not in _BASELINES:
-        job_dir = str(tmp_path / "baseline")
-        proc = start_cli(train_args(digits, job_dir, "failover-baseline", **flags),
-                         str(tmp_path / "home-baseline"), str(tmp_path / "baseline.log"))
+def fault_free_accuracies(digits: str, tmp_path, runs: int, **flags) -> list[float]:
+    """The final accuracies of ``runs`` runs of the same job without a fault (run once
+    per flags and kept for the session). Evaluations during training do not change
+    what is trained, so the fault-free runs leave them out and are shared."""
+    flags = {k: v for k, v in flags.items() if k != "evaluation_steps"}
+    done = _BASELINES.setdefault(tuple(sorted(flags.items())), [])
+    while len(done) < runs:
+        i = len(done)
+        job_dir = str(tmp_path / f"baseline{i}")
+        proc = start_cli(train_args(digits, job_dir, f"failover-baseline{i}", **flags),
+                         str(tmp_path / f"home-baseline{i}"), str(tmp_path / f"baseline{i}.log"))
         try:
-            assert proc.wait(timeout=600) == 0, (tmp_path / "baseline.log").read_text()[-3000:]
+            assert proc.wait(timeout=600) == 0, (
+                tmp_path / f"baseline{i}.log").read_text()[-3000:]
         finally:
             kill_job_tree(proc, job_dir)
-        _BASELINES[key] = read_json(os.path.join(job_dir, "job_report.json")
-                                    )["final_metrics"]["accuracy"]
-    return _BASELINES[key]
+        done.append(read_json(os.path.join(job_dir, "job_report.json")
+                              )["final_metrics"]["accuracy"])
+    return done[:runs]
+
+
+def assert_as_accurate_as_without_a_fault(accuracy: float, digits: str, tmp_path,
+                                          **flags) -> None:
+    """``accuracy`` is within TOLERANCE of the fault-free accuracy of the same job.
+
+    That accuracy is itself a random draw: two async workers interleave their pushes
+    as the machine's load lets them, and the final model is one iterate. At digits_cnn's
+    constant rate, CI once drew 0.950 for the fault-free run and then 0.972 for the
+    failover run; the decayed rate (train_args) narrows the spread, and here one
+    fault-free run is the estimate while it agrees, the median of three decides when
+    it does not: an outlying fault-free draw does not fail the test, a model that lost
+    training progress still does."""
+    runs = fault_free_accuracies(digits, tmp_path, 1, **flags)
+    if abs(accuracy - runs[0]) > TOLERANCE:
+        runs = fault_free_accuracies(digits, tmp_path, 3, **flags)
+    assert abs(accuracy - statistics.median(runs)) <= TOLERANCE, (accuracy, runs)
 
 
 def check_failover(job_dir: str, before: dict[str, int], kills: int, epochs: int,
-                   baseline: float) -> dict:
+                   digits: str, tmp_path, **flags) -> dict:
     report = check_report(job_dir, epochs)
-    assert abs(report["final_metrics"]["accuracy"] - baseline) <= 0.02, (
-        report["final_metrics"], baseline)
+    assert_as_accurate_as_without_a_fault(report["final_metrics"]["accuracy"], digits,
+                                          tmp_path, **flags)
     assert all(e["records_applied"] == e["records_completed"] for e in report["epochs"]
                if e.get("records_applied")), report["epochs"]
     assert report["relaunches"] == []  # no replica restarted ...
@@ -96,7 +133,7 @@ def test_ps_job_survives_master_kill(digits_data, tmp_path):
     job_dir = str(tmp_path / "ps")
     flags = dict(num_epochs=3, distribution_strategy="ParameterServerStrategy",
                  num_workers=2, num_ps_pods=1, minibatch_size=32, num_minibatches_per_task=1)
-    baseline = fault_free_accuracy(digits_data, tmp_path, **flags)
+    fault_free_accuracies(digits_data, tmp_path, 1, **flags)  # the fault-free run first
     proc = start_cli(train_args(digits_data, job_dir, f"failover-ps{kills}", **flags),
                      str(tmp_path / "home"), str(tmp_path / "cli.log"))
     try:
@@ -112,7 +149,7 @@ def test_ps_job_survives_master_kill(digits_data, tmp_path):
         assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
-    check_failover(job_dir, before, kills, 3, baseline)
+    check_failover(job_dir, before, kills, 3, digits_data, tmp_path, **flags)
 
 
 def test_exhausted_restarts_leave_nothing_running(digits_data, tmp_path):
@@ -168,7 +205,7 @@ def test_ps_job_survives_master_kill_during_an_evaluation(digits_data, tmp_path)
     flags = dict(num_epochs=3, distribution_strategy="ParameterServerStrategy",
                  num_workers=2, num_ps_pods=1, minibatch_size=32, num_minibatches_per_task=1,
                  evaluation_steps=40)
-    baseline = fault_free_accuracy(digits_data, tmp_path, **flags)
+    fault_free_accuracies(digits_data, tmp_path, 1, **flags)  # the fault-free run first
     proc = start_cli(train_args(digits_data, job_dir, "failover-eval", **flags),
                      str(tmp_path / "home"), str(tmp_path / "cli.log"))
     try:
@@ -180,7 +217,7 @@ def test_ps_job_survives_master_kill_during_an_evaluation(digits_data, tmp_path)
         assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
-    report = check_failover(job_dir, before, 1, 3, baseline)
+    report = check_failover(job_dir, before, 1, 3, digits_data, tmp_path, **flags)
     versions = [e["model_version"] for e in report["evaluations"]]
     assert len(versions) == len(set(versions)), report["evaluations"]  # none evaluated twice
     assert all(e["metrics"] for e in report["evaluations"])
@@ -190,7 +227,7 @@ def test_allreduce_job_survives_master_kill(digits_data, tmp_path):
     job_dir = str(tmp_path / "ar")
     flags = dict(num_epochs=3, distribution_strategy="AllreduceStrategy", num_workers=2,
                  minibatch_size=32, num_minibatches_per_task=1)
-    baseline = fault_free_accuracy(digits_data, tmp_path, **flags)
+    fault_free_accuracies(digits_data, tmp_path, 1, **flags)  # the fault-free run first
     proc = start_cli(train_args(digits_data, job_dir, "failover-ar", **flags),
                      str(tmp_path / "home"), str(tmp_path / "cli.log"))
     try:
@@ -202,4 +239,4 @@ def test_allreduce_job_survives_master_kill(digits_data, tmp_path):
         assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
-    check_failover(job_dir, before, 1, 3, baseline)
+    check_failover(job_dir, before, 1, 3, digits_data, tmp_path, **flags)
