@@ -21,9 +21,21 @@ def cli_env(home: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def start_cli(args: list[str], home: str, log_path: str, **env: str) -> subprocess.Popen:
+# Ctrl-C in a terminal reaches a foreground job whose SIGINT is at its default. A test
+# run started in the background (`make test &`, nohup) has SIGINT ignored, every child
+# inherits that, exec keeps it, and Python then never raises KeyboardInterrupt: the
+# launcher puts the default back before it execs the CLI.
+_AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
+def start_cli(args: list[str], home: str, log_path: str, *, terminal: bool = False,
+              **env: str) -> subprocess.Popen:
+    """The CLI as its own process group; ``terminal``: with SIGINT at its default, as a
+    terminal's foreground job has it, whatever this test run inherited."""
     log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", "elasticdl_client.main", *args],
+    launcher = [sys.executable, "-c", _AS_FROM_A_TERMINAL] if terminal else [sys.executable]
+    return subprocess.Popen([*launcher, "-m", "elasticdl_client.main", *args],
                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                             env=cli_env(home, **env), start_new_session=True)
 

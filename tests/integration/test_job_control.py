@@ -80,7 +80,7 @@ def test_status_logs_and_stop(toy_checkpoint):  # noqa: F811
 def test_ctrl_c_tears_everything_down(toy_checkpoint):  # noqa: F811
     tmp = toy_checkpoint
     home, job_dir = str(tmp / "home"), str(tmp / "ctrlc")
-    proc = start_cli(slow_job(tmp, "ctrlc"), home, str(tmp / "cli.log"))
+    proc = start_cli(slow_job(tmp, "ctrlc"), home, str(tmp / "cli.log"), terminal=True)
     try:
         pids = wait_running(job_dir)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
