@@ -80,8 +80,9 @@ class JournalOwner:
                 if time.monotonic() >= deadline:
                     holder = self._holder(fd)
                     os.close(fd)
-                    raise JournalLockedError(f"the job's journal is held by another master "
-                                       f"({holder}) after {wait_s:.0f} s: {self.path}") from None
+                    raise JournalLockedError(
+                        f"the job's journal is held by another master ({holder}) after "
+                        f"{wait_s:.0f} s: {self.path}") from None
                 if not waited:
                     logger.info("waiting up to %.0f s for the master holding the journal "
                                 "(%s) to end", wait_s, self._holder(fd))

@@ -33,8 +33,9 @@ from tests.integration.helpers import (
 pytestmark = pytest.mark.integration
 
 
-def train_args(digits, out, job, **flags):
-    args = ["train", f"--model_zoo={MODEL_ZOO}", "--model_def=digits.digits_cnn.custom_model",
+def train_args(digits, out, job, zoo=MODEL_ZOO, model_def="digits.digits_cnn.custom_model",
+               **flags):
+    args = ["train", f"--model_zoo={zoo}", f"--model_def={model_def}",
             f"--training_data={digits}/train", f"--validation_data={digits}/val",
             f"--output={out}", f"--job_name={job}", "--cluster=local"]
     return args + [f"--{k}={v}" for k, v in flags.items()]

@@ -3,8 +3,8 @@ job; the client relaunches it, it restores its journal and adopts the running
 PS and workers (same pids: no replica restarts), and the job succeeds with every
 epoch's records counted exactly once and the final accuracy within 0.02 of the
 same job without a fault (one fault-free run, or the median of three when one
-disagrees: see assert_as_accurate_as_without_a_fault). With restarts exhausted, every replica is
-gone within --master_reconnect_timeout_s + 10 s."""
+disagrees: see assert_as_accurate_as_without_a_fault). With restarts exhausted,
+every replica is gone within --master_reconnect_timeout_s + 10 s."""
 
 from __future__ import annotations
 
@@ -35,10 +35,8 @@ pytestmark = pytest.mark.integration
 def train_args(digits: str, out: str, job: str, **flags) -> list[str]:
     """The digits job with its rate decayed per epoch (tests/fixtures/zoo/toy/
     digits_decay.py): a steadier final accuracy to compare with the fault-free run's."""
-    args = digits_args(digits, out, job, **flags)
-    return [f"--model_zoo={FIXTURE_ZOO}" if a.startswith("--model_zoo=") else
-            "--model_def=toy.digits_decay.custom_model" if a.startswith("--model_def=") else a
-            for a in args]
+    return digits_args(digits, out, job, zoo=FIXTURE_ZOO,
+                       model_def="toy.digits_decay.custom_model", **flags)
 
 
 def journal_seq(job_dir: str) -> int:
