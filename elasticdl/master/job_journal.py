@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
 from elasticdl.master import task_state
 from elasticdl.master.journal import Journal, JournalError
@@ -81,7 +82,11 @@ class Journaled:
         def recover_tasks(self, worker_id: int) -> list[Task]:
             ...
 
-        def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
+        def rollback(self, applied: dict[int, int], new_version: int,
+                     closed: Optional[IntervalSet] = None) -> list[int]:
+            ...
+
+        def settle(self, checkpoint_version: int, held: IntervalSet) -> int:
             ...
 
         def begin_rollback(self) -> None:
@@ -209,8 +214,12 @@ class Journaled:
             elif op == "recover":
                 self.recover_tasks(rec["w"])
             elif op == "rollback":
+                closed = rec.get("closed")
                 self.rollback({int(k): v for k, v in rec["applied"].items()},
-                              rec["version"])
+                              rec["version"],
+                              None if closed is None else IntervalSet.from_flat(closed))
+            elif op == "settle":
+                self.settle(rec["version"], IntervalSet.from_flat(rec["held"]))
             elif op == "begin_rollback":
                 self.begin_rollback()
             elif op == "end_rollback":
