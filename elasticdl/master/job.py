@@ -411,11 +411,13 @@ class JobCore(Journaled):
         return report
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """The whole job state as a JSON-able dict."""
+    def state_dict(self, defer: bool = False) -> dict[str, Any]:
+        """The whole job state as a JSON-able dict (``defer``: its per-task lists
+        as :class:`task_state.Deferred`, made by :func:`task_state.resolve`
+        outside the lock)."""
         with self._lock:
             return {
-                "tasks": task_state.dump(self.tm),
+                "tasks": task_state.dump(self.tm, defer),
                 "replicas": self.replicas.state_dict(),
                 "report": self.report.state_dict(),
                 "aggregator": self.aggregator.state_dict(),

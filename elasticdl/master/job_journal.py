@@ -13,6 +13,7 @@ import base64
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -48,12 +49,14 @@ class Journaled:
         self.restored_extra: dict[str, Any] = {}
         self.group_commit = False
         self._replaying = False
+        # how long snapshots held the core's lock (the last one, the longest)
+        self.snapshot_lock_s = self.max_snapshot_lock_s = 0.0
         self._frozen: Optional[float] = None
         self._base_clock: Callable[[], float] = task_manager._clock
         task_manager._clock = self._now
 
     if TYPE_CHECKING:  # the public calls a replay runs (JobCore has them)
-        def state_dict(self) -> dict[str, Any]:
+        def state_dict(self, defer: bool = False) -> dict[str, Any]:
             ...
 
         def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -139,25 +142,36 @@ class Journaled:
     def snapshot(self) -> None:
         """Write the whole state to the journal's snapshot (then its older
         segments go). Call after changes made outside the journaled calls (replica
-        bookkeeping, the report) and now and then to keep replays short."""
+        bookkeeping, the report) and now and then to keep replays short.
+
+        Only the capture holds the core's lock: the state is O(live) (closed
+        work is intervals and counters) and copied into fresh dicts, so
+        serialising and writing it happen outside the lock."""
         journal = self._journal
         if journal is None:
             return
         with journal.snapshot_lock:
             with self._lock:
-                state, extra = self.state_dict(), self._volatile_state()
+                began = time.perf_counter()
+                state, extra = self.state_dict(defer=True), self._volatile_state(True)
                 seq = journal.rotate()
-            journal.write_snapshot(seq, state, extra)
+                held = time.perf_counter() - began
+            self.snapshot_lock_s = held
+            self.max_snapshot_lock_s = max(self.max_snapshot_lock_s, held)
+            journal.write_snapshot(seq, task_state.resolve(state), task_state.resolve(extra))
 
-    def _volatile_state(self) -> dict[str, Any]:
+    def _volatile_state(self, defer: bool = False) -> dict[str, Any]:
         """What :meth:`state_dict` leaves out but a replay needs to decide alike:
         when each held task went out, each worker's last get_task request."""
         tm = self.tm
         with tm._lock:
-            return {"started": {str(k): d.started for k, d in tm._doing.items()},
-                    "last_get": {str(w): [r, task_state.task_to_json(t)]
-                                 for w, (r, t) in tm._last_get.items()},
-                    **{name: a.state_dict() for name, a in self.attachments.items()}}
+            started = [(k, d.started) for k, d in tm._doing.items()]
+            last_get = list(tm._last_get.items())
+            state = {"started": task_state.Deferred(lambda: {str(k): t for k, t in started}),
+                     "last_get": task_state.Deferred(lambda: {
+                         str(w): [r, task_state.task_to_json(t)] for w, (r, t) in last_get}),
+                     **{name: a.state_dict() for name, a in self.attachments.items()}}
+        return state if defer else task_state.resolve(state)
 
     def restore(self, journal: Journal) -> int:
         """Continue from ``journal`` (its snapshot, then its records replayed) and

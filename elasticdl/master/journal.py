@@ -136,6 +136,7 @@ class Journal:
         self._io_lock = threading.Lock()
         self.snapshot_lock = threading.Lock()   # one snapshot written at a time
         self._file: Optional[IO[str]] = None
+        self._rotated: list[IO[str]] = []   # segments rotate() left, closed by write_snapshot
         self._sync_lock = threading.Lock()
         self._synced = 0                # records known to be on disk
         self.seq = 0                    # the last record's sequence number
@@ -202,32 +203,39 @@ class Journal:
                 target, f = self.seq, self._file
                 if target <= self._synced:
                     return
-                fd = os.dup(f.fileno()) if f is not None else -1
+                fds = [os.dup(x.fileno()) for x in self._rotated + ([f] if f else [])]
             try:
-                if fd >= 0:
+                for fd in fds:
                     os.fsync(fd)
             finally:
-                if fd >= 0:
+                for fd in fds:
                     os.close(fd)
             self._synced = target
 
     def rotate(self) -> int:
         """Start a new segment; the sequence number the snapshot being taken has.
-        Call it together with the state capture (under the core's lock)."""
+        Call it together with the state capture (under the core's lock): it only
+        sets the current segment aside (no disk wait); :meth:`write_snapshot`
+        fsyncs and closes it, and :meth:`sync` covers it meanwhile."""
         with self._io_lock:
             if self._file is not None:
-                if self.fsync:
-                    os.fsync(self._file.fileno())
-                self._file.close()
+                self._rotated.append(self._file)
                 self._file = None
-            self._synced = max(self._synced, self.seq)
             self.records_since_snapshot = 0
             return self.seq
+
+    def _close_rotated(self) -> None:
+        self.sync()   # the set-aside segments too
+        with self._io_lock:
+            rotated, self._rotated = self._rotated, []
+        for f in rotated:
+            f.close()
 
     def write_snapshot(self, seq: int, state: dict[str, Any], extra: dict[str, Any]) -> None:
         """Atomically replace the snapshot with ``state`` as of record ``seq``,
         then remove the segments it covers. The caller holds :attr:`snapshot_lock`
         from :meth:`rotate` to here (snapshots land in the order taken)."""
+        self._close_rotated()
         path = os.path.join(self.directory, SNAPSHOT)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -247,6 +255,9 @@ class Journal:
 
     def close(self) -> None:
         with self._io_lock:
+            for f in self._rotated:
+                f.close()
+            self._rotated = []
             if self._file is not None:
                 self._file.close()
                 self._file = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -84,41 +84,67 @@ def task_from_json(v: Sequence[Any]) -> Task:
                 int(v[6]))
 
 
-def dump(tm: TaskManager) -> dict[str, Any]:
+class Deferred:
+    """A part of a state copied under the lock and turned into JSON outside it
+    (:func:`resolve`): a snapshot holds the core's lock only for the copy."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+
+
+def resolve(state: Any) -> Any:
+    """``state`` with every :class:`Deferred` (in nested dicts) made."""
+    if isinstance(state, Deferred):
+        return state.make()
+    if isinstance(state, dict):
+        return {k: resolve(v) for k, v in state.items()}
+    return state
+
+
+def dump(tm: TaskManager, defer: bool = False) -> dict[str, Any]:
     """Everything a restarted master needs to go on exactly where ``tm`` is: the
     live state only (blocks being handed out, re-queued and held tasks, closed
-    but unsettled tasks), finished work as intervals and counters."""
+    but unsettled tasks), finished work as intervals and counters. ``defer``:
+    the per-task lists are :class:`Deferred` (copied now, serialised later)."""
     with tm._lock:
-        failure = None
-        if tm.failure is not None:
-            f = tm.failure
-            failure = [task_to_json(f.task), f.worker_id, f.attempts, f.error, f.traceback]
-        return {
-            "next_id": tm._next_id,
-            "blocks": [b.to_json() for b in tm._blocks],
-            "requeued": [task_to_json(t) for t in tm._requeued],
-            "eval_requeued": [task_to_json(t) for t in tm._eval_requeued],
-            "doing": [[task_to_json(d.task), d.worker_id, sorted(d.past)]
-                      for d in tm._doing.values()],
-            "completed": tm.completed.to_flat(),
-            "unsettled": [[task_to_json(t), a] for t, a in tm._unsettled.values()],
-            "attempts": {str(k): v for k, v in tm._attempts.items()},
-            "workers_seen": sorted(tm._workers_seen),
-            "durations": list(tm.timeouts.durations),
-            "epochs_created": tm._epochs_created,
-            "epoch_open_tasks": {str(k): v for k, v in tm._epoch_open_tasks.items()},
-            "ledger": {str(e): vars(led).copy() for e, led in tm.ledger.items()},
-            "prediction_ledger": vars(tm.prediction_ledger).copy(),
-            "evaluation_records_completed": tm.evaluation_records_completed,
-            "evaluation_tasks_completed": tm.evaluation_tasks_completed,
-            "eval_jobs": {str(v): j.remaining for v, j in tm._eval_jobs.items()},
-            "evaluated": tm._evaluated.to_flat(),
-            "counters": dict(tm.counters),
-            "rollback_version": tm.rollback_version,
-            "settled_version": tm.settled_version,
-            "hold_training": tm.hold_training,
-            "failure": failure,
-        }
+        unsettled = list(tm._unsettled.values())
+        doing = [(d.task, d.worker_id, d.past) for d in tm._doing.values()]
+        requeued, eval_requeued = list(tm._requeued), list(tm._eval_requeued)
+        state = _dump_locked(tm, {
+            "unsettled": Deferred(lambda: [[task_to_json(t), a] for t, a in unsettled]),
+            "doing": Deferred(lambda: [[task_to_json(t), w, sorted(p)] for t, w, p in doing]),
+            "requeued": Deferred(lambda: [task_to_json(t) for t in requeued]),
+            "eval_requeued": Deferred(lambda: [task_to_json(t) for t in eval_requeued])})
+    return state if defer else resolve(state)
+
+
+def _dump_locked(tm: TaskManager, lists: dict[str, Deferred]) -> dict[str, Any]:
+    failure = None
+    if tm.failure is not None:
+        f = tm.failure
+        failure = [task_to_json(f.task), f.worker_id, f.attempts, f.error, f.traceback]
+    return {
+        "next_id": tm._next_id,
+        "blocks": [b.to_json() for b in tm._blocks],
+        **lists,
+        "completed": tm.completed.to_flat(),
+        "attempts": {str(k): v for k, v in tm._attempts.items()},
+        "workers_seen": sorted(tm._workers_seen),
+        "durations": list(tm.timeouts.durations),
+        "epochs_created": tm._epochs_created,
+        "epoch_open_tasks": {str(k): v for k, v in tm._epoch_open_tasks.items()},
+        "ledger": {str(e): vars(led).copy() for e, led in tm.ledger.items()},
+        "prediction_ledger": vars(tm.prediction_ledger).copy(),
+        "evaluation_records_completed": tm.evaluation_records_completed,
+        "evaluation_tasks_completed": tm.evaluation_tasks_completed,
+        "eval_jobs": {str(v): j.remaining for v, j in tm._eval_jobs.items()},
+        "evaluated": tm._evaluated.to_flat(),
+        "counters": dict(tm.counters),
+        "rollback_version": tm.rollback_version,
+        "settled_version": tm.settled_version,
+        "hold_training": tm.hold_training,
+        "failure": failure,
+    }
 
 
 def restore(tm: TaskManager, state: dict[str, Any], now: float) -> None:
