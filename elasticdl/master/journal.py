@@ -44,6 +44,7 @@ LOCK_FILE = "journal.lock"                # in the job directory (JournalOwner)
 RESTARTS_FILE = "master_restarts.json"    # the launcher's notes of each master death
 SNAPSHOT = "snapshot.json"
 _SEGMENT = re.compile(r"^journal-(\d{12})\.jsonl$")
+_SEQ = re.compile(r'^\{"seq":(\d+),')
 
 
 class JournalError(RuntimeError):
@@ -284,6 +285,9 @@ class Journal:
                 lines = f.read().split("\n")
             for n, line in enumerate(lines):
                 if not line:
+                    continue
+                m = _SEQ.match(line)   # a record the snapshot covers: not parsed
+                if m is not None and int(m.group(1)) <= after and n < len(lines) - 1:
                     continue
                 try:
                     rec = json.loads(line)

@@ -232,7 +232,8 @@ class TaskManager:
             task = self._pop(task_type)
             if task is None:
                 return WAIT_TASK if not self._finished_locked() else NO_MORE_TASKS
-            prev = self._doing.get(task.task_id)
+            # re-inserted: held tasks stay in the order they went out (stragglers first)
+            prev = self._doing.pop(task.task_id, None)
             past = prev.past | {holder(prev.worker_id)} if prev else frozenset()
             self._doing[task.task_id] = Doing(task, worker_id, self._clock(), past)
             self._workers_seen.add(worker_id)
@@ -465,16 +466,20 @@ class TaskManager:
             return lost
 
     def _reassign_stragglers(self) -> None:
+        """Held tasks are in the order they went out: only the timed-out ones at
+        the front (and reassigned ones, which stay there) are looked at."""
         timeout = self.timeouts.timeout()
         now = self._clock()
-        for doing in list(self._doing.values()):
-            if now - doing.started > timeout and doing.worker_id >= 0:
-                logger.warning("task %d held by worker %d for %.0f s (> %.0f s); reassigned",
-                               doing.task.task_id, doing.worker_id, now - doing.started,
-                               timeout)
-                # keep the straggler's claim alive but let another worker take it
-                doing.worker_id = -1 - doing.worker_id
-                self._requeue(doing.task)
+        for doing in self._doing.values():
+            if doing.worker_id < 0:
+                continue
+            if now - doing.started <= timeout:
+                break
+            logger.warning("task %d held by worker %d for %.0f s (> %.0f s); reassigned",
+                           doing.task.task_id, doing.worker_id, now - doing.started, timeout)
+            # keep the straggler's claim alive but let another worker take it
+            doing.worker_id = -1 - doing.worker_id
+            self._requeue(doing.task)
 
     # --------------------------------------------------------------- state
     def _finished_locked(self) -> bool:
