@@ -49,8 +49,9 @@ class Journaled:
         self.restored_extra: dict[str, Any] = {}
         self.group_commit = False
         self._replaying = False
-        # how long snapshots held the core's lock (the last one, the longest)
-        self.snapshot_lock_s = self.max_snapshot_lock_s = 0.0
+        # how long snapshots held the core's lock (the last one, the longest; wall
+        # time, and the CPU time of the snapshotting thread meanwhile)
+        self.snapshot_lock_s = self.max_snapshot_lock_s = self.max_snapshot_lock_cpu_s = 0.0
         self._frozen: Optional[float] = None
         self._base_clock: Callable[[], float] = task_manager._clock
         task_manager._clock = self._now
@@ -152,12 +153,13 @@ class Journaled:
             return
         with journal.snapshot_lock:
             with self._lock:
-                began = time.perf_counter()
+                began, began_cpu = time.perf_counter(), time.thread_time()
                 state, extra = self.state_dict(defer=True), self._volatile_state(True)
                 seq = journal.rotate()
-                held = time.perf_counter() - began
+                held, cpu = time.perf_counter() - began, time.thread_time() - began_cpu
             self.snapshot_lock_s = held
             self.max_snapshot_lock_s = max(self.max_snapshot_lock_s, held)
+            self.max_snapshot_lock_cpu_s = max(self.max_snapshot_lock_cpu_s, cpu)
             journal.write_snapshot(seq, task_state.resolve(state), task_state.resolve(extra))
 
     def _volatile_state(self, defer: bool = False) -> dict[str, Any]:
@@ -177,7 +179,7 @@ class Journaled:
         """Continue from ``journal`` (its snapshot, then its records replayed) and
         journal to it from now on; the number of records replayed. Raises
         JournalError when a replay does not decide as the journaled call did."""
-        snap, records = journal.load()
+        snap, records = journal.load_once()
         with self._lock:
             if snap is not None:
                 self.load_state_dict(snap["state"])

@@ -148,6 +148,15 @@ class Journal:
             self.seq = int(snap["seq"])
         if records:
             self.seq = int(records[-1]["seq"])
+        # what was read here, for a restore before anything is appended (read once)
+        self._loaded: Optional[tuple[Optional[dict[str, Any]], list[dict[str, Any]]]] = (
+            snap, records)
+
+    def load_once(self) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
+        """:meth:`load`, reusing what the constructor read if nothing was
+        appended since (a restore reads the journal once)."""
+        loaded, self._loaded = self._loaded, None
+        return loaded if loaded is not None else self.load()
 
     # ------------------------------------------------------------ writing
     def _segments(self) -> list[tuple[int, str]]:
@@ -183,6 +192,7 @@ class Journal:
         commit: callers append under their lock, then sync outside it, and one
         fsync covers every record written meanwhile)."""
         with self._io_lock:
+            self._loaded = None
             if self._file is None:
                 self._file = self._open_segment()
             self.seq += 1
@@ -219,6 +229,7 @@ class Journal:
         sets the current segment aside (no disk wait); :meth:`write_snapshot`
         fsyncs and closes it, and :meth:`sync` covers it meanwhile."""
         with self._io_lock:
+            self._loaded = None
             if self._file is not None:
                 self._rotated.append(self._file)
                 self._file = None
