@@ -149,10 +149,25 @@ class Block:
             name, start, end, epoch = self.source[i]
         return Task(self.base + p, self.type, name, start, end, epoch, self.model_version)
 
+    def trim(self) -> None:
+        """Drop explicit pieces already handed out (their ids stay the same: the
+        base moves up with them), so a resumed run's pending ranges shrink as
+        they go out."""
+        if isinstance(self.source, list) and self.seed is None and self.next:
+            del self.source[:self.next]
+            self.base += self.next
+            self.count -= self.next
+            self.next = self.records_out = 0
+
     def to_json(self) -> list[Any]:
-        src = self.source if isinstance(self.source, str) else [list(p) for p in self.source]
-        return [self.base, self.count, int(self.type), src, self.epoch, self.model_version,
-                self.seed, self.next, self.records_out]
+        if isinstance(self.source, str):
+            src: Any = self.source
+            base, count, nxt, out = self.base, self.count, self.next, self.records_out
+        else:   # explicit pieces: only those not handed out yet
+            src = [list(p) for p in self.source[self.next:]]
+            base, count, nxt, out = self.base + self.next, self.count - self.next, 0, 0
+        return [base, count, int(self.type), src, self.epoch, self.model_version,
+                self.seed, nxt, out]
 
     @classmethod
     def from_json(cls, v: Sequence[Any]) -> Block:

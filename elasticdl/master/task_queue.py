@@ -70,6 +70,8 @@ class TaskQueues:
         block.records_out += task.num_records
         if block.left == 0:
             self._blocks.remove(block)
+        elif block.next >= 4096 and block.seed is None:
+            block.trim()   # explicit pieces (a resumed run's): memory O(pieces left)
         return task
 
     def _has_todo(self) -> bool:

@@ -247,3 +247,24 @@ def test_learning_rates_are_a_bounded_summary():
     assert summary[0]["learning_rates"] == [e0["min"], e0["max"]]
     assert summary[1]["learning_rates"] == [0.07]     # a per-epoch schedule: one value
     assert len(json.dumps(report.state_dict())) < 600
+
+
+def test_resumed_pending_ranges_leave_the_state_as_they_go_out():
+    pending = [["a", i * 4, i * 4 + 3, 0] for i in range(10_000)]   # not derivable
+    tm = TaskManager([("a", 0, 40_000)], records_per_task=4, num_epochs=2, first_task_id=7,
+                     settle_on_close=True)
+    tm.load_state_dict({"epochs_created": 1, "pending": pending,
+                        "ledger": {0: {"records_completed": 10_000, "records_redone": 0,
+                                       "tasks_completed": 0}}})
+    full = len(json.dumps(task_state.dump(tm)))
+    for w in range(8000):
+        t = tm.get(w)
+        tm.report(t.task_id, w, True)
+    state = task_state.dump(tm)
+    assert len(json.dumps(state)) < 0.3 * full
+    again = TaskManager([("a", 0, 40_000)], records_per_task=4, num_epochs=2, first_task_id=7,
+                        settle_on_close=True)
+    task_state.restore(again, json.loads(json.dumps(state)), 0.0)
+    rest_a = [tm.get(1) for _ in range(2000)]
+    rest_b = [again.get(1) for _ in range(2000)]
+    assert rest_a == rest_b and rest_a[-1].start == 39_996 and rest_a[-1].epoch == 0
