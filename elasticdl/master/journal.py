@@ -251,8 +251,9 @@ class Journal:
         path = os.path.join(self.directory, SNAPSHOT)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"seq": seq, "state": state, "extra": extra}, f,
-                      separators=(",", ":"))
+            # dumps, not dump: the C encoder (dump streams through the Python one)
+            f.write(json.dumps({"seq": seq, "state": state, "extra": extra},
+                               separators=(",", ":")))
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
