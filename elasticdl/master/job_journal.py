@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import enum
+import gc
 import logging
 import threading
 import time
@@ -155,11 +156,17 @@ class Journaled:
         if journal is None:
             return
         with journal.snapshot_lock:
+            collecting = gc.isenabled()
             with self._lock:
-                began, began_cpu = time.perf_counter(), time.thread_time()
-                state, extra = self.state_dict(defer=True), self._volatile_state(True)
-                seq = journal.rotate()
-                held, cpu = time.perf_counter() - began, time.thread_time() - began_cpu
+                gc.disable()   # no collection of the whole heap while the lock is held
+                try:
+                    began, began_cpu = time.perf_counter(), time.thread_time()
+                    state, extra = self.state_dict(defer=True), self._volatile_state(True)
+                    seq = journal.rotate()
+                    held, cpu = time.perf_counter() - began, time.thread_time() - began_cpu
+                finally:
+                    if collecting:
+                        gc.enable()
             self.snapshot_lock_s = held
             self.max_snapshot_lock_s = max(self.max_snapshot_lock_s, held)
             self.max_snapshot_lock_cpu_s = max(self.max_snapshot_lock_cpu_s, cpu)
