@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 from elasticdl.checkpoint.paths import CheckpointError, resolve, version_of
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,15 @@ POSITION = "data_position.json"   # a single writer's own position (Local: TaskM
 _TRAINED = re.compile(r"^trained-(.+)\.json$")
 
 Trained = dict[int, dict[int, int]]   # task id -> {offset in the task: records}
+
+
+class TrainedSet(dict):  # type: ignore[type-arg]
+    """A :data:`Trained` map plus ``closed``: tasks whose every record is in the model
+    (compact trained files, see :func:`write_trained_compact`)."""
+
+    def __init__(self, items: Trained, closed: IntervalSet):
+        super().__init__(items)
+        self.closed = closed
 
 
 # ------------------------------------------------------------ trained records
@@ -67,6 +77,44 @@ def write_trained(version_dir: str, writer: str,
     return path
 
 
+def write_trained_compact(version_dir: str, writer: str, generation: int,
+                          closed: IntervalSet,
+                          entries: Iterable[tuple[int, int, int]]) -> str:
+    """Write the compact form (atomic): ``{"generation", "closed": flat intervals of
+    tasks fully in the model, "entries": [[task_id, offset, records], ...]}`` with
+    entries only for tasks not closed: O(live), whatever the job's length."""
+    os.makedirs(version_dir, exist_ok=True)
+    path = trained_path(version_dir, writer)
+    rows = sorted({(int(t), int(o)): int(r) for t, o, r in entries
+                   if r > 0 and int(t) not in closed}.items())
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"generation": int(generation), "closed": closed.to_flat(),
+                   "entries": [[t, o, r] for (t, o), r in rows]}, f, separators=(",", ":"))
+    os.replace(tmp, path)
+    return path
+
+
+def read_trained_file(path: str) -> tuple[IntervalSet, Trained]:
+    """``(closed, task -> {offset: records})`` of one trained file (either form).
+
+    Raises:
+        CheckpointError: not a trained-records file.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+            closed = IntervalSet.from_flat(doc.get("closed", []))
+            rows = doc["entries"] if "entries" in doc else doc["trained"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: not a trained-records file ({e})") from e
+    out: Trained = {}
+    for t, o, r in rows:
+        if int(t) not in closed:
+            out.setdefault(int(t), {})[int(o)] = int(r)
+    return closed, out
+
+
 def read_trained(version_dir: str) -> Optional[Trained]:
     """What the model of a version directory contains; None when it records nothing
     (a checkpoint written without a data position). Several writers (one per PS):
@@ -74,20 +122,23 @@ def read_trained(version_dir: str) -> Optional[Trained]:
     names = sorted(n for n in os.listdir(version_dir) if _TRAINED.match(n))
     if not names:
         return None
-    common: Optional[dict[tuple[int, int], int]] = None
-    for name in names:
-        with open(os.path.join(version_dir, name), encoding="utf-8") as f:
-            try:
-                rows = json.load(f)["trained"]
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"{version_dir}/{name}: not a trained-records file "
-                                      f"({e})") from e
-        mine = {(int(t), int(o)): int(r) for t, o, r in rows}
-        common = mine if common is None else {k: v for k, v in common.items() if k in mine}
+    files = [read_trained_file(os.path.join(version_dir, n)) for n in names]
+    closed = files[0][0]
+    for c, _ in files[1:]:
+        closed = closed.intersection(c)
     out: Trained = {}
-    for (task, offset), records in (common or {}).items():
-        out.setdefault(task, {})[offset] = records
-    return out
+    for task in set().union(*(t for _, t in files)):
+        if task in closed:
+            continue
+        held: Optional[dict[int, int]] = None
+        for c, trained in files:
+            if task in c:
+                continue   # every record of it in that writer's model
+            mine = trained.get(task, {})
+            held = dict(mine) if held is None else {o: r for o, r in held.items() if o in mine}
+        if held:
+            out[task] = held
+    return TrainedSet(out, closed)
 
 
 def write_position(version_dir: str, state: dict[str, Any]) -> str:
@@ -219,7 +270,9 @@ def position(base: Optional[dict[str, Any]], tasks: list[Task],
         epochs = max(epochs, task.epoch + 1)
         led = ledger.setdefault(task.epoch, {"records_completed": 0, "records_applied": 0,
                                              "records_redone": 0, "tasks_completed": 0})
-        left = untrained_ranges(task, trained.get(task.task_id, {}))
+        closed = getattr(trained, "closed", None)
+        left = [] if closed is not None and task.task_id in closed else \
+            untrained_ranges(task, trained.get(task.task_id, {}))
         done = task.num_records - sum(b - a for a, b in left)
         led["records_completed"] += done
         led["records_applied"] += done

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from elasticdl.common.enums import JobType, Strategy
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.job_report import JobReport, exported_model_version
 from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
@@ -259,9 +260,30 @@ class JobCore(Journaled):
             self._log("recover", t=t, w=worker_id)
             return lost
 
-    def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
-        """The PS rolled back to a checkpoint; versions continue at ``new_version``."""
+    # --- pscompact stand-in for mcompact's closed/settled contract (docs/scale.md):
+    # on a merge, mcompact's closed_tasks/settle/rollback(closed=) replace these.
+    def closed_tasks(self) -> tuple[int, IntervalSet]:
+        """``(generation = rollback version, closed task ids)``."""
         with self._lock:
+            return self.tm.rollback_version, IntervalSet(
+                (t, t + 1) for t in sorted(self.tm._completed))
+
+    def settle(self, checkpoint_version: int, held: IntervalSet) -> int:
+        """Closed tasks ``held`` by complete checkpoint ``checkpoint_version`` on every
+        PS are settled; returns how many (the stand-in keeps no per-task detail to drop)."""
+        with self._lock:
+            return len(held.intersection(self.closed_tasks()[1]))
+
+    def rollback(self, applied: dict[int, int], new_version: int,
+                 closed: Optional[IntervalSet] = None) -> list[int]:
+        """The PS rolled back to a checkpoint; versions continue at ``new_version``.
+        ``closed``: tasks closed on every restored PS (all their records held)."""
+        with self._lock:
+            if closed:   # pscompact stand-in: a closed task holds what was counted
+                applied = dict(applied)
+                for t in self.tm._completed:
+                    if t in closed:
+                        applied[t] = max(applied.get(t, 0), self.tm._applied_by_task.get(t, 0))
             lost = self.tm.rollback(applied, new_version)
             self.version = max(self.version, new_version)
             self._rollbacks_pending = max(self._rollbacks_pending - 1, 0)
