@@ -38,6 +38,25 @@ from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
+class ClosedSnapshot:
+    """:meth:`JobCore.closed_tasks` as ``(generation, flat intervals)``, refreshed at
+    most every ``max_age_s`` (what the servicer attaches to allreduce tasks)."""
+
+    def __init__(self, core: Any, max_age_s: float = 1.0):
+        self.core = core
+        self.max_age_s = max_age_s
+        self._lock = threading.Lock()
+        self._value: tuple[int, list[int]] = (-1, [])
+        self._at = -1e18
+
+    def get(self) -> tuple[int, list[int]]:
+        with self._lock:
+            if time.monotonic() - self._at >= self.max_age_s:
+                generation, closed = self.core.closed_tasks()
+                self._value, self._at = (generation, closed.to_flat()), time.monotonic()
+            return self._value
+
+
 def held_by_checkpoint(version_dir: str) -> Optional[IntervalSet]:
     """Tasks closed in every PS's ``trained-ps-*.json`` of a complete version
     directory; None when it has no such files (no data position written)."""
