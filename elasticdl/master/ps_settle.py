@@ -146,8 +146,10 @@ class Settler:
             resp = self._stub(addr).settle(pb.SettleRequest(generation=generation, closed=flat),
                                            timeout=self.rpc_timeout_s)
         except grpc.RpcError as e:
-            logger.info("settle to PS %s not delivered (%s); retried next round", addr,
-                        e.code() if hasattr(e, "code") else e)
+            code = e.code() if hasattr(e, "code") else None
+            # a PS starting or relaunching is UNAVAILABLE for a while: not news
+            log = logger.debug if code == grpc.StatusCode.UNAVAILABLE else logger.warning
+            log("settle to PS %s not delivered (%s); retried next round", addr, code or e)
             return False
         if not resp.accepted:
             logger.info("PS %s ignored settle of generation %d (it is at %d, or waits for "
