@@ -50,15 +50,6 @@ _TRAINED = re.compile(r"^trained-(.+)\.json$")
 Trained = dict[int, dict[int, int]]   # task id -> {offset in the task: records}
 
 
-class TrainedSet(dict):  # type: ignore[type-arg]
-    """A :data:`Trained` map plus ``closed``: tasks whose every record is in the model
-    (compact trained files, see :func:`write_trained_compact`)."""
-
-    def __init__(self, items: Trained, closed: IntervalSet):
-        super().__init__(items)
-        self.closed = closed
-
-
 # ------------------------------------------------------------ trained records
 def trained_path(version_dir: str, writer: str) -> str:
     return os.path.join(version_dir, f"trained-{writer}.json")
@@ -95,50 +86,69 @@ def write_trained_compact(version_dir: str, writer: str, generation: int,
     return path
 
 
-def read_trained_file(path: str) -> tuple[IntervalSet, Trained]:
-    """``(closed, task -> {offset: records})`` of one trained file (either form).
+class TrainedSet:
+    """What a checkpoint's model holds: every task in ``closed`` whole and, per
+    other task, ``{offset: records}`` (common to every writer)."""
 
-    Raises:
-        CheckpointError: not a trained-records file.
-    """
+    def __init__(self, closed: IntervalSet, entries: Trained):
+        self.closed = closed
+        self.entries = entries
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TrainedSet) and self.closed == other.closed and \
+            self.entries == other.entries
+
+
+def _read_writer(path: str) -> tuple[IntervalSet, dict[int, dict[int, int]]]:
     with open(path, encoding="utf-8") as f:
         try:
             doc = json.load(f)
-            closed = IntervalSet.from_flat(doc.get("closed", []))
-            rows = doc["entries"] if "entries" in doc else doc["trained"]
+            if "trained" in doc:
+                closed, rows = IntervalSet(), doc["trained"]
+            else:
+                closed, rows = IntervalSet.from_flat(doc["closed"]), doc["entries"]
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path}: not a trained-records file ({e})") from e
-    out: Trained = {}
+    entries: dict[int, dict[int, int]] = {}
     for t, o, r in rows:
-        if int(t) not in closed:
-            out.setdefault(int(t), {})[int(o)] = int(r)
-    return closed, out
+        entries.setdefault(int(t), {})[int(o)] = int(r)
+    return closed, entries
 
 
-def read_trained(version_dir: str) -> Optional[Trained]:
-    """What the model of a version directory contains; None when it records nothing
-    (a checkpoint written without a data position). Several writers (one per PS):
-    a record counts only when every one of them has it."""
+def read_trained_set(version_dir: str) -> Optional[TrainedSet]:
+    """What the model of a version directory contains (either form of every
+    writer's file); None when it records nothing. Several writers (one per PS):
+    a task is whole when every writer has it closed, else a record counts only
+    when every writer that has not closed it has it."""
     names = sorted(n for n in os.listdir(version_dir) if _TRAINED.match(n))
     if not names:
         return None
-    files = [read_trained_file(os.path.join(version_dir, n)) for n in names]
-    closed = files[0][0]
-    for c, _ in files[1:]:
+    parts = [_read_writer(os.path.join(version_dir, n)) for n in names]
+    closed = parts[0][0]
+    for c, _ in parts[1:]:
         closed = closed.intersection(c)
     out: Trained = {}
-    for task in set().union(*(t for _, t in files)):
+    for task in set().union(*(e.keys() for _, e in parts)):
         if task in closed:
             continue
-        held: Optional[dict[int, int]] = None
-        for c, trained in files:
+        common: Optional[dict[int, int]] = None
+        for c, e in parts:
             if task in c:
-                continue   # every record of it in that writer's model
-            mine = trained.get(task, {})
-            held = dict(mine) if held is None else {o: r for o, r in held.items() if o in mine}
-        if held:
-            out[task] = held
-    return TrainedSet(out, closed)
+                continue   # whole on that writer: no constraint
+            mine = e.get(task, {})
+            common = dict(mine) if common is None else \
+                {o: r for o, r in common.items() if o in mine}
+        if common:
+            out[task] = common
+    return TrainedSet(closed, out)
+
+
+def read_trained(version_dir: str) -> Optional[Trained]:
+    """The per-task records of a version directory's trained files (tasks a
+    compact file holds whole are in :func:`read_trained_set`'s ``closed`` only);
+    None when it records nothing."""
+    found = read_trained_set(version_dir)
+    return None if found is None else found.entries
 
 
 def write_position(version_dir: str, state: dict[str, Any]) -> str:
@@ -166,11 +176,11 @@ def read_position(version_dir: str) -> Optional[dict[str, Any]]:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             return dict(json.load(f))
-    trained = read_trained(version_dir)
-    if trained is None:
+    found = read_trained_set(version_dir)
+    if found is None:
         return None
     base, tasks = read_table(os.path.dirname(os.path.normpath(version_dir)))
-    return position(base, tasks, trained)
+    return position(base, tasks, found.entries, found.closed)
 
 
 # ---------------------------------------------------------------- task table
@@ -254,7 +264,7 @@ def untrained_ranges(task: Task, trained: dict[int, int]) -> list[tuple[int, int
 
 
 def position(base: Optional[dict[str, Any]], tasks: list[Task],
-             trained: Trained) -> dict[str, Any]:
+             trained: Trained, closed: Optional[IntervalSet] = None) -> dict[str, Any]:
     """The :meth:`TaskManager.load_state_dict` state: ``base`` plus, per task of
     the table, its trained records counted and its untrained ranges pending."""
     base = base or {}
@@ -270,7 +280,6 @@ def position(base: Optional[dict[str, Any]], tasks: list[Task],
         epochs = max(epochs, task.epoch + 1)
         led = ledger.setdefault(task.epoch, {"records_completed": 0, "records_applied": 0,
                                              "records_redone": 0, "tasks_completed": 0})
-        closed = getattr(trained, "closed", None)
         left = [] if closed is not None and task.task_id in closed else \
             untrained_ranges(task, trained.get(task.task_id, {}))
         done = task.num_records - sum(b - a for a, b in left)

@@ -20,7 +20,6 @@ Never imports torch.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -60,15 +59,8 @@ class ClosedSnapshot:
 def held_by_checkpoint(version_dir: str) -> Optional[IntervalSet]:
     """Tasks closed in every PS's ``trained-ps-*.json`` of a complete version
     directory; None when it has no such files (no data position written)."""
-    names = sorted(n for n in os.listdir(version_dir)
-                   if n.startswith("trained-ps-") and n.endswith(".json"))
-    if not names:
-        return None
-    held: Optional[IntervalSet] = None
-    for name in names:
-        closed, _ = data_position.read_trained_file(os.path.join(version_dir, name))
-        held = closed if held is None else held.intersection(closed)
-    return held
+    found = data_position.read_trained_set(version_dir)
+    return None if found is None else found.closed
 
 
 class Settler:

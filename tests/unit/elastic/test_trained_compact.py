@@ -59,9 +59,9 @@ def test_joiner_state_and_checkpoint_stay_small_as_the_job_goes_on(tmp_path):
     vdir = str(tmp_path / "version-9")
     dp.write_trained_compact(vdir, "group", trained.generation, trained.closed,
                              trained.entries())
-    got = dp.read_trained(vdir)
-    assert got is not None and BASE + 5 in got.closed   # type: ignore[attr-defined]
-    assert set(got) == {BASE + t for t in range(1989, 2000)}
+    got = dp.read_trained_set(vdir)
+    assert got is not None and BASE + 5 in got.closed
+    assert set(got.entries) == {BASE + t for t in range(1989, 2000)}
 
 
 def test_closed_set_travels_with_training_tasks():

@@ -83,6 +83,8 @@ def test_rollback_to_a_checkpoint_taken_after_compaction_applies_every_record_on
                     first[0].task_id, first[-1].task_id + 1)
                 ps_ckpt.save_shard(s, ckpt)           # version 6, after compaction
             assert settler.run_once() == 0            # unchanged: nothing re-sent
+            # a straggler holding a closed task finds it whole on every PS
+            assert client.task_applied(first[0].task_id)[::2] == ({}, True)
             assert settler.settled_version == 6
             after = core.get(0)                       # closed and settled after version 6
             _train(cluster, client, core, after, 0)
