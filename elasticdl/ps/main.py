@@ -177,17 +177,23 @@ def write_ledger(shard: PSShard, output: str) -> None:
         return
     version, entries = shard.applied()
     with shard.lock:
-        if shard.audit is not None:  # every push of the model's history, not only live ones
-            entries = list(shard.audit.entries())
         live, closed = len(shard.ledger), shard.ledger.closed.to_flat()
+    # every push of the model's history (the on-disk audit trail), streamed; without
+    # one, the live entries
+    rows = shard.audit.entries() if shard.audit is not None else iter(entries)
     os.makedirs(output, exist_ok=True)
     path = os.path.join(output, f"ps-{shard.config.ps_id}-ledger.json")
+    n = 0
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"version": version, "duplicates_ignored": shard.duplicates_ignored,
-                   "live_pushes": live, "closed": closed,
-                   "applied": [list(e) for e in entries]}, f)
-    logger.info("PS %d wrote its ledger (%d applied pushes) to %s", shard.config.ps_id,
-                len(entries), path)
+        head = json.dumps({"version": version, "duplicates_ignored": shard.duplicates_ignored,
+                           "live_pushes": live, "closed": closed})
+        f.write(head[:-1] + ', "applied": [')
+        for row in rows:
+            f.write((", " if n else "") + json.dumps(list(row)))
+            n += 1
+        f.write("]}")
+    logger.info("PS %d wrote its ledger (%d applied pushes) to %s", shard.config.ps_id, n,
+                path)
 
 
 if __name__ == "__main__":

@@ -198,3 +198,19 @@ def test_checkpoint_and_rollback_answer_carry_closed_intervals(tmp_path):
             ps_ckpt.save_shard(s, ckpt, version=new_version + 1)
         result = ps_rollback.rollback_all(cluster.addrs, new_version + 1, timeout_s=30)
         assert result.closed == IntervalSet([(0, 3)]) and result.applied == {}
+
+
+def test_audit_trail_follows_the_restored_history(tmp_path):
+    from elasticdl.ps.audit import AuditLog
+
+    path = str(tmp_path / "ps-0-applied.bin")
+    audit = AuditLog(path)
+    for v in range(1, 11):
+        audit.append(v, 1, 2, v)
+    audit.truncate_after(6)                      # restored version 6: 7..10 go
+    assert [e[3] for e in audit.entries()] == [1, 2, 3, 4, 5, 6]
+    with open(path, "ab") as f:                  # a PS killed mid-write
+        f.write(b"\x01\x02\x03")
+    again = AuditLog(path)                       # its relaunch: the torn tail goes
+    again.append(7, 1, 2, 7)
+    assert [e[0] for e in again.entries()] == [1, 2, 3, 4, 5, 6, 7]
