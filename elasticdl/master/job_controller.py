@@ -108,14 +108,15 @@ class JobController:
 
     def _rollback_ps(self, version: int) -> None:
         try:
-            new_version, applied = ps_rollback.rollback_all(self.ps_addrs, version)
+            result = ps_rollback.rollback_all(self.ps_addrs, version)
+            new_version, applied = result
         except (grpc.RpcError, TimeoutError) as e:
             logger.error("PS rollback to checkpoint version %d failed: %s", version, e)
             self.core.end_rollback()
             self._fail("master", f"PS rollback to checkpoint version {version} failed: {e}",
                        "")
             return
-        self.core.rollback(applied, new_version)
+        self.core.rollback(applied, new_version, closed=result.closed)
         self.report.extra.setdefault("ps_rollbacks", []).append(
             {"checkpoint_version": version, "new_version": new_version})
         self.core.snapshot()

@@ -32,7 +32,7 @@ from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
 from elasticdl.data.csv_reader import INDEX_CACHE_ENV
-from elasticdl.master import failover, observability
+from elasticdl.master import failover, observability, ps_settle
 from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.journal import JournalLockedError
@@ -157,11 +157,14 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     servicer = MasterServicer(core, rendezvous, require_identity=True)
     server = start_master_server(servicer, args.port, job_secrets=job_secrets)
     stop = stop or threading.Event()
+    settler = None
     try:
         if restoring:
             failover.take_over(controller, cluster, args.job_dir)
         else:
             controller.start()
+        # the PS learn which tasks are closed: their ledgers stay O(live)
+        settler = ps_settle.start(core, controller.ps_addrs, spec.checkpoint_dir)
         status = controller.run(stop)
     except Exception as e:  # the report must never stay "running" after the master dies
         logger.exception("master failed")
@@ -169,6 +172,8 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
         report.write(report_dir)
         raise
     finally:
+        if settler is not None:
+            settler.stop()
         obs.stop_endpoint()
         cluster.close()
         server.stop(grace=2).wait(5)

@@ -25,8 +25,10 @@ import grpc
 
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.common import auth
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
+from elasticdl.ps import ledger as ps_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -38,26 +40,52 @@ def newest_version(checkpoint_dir: str) -> Optional[int]:
     return versions[-1] if versions else None
 
 
+def held_by_every_ps(answers: Sequence[pb.AppliedResponse]
+                     ) -> tuple[dict[int, int], IntervalSet]:
+    """What every PS's restored ledger holds: per task not closed on all of them,
+    the records of the minibatches each holds (live, or the task closed there),
+    and the tasks closed on every PS (all their records held). O(live + closed
+    intervals), whatever the job's length."""
+    parts = [ps_ledger.held(IntervalSet.from_flat(list(resp.closed)),
+                            ((p.task_id, p.minibatch, p.num_records) for p in resp.pushes))
+             for resp in answers]
+    closed, live = ps_ledger.common(parts)
+    return {task: sum(mbs.values()) for task, mbs in live.items()}, closed
+
+
 def applied_records(answers: Sequence[pb.AppliedResponse]) -> dict[int, int]:
-    """Per task, the records whose pushes every PS's restored ledger holds."""
-    ledgers: list[dict[int, dict[int, int]]] = []
-    for resp in answers:
-        led: dict[int, dict[int, int]] = {}
-        for p in resp.pushes:
-            led.setdefault(p.task_id, {})[p.minibatch] = p.num_records
-        ledgers.append(led)
-    out: dict[int, int] = {}
-    for task in set.intersection(*(set(led) for led in ledgers)):
-        common = set.intersection(*(set(led[task]) for led in ledgers))
-        out[task] = sum(ledgers[0][task][mb] for mb in common)
-    return out
+    """Per task, the records whose pushes every PS's restored ledger holds (tasks
+    closed on every PS: see :func:`held_by_every_ps`)."""
+    return held_by_every_ps(answers)[0]
+
+
+class RollbackResult(tuple):  # type: ignore[type-arg]
+    """``(new_version, applied)`` as before (callers unpack two values), plus
+    ``closed``: the tasks closed in every PS's restored ledger (fully held)."""
+
+    closed: IntervalSet
+
+    def __new__(cls, new_version: int, applied: dict[int, int],
+                closed: IntervalSet) -> RollbackResult:
+        out = super().__new__(cls, (new_version, applied))
+        out.closed = closed
+        return out
+
+    @property
+    def new_version(self) -> int:
+        return int(self[0])
+
+    @property
+    def applied(self) -> dict[int, int]:
+        return dict(self[1])
 
 
 def rollback_all(ps_addrs: Sequence[str], version: int, timeout_s: float = 120.0
-                 ) -> tuple[int, dict[int, int]]:
+                 ) -> RollbackResult:
     """Roll every PS back to checkpoint ``version``; returns the version numbering
     continues from (above every version any PS had) and, per task, the records
-    the restored state holds.
+    the restored state holds (a :class:`RollbackResult`: its ``closed`` holds the
+    tasks closed on every PS, whose records are all held).
 
     Raises:
         TimeoutError: a PS did not answer within ``timeout_s``.
@@ -89,7 +117,8 @@ def rollback_all(ps_addrs: Sequence[str], version: int, timeout_s: float = 120.0
                 raise
             logger.warning("every PS rolled back to checkpoint version %d; versions "
                            "continue at %d", version, new_version)
-            return new_version, applied_records(answers)
+            applied, closed = held_by_every_ps(answers)
+            return RollbackResult(new_version, applied, closed)
     finally:
         for c in channels:
             c.close()

@@ -22,6 +22,7 @@ from elasticdl.common.task import TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
 from elasticdl.master.evaluation import MetricStateError
 from elasticdl.master.job import JobCore, VersionError
+from elasticdl.master.ps_settle import ClosedSnapshot
 from elasticdl.master.rendezvous import MemberConflict, RendezvousHandler
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
@@ -115,6 +116,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         core.group_commit = True  # journal records fsynced in groups, before each reply
         self.rendezvous = rendezvous
         self.require_identity = require_identity
+        self._closed = ClosedSnapshot(core)   # sent to allreduce members with tasks
         self._snapshotted_plan = -1
 
     def _check_caller(self, request: Any, context: Any) -> None:
@@ -138,6 +140,11 @@ class MasterServicer(pb_grpc.MasterServicer):
         wanted = None if request.task_type == pb.NONE else TaskType(request.task_type)
         task = self.core.get(worker_id, wanted, request_id=request.request_id)
         msg = task_to_proto(task)
+        if task.type == TaskType.TRAINING and self.rendezvous is not None:
+            # allreduce members drop closed tasks from their trained-record sets
+            msg.closed_generation, flat = self._closed.get()
+            msg.closed.extend(flat)
+            msg.has_closed = True
         if task.type == TaskType.EVALUATION_FINALIZE:
             msg.metric_states.extend(self.core.evaluation_states(task.model_version))
         if task.type == TaskType.NONE and self.core.claim_export(worker_id):

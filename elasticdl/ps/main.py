@@ -30,6 +30,7 @@ from elasticdl.common import auth
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.schedule import Schedule
+from elasticdl.ps.audit import AuditLog
 from elasticdl.ps.server import start_server, tune_malloc
 from elasticdl.ps.servicer import PServicer
 from elasticdl.ps.shard import PSShard, ShardConfig
@@ -122,9 +123,14 @@ def restore_source(args: PSArgs) -> Optional[str]:
 def build_shard(args: PSArgs) -> PSShard:
     model_spec = load_from_job_spec(args.job_spec)
     shard = PSShard(shard_config(args), model_spec, on_version=checkpoint_every_n)
+    output = args.job_spec.output
+    if output:  # the full history of applied pushes, on disk only (ps/audit.py)
+        shard.audit = AuditLog(os.path.join(output, f"ps-{args.ps_id}-applied.bin"))
     source = restore_source(args)
     if source:
         ps_ckpt.restore_shard(shard, source)
+    elif shard.audit is not None and not args.await_rollback:
+        shard.audit.clear()   # a new job: no history yet
     shard.awaiting_rollback = args.await_rollback
     return shard
 
@@ -170,13 +176,24 @@ def write_ledger(shard: PSShard, output: str) -> None:
     if not output:
         return
     version, entries = shard.applied()
+    with shard.lock:
+        live, closed = len(shard.ledger), shard.ledger.closed.to_flat()
+    # every push of the model's history (the on-disk audit trail), streamed; without
+    # one, the live entries
+    rows = shard.audit.entries() if shard.audit is not None else iter(entries)
     os.makedirs(output, exist_ok=True)
     path = os.path.join(output, f"ps-{shard.config.ps_id}-ledger.json")
+    n = 0
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"version": version, "duplicates_ignored": shard.duplicates_ignored,
-                   "applied": [list(e) for e in entries]}, f)
-    logger.info("PS %d wrote its ledger (%d applied pushes) to %s", shard.config.ps_id,
-                len(entries), path)
+        head = json.dumps({"version": version, "duplicates_ignored": shard.duplicates_ignored,
+                           "live_pushes": live, "closed": closed})
+        f.write(head[:-1] + ', "applied": [')
+        for row in rows:
+            f.write((", " if n else "") + json.dumps(list(row)))
+            n += 1
+        f.write("]}")
+    logger.info("PS %d wrote its ledger (%d applied pushes) to %s", shard.config.ps_id, n,
+                path)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 
 from elasticdl.api.model_spec import LRSchedule, ModelSpec
+from elasticdl.common.intervals import IntervalSet
+from elasticdl.ps.audit import AuditLog
 from elasticdl.ps.embedding_optimizer import RowOptimizer, refresh_row_optimizer
 from elasticdl.ps.ledger import AppliedLedger
 from elasticdl.ps.parameters import Parameters, TableSpec
@@ -118,6 +120,7 @@ class PSShard:
         self.row_optimizer: Optional[RowOptimizer] = None
         self.schedule: Optional[ShardSchedule] = None
         self.ledger = AppliedLedger()
+        self.audit: Optional[AuditLog] = None   # every applied push, on disk (--output)
         self.duplicates_ignored = 0
         self._group = Group()
         self._peers_absent = False
@@ -171,6 +174,8 @@ class PSShard:
             self.params, self.optimizer, self.row_optimizer = params, optimizer, row_optimizer
             self.schedule = schedule
             self.ledger.load_state_dict(ledger)
+            if self.audit is not None:   # the audit trail follows the restored history
+                self.audit.truncate_after(params.version)
             self.last_checkpoint_version = params.version
             self._drop_group()
             self._cond.notify_all()
@@ -224,6 +229,23 @@ class PSShard:
         """``(version, ledger entries)`` of some tasks (None: all), in order."""
         with self._cond:
             return self.version, list(self.ledger.entries(task_ids))
+
+    def applied_and_closed(self, task_ids: Optional[Iterable[int]] = None
+                           ) -> tuple[int, list[tuple[int, int, int, int]], IntervalSet]:
+        """``(version, live ledger entries, closed tasks)`` of some tasks (None: all);
+        O(the tasks asked for) when given."""
+        with self._cond:
+            ids = None if task_ids is None else list(task_ids)
+            return self.version, list(self.ledger.entries(ids)), self.ledger.closed_of(ids)
+
+    def settle(self, generation: int, closed: IntervalSet) -> Optional[int]:
+        """The master closed ``closed`` (at rollback version ``generation``): fold
+        their ledger entries; None when ignored (an older generation than this PS
+        rolled back to, or a PS waiting for its rollback)."""
+        with self._cond:
+            if self.awaiting_rollback:
+                return None
+            return self.ledger.settle(generation, closed)
 
     # ------------------------------------------------------------- pushes
     def push_gradients(self, push: GradientPush) -> PushResult:
@@ -357,6 +379,8 @@ class PSShard:
         self.params.version += 1
         for (task, minibatch), records in g.identities.items():
             self.ledger.add(task, minibatch, records, self.params.version)
+            if self.audit is not None:
+                self.audit.append(task, minibatch, records, self.params.version)
         g.done = True
         self._cond.notify_all()
         if self._on_version is not None:
@@ -381,6 +405,7 @@ class PSShard:
                 raise ValueError(f"new_version {new_version} must exceed the restored "
                                  f"version {restored} (versions never repeat)")
             self.params.version = new_version
+            self.ledger.generation = new_version   # older settle messages are ignored now
             self._cond.notify_all()
             logger.warning("PS %d rolled back to checkpoint version %d; versions continue "
                            "at %d", self.config.ps_id, restored, new_version)
@@ -391,6 +416,8 @@ class PSShard:
         """A consistent copy of this shard (taken under the lock)."""
         with self._cond:
             self._require_init()
+            if self.audit is not None:   # what this checkpoint holds is on disk
+                self.audit.flush()
             p = self.params
             return {
                 "version": p.version, "ps_id": p.ps_id, "num_ps": p.num_ps,
