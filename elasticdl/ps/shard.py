@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -128,6 +128,9 @@ class PSShard:
         self._on_version = on_version
         self.last_checkpoint_version = 0   # the version last written (or restored)
         self.awaiting_rollback = False  # set by a relaunched PS until the master rolls back
+        self.job_spec: Any = None       # the job (restore rule checks of rollback requests)
+        # the last rollback's (protocol id, master incarnation, new version) and answer
+        self._last_rollback: Optional[tuple[tuple[int, int, int], list]] = None
 
     # ------------------------------------------------------------ state
     @property
@@ -362,10 +365,19 @@ class PSShard:
         if self._on_version is not None:
             self._on_version(self)
 
-    def rollback(self, restore: Callable[[PSShard], int], new_version: int
+    def rollback_answer(self, key: tuple[int, int, int]
+                        ) -> Optional[list[tuple[int, int, int, int]]]:
+        """The answer of the rollback ``key`` if it was the last one done here."""
+        with self._cond:
+            last = self._last_rollback
+            return list(last[1]) if last is not None and last[0] == key else None
+
+    def rollback(self, restore: Callable[[PSShard], int], new_version: int,
+                 key: Optional[tuple[int, int, int]] = None
                  ) -> list[tuple[int, int, int, int]]:
         """Replace the state by ``restore(self)`` (e.g. a checkpoint) and continue
-        numbering versions at ``new_version``; returns the restored ledger."""
+        numbering versions at ``new_version``; returns the restored ledger
+        (remembered under ``key``, see :meth:`rollback_answer`)."""
         with self._cond:
             if new_version <= self.version:
                 raise ValueError(f"new_version {new_version} must exceed PS "
@@ -384,7 +396,10 @@ class PSShard:
             self._cond.notify_all()
             logger.warning("PS %d rolled back to checkpoint version %d; versions continue "
                            "at %d", self.config.ps_id, restored, new_version)
-            return list(self.ledger.entries())
+            entries = list(self.ledger.entries())
+            if key is not None:
+                self._last_rollback = (key, entries)
+            return entries
 
     # --------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
