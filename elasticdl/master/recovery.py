@@ -44,6 +44,9 @@ class Recovery:
         def _now(self) -> float:
             ...
 
+        def _at(self, t: Optional[float] = None) -> Any:
+            ...
+
         def finished(self) -> bool:
             ...
 
@@ -125,7 +128,7 @@ class Recovery:
     def claim_export(self, worker_id: int) -> bool:
         """Whether ``worker_id`` now claims the final export: the first to ask once
         the job is done (or once an exporter died); see :meth:`exporter`."""
-        with self._lock:
+        with self._lock, self._at() as t:
             if not (self.job_type == JobType.TRAIN and self.finished()) or \
                     self.protocols.exported is not None:
                 return False
@@ -133,10 +136,10 @@ class Recovery:
             if p is not None and p.step != Step.OPEN:
                 return False
             if p is None:
-                p = self.protocols.start(Kind.EXPORT, Step.OPEN, {}, self._now())
+                p = self.protocols.start(Kind.EXPORT, Step.OPEN, {}, t)
             self.protocols.step(p.pid, Step.CLAIMED, worker=worker_id)
             self.protocols.export_attempts += 1
-            self._log("export", w=worker_id)
+            self._log("export", t=t, w=worker_id)
             logger.info("worker %d exports the final model (attempt %d)", worker_id,
                         self.protocols.export_attempts)
             return True

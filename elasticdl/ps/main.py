@@ -120,6 +120,7 @@ def checkpoint_every_n(shard: PSShard) -> None:
     schedule = Schedule(checkpoint_steps=cfg.checkpoint_steps if cfg.checkpoint_dir else 0)
     if schedule.checkpoint_due(shard.version, shard.last_checkpoint_version):
         ps_ckpt.save_shard(shard, cfg.checkpoint_dir, shard.version, cfg.keep_checkpoint_max)
+    faults.point("after_version")
 
 
 def restore_source(args: PSArgs) -> Optional[str]:
