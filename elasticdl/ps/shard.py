@@ -243,9 +243,8 @@ class PSShard:
                             "before; ignored", self.config.ps_id, ident[0], ident[1],
                             push.worker_id)
                 return PushResult(True, self.version, True, self._lr())
-            for name, value in push.buffers.items():
-                self.params.buffers[name].copy_(value)
             if self.config.use_async:
+                self._copy_buffers(push)
                 staleness = self.version - push.version
                 factor = 1.0
                 if self.config.lr_staleness_modulation and staleness > 1:
@@ -259,6 +258,7 @@ class PSShard:
                 logger.debug("rejected gradients of version %d from worker %d (now %d)",
                              push.version, push.worker_id, self.version)
                 return PushResult(False, self.version, False, self._lr())
+            self._copy_buffers(push)   # only an accepted push's statistics (BatchNorm)
             g = self._group
             if ident is not None and ident in g.identities:  # a repeat of a pending push
                 self.duplicates_ignored += 1
@@ -268,6 +268,10 @@ class PSShard:
                 self._complete(g)
                 return PushResult(True, self.version, False, g.learning_rate)
             return self._wait(g, push.worker_id)
+
+    def _copy_buffers(self, push: GradientPush) -> None:
+        for name, value in push.buffers.items():
+            self.params.buffers[name].copy_(value)
 
     def _note_peer(self, worker_id: int) -> None:
         """In "peers absent" mode, two different workers pushing end it."""

@@ -148,3 +148,40 @@ def test_a_worker_id_journaled_before_its_launch_is_never_reused(tmp_path):
     restored.restore(Journal(str(tmp_path / "live")))
     assert restored.replicas.live_workers == {0, 2}
     assert restored.launch_worker() == 3
+
+
+def test_case7_evaluation_interrupted_by_a_rollback_runs_again_on_the_model_as_it_is():
+    """A PS rollback while an evaluation runs: its metrics (of a model the PS no longer
+    hold) are dropped and the evaluation runs again on the rolled-back model, labelled
+    with the version it then has; every reported evaluation's label is what its tasks
+    evaluated (FakeWorker reports the version it saw as the metric)."""
+    from elasticdl.common.task import TaskType
+    from tests.unit.master.test_job_core import drive
+
+    FakeWorker.shared["version"] = 0
+    core = make_core()
+    core.begin()
+    workers = [FakeWorker(core, 0), FakeWorker(core, 1)]
+    for _ in range(1000):
+        task = workers[0].take()
+        if task.type == TaskType.EVALUATION:
+            break
+        if workers[0].held:
+            workers[0].finish()
+    interrupted = core.state_dict()["evaluation"]["running"]
+    assert interrupted is not None
+    p = core.ps_lost(1, SOURCE, 0.0)
+    core.protocol_step(p.pid, Step.PS_LAUNCHED, launch=[], launched=[1])
+    core.protocol_step(p.pid, Step.ROLLING_BACK, new_version=500)
+    assert not core.finished()
+    FakeWorker.shared["version"] = 500     # what the PS now hold
+    core.rollback_requeued(p.pid, {}, 500)
+    core.protocol_close(p.pid)
+    assert core.state_dict()["evaluation"]["running"] is None
+    drive(core, workers)      # worker 0 first reports the dropped evaluation task
+    evaluations = core.report.evaluations
+    assert interrupted["version"] not in [e["model_version"] for e in evaluations]
+    for e in evaluations:
+        assert e["metrics"]["seen_version"] == e["model_version"], evaluations
+    rerun = [e for e in evaluations if e["model_version"] >= 500]
+    assert rerun and set(interrupted["reasons"]) <= set(rerun[0]["reasons"]), evaluations
