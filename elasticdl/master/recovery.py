@@ -90,6 +90,11 @@ class Recovery:
             elif source is not None:
                 p = self.protocols.start(Kind.ROLLBACK, Step.REQUESTED,
                                          {"launch": [index], **source}, now)
+            export = self.protocols.find(Kind.EXPORT)
+            if p is not None and export is not None and export.step == Step.CLAIMED:
+                # the model being exported is rolled back: the claim is void (a late
+                # report of it is ignored); the export opens again once training is done
+                self.protocols.step(export.pid, Step.OPEN, worker=None)
             self._log("ps_lost", index=index, source=source, now=now)
             return p
 

@@ -68,7 +68,7 @@ def test_case8_exporter_dies_and_is_replaced(id_data, tmp_path, point):
     """The worker exporting the final model dies (before writing it, or after writing
     it but before reporting it): the export opens again and the other worker, which
     waits while the export is open, takes it over; the job never hangs."""
-    run = ps_job(tmp_path, id_data, f"case8-{point}", f"exporter:{point}")
+    run = ps_job(tmp_path, id_data, f"case8-{point}".replace("_", "-"), f"exporter:{point}")
     report = assert_trained_exactly(run, EPOCHS, (f"exporter_{point}@1",))
     assert "the final export is open again" in logs_of(run["job_dir"], "master")
     assert report["status"] == "succeeded"
@@ -100,7 +100,7 @@ def test_case4_worker_id_never_reused_after_master_kill(id_data, tmp_path, point
     never launches a second process under one id, nor relaunches a worker twice."""
     from elasticdl.worker.ps_trainer import KILL_AFTER_STEPS_ENV
 
-    run = ps_job(tmp_path, id_data, f"case4-{point}", f"master:{point}",
+    run = ps_job(tmp_path, id_data, f"case4-{point}".replace("_", "-"), f"master:{point}",
                  envs=f"{KILL_AFTER_STEPS_ENV}=1:6")
     report = assert_trained_exactly(run, EPOCHS, (f"master_{point}@1",))
     procs = _worker_processes(run["job_dir"])
