@@ -206,3 +206,35 @@ def test_case3_custom_loop_checkpoint_resumes_exactly(id_data, tmp_path, resume_
                   checkpoint_steps=5, **flags)
     report = assert_trained_exactly(run, EPOCHS)
     assert report["model_version"] > resumed_from
+
+
+def test_combined_chaos_campaign_smoke(tmp_path):
+    """benchmarks/chaos_campaign.py --combined --smoke: one PS trial with two faults,
+    resumed once; it passes (succeeded and exact, or a named budget)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "smoke.json"
+    r = subprocess.run([sys.executable, "benchmarks/chaos_campaign.py", "--combined",
+                        "--smoke", f"--output={out}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]["ps"]
+    assert summary["trials"] == 1 and summary["hang"] == summary["wrong"] == 0, summary
+
+
+def test_combined_plans_draw_two_or_three_distinct_faults():
+    import random
+
+    from benchmarks.chaos_combined import plan
+
+    rng = random.Random(5)
+    for mode in ("ps", "allreduce"):
+        for _ in range(50):
+            p = plan(mode, rng, 512, 2)
+            assert 2 <= len(p["faults"]) <= 3 and len(set(p["faults"])) == len(p["faults"])
+            assert mode == "ps" or "ps" not in p["faults"]
+            assert all(0 < frac < 1 for _, frac in p["kills"])
