@@ -238,3 +238,38 @@ def test_combined_plans_draw_two_or_three_distinct_faults():
             assert 2 <= len(p["faults"]) <= 3 and len(set(p["faults"])) == len(p["faults"])
             assert mode == "ps" or "ps" not in p["faults"]
             assert all(0 < frac < 1 for _, frac in p["kills"])
+
+
+def test_case8_allreduce_exporter_dies_and_a_member_takes_over(id_data, tmp_path):
+    """Allreduce: the member exporting the final model dies before writing it; the
+    other member (every member holds the same model) exports it."""
+    run = run_job(tmp_path, id_data, "case8-ar", "exporter:before_export", epochs=EPOCHS,
+                  distribution_strategy="AllreduceStrategy", num_workers=2,
+                  collective_timeout_s=10)
+    assert_trained_exactly(run, EPOCHS, ("exporter_before_export@1",))
+
+
+def test_case4_allreduce_worker_killed_and_master_dies_after_launch_intent(id_data, tmp_path):
+    """Allreduce: a member is killed; the master journals its replacement's id and dies
+    before launching it; the restarted master launches one replacement."""
+    import os
+    import signal
+
+    from elasticdl.checkpoint.paths import complete_versions
+    from tests.integration.helpers import live_replicas, wait_for
+
+    ckpt = str(tmp_path / "ar-ckpt")
+
+    def kill_worker_1(proc, job_dir):
+        wait_for(lambda: proc.poll() is not None or
+                 any(v >= 20 for v in complete_versions(ckpt)), 300, "training under way")
+        pid = next(r["pid"] for r in live_replicas(job_dir) if r["replica"] == "worker-1")
+        os.kill(pid, signal.SIGKILL)
+
+    run = run_job(tmp_path, id_data, "case4-ar", "master:after_launch_intent", epochs=EPOCHS,
+                  delay_s=0.05, during=kill_worker_1, checkpoint_dir=ckpt,
+                  checkpoint_steps=5, distribution_strategy="AllreduceStrategy",
+                  num_workers=2, collective_timeout_s=10)
+    assert_trained_exactly(run, EPOCHS, ("master_after_launch_intent@1",))
+    procs = _worker_processes(run["job_dir"])
+    assert all(len(pids) == 1 for pids in procs.values()), procs
