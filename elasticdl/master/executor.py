@@ -57,9 +57,13 @@ class ProtocolExecutor:
         self._retry_at: dict[int, float] = {}
 
     def observed(self) -> Observed:
-        return Observed(self.core.protocols.incarnation,
-                        frozenset(self.core.replicas.live_workers), time.time(),
-                        self.rollback_budget_s, self.max_export_attempts)
+        live = frozenset(self.core.replicas.live_workers)
+        only_trained = self.core.export_requires_training
+        if only_trained:   # who may export: a worker that trained (allreduce)
+            live = frozenset(w for w in live if self.core.has_worked(w))
+        return Observed(self.core.protocols.incarnation, live, time.time(),
+                        self.rollback_budget_s, self.max_export_attempts,
+                        can_launch_exporter=not only_trained)
 
     def advance(self) -> None:
         """One pass: at most one action per open protocol."""

@@ -134,6 +134,9 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     os.environ.update(job_secrets.env())
     journal, restoring = failover.open_journal(args.job_dir, args.restore)
     core = build_core(spec, restoring)
+    # allreduce: only a member that trained holds the final model to export
+    core.export_requires_training = entry_for(spec.distribution_strategy).rendezvous_needed(
+        spec)
     report = core.report
     if restoring:
         core.restore(journal)

@@ -155,6 +155,7 @@ class Observed:
     now: float = 0.0
     rollback_budget_s: float = 600.0
     max_export_attempts: int = 3
+    can_launch_exporter: bool = True   # False: only workers that trained hold the model
 
 
 def next_rollback(p: Protocol, seen: Observed) -> Action:
@@ -178,6 +179,9 @@ def next_export(p: Protocol, seen: Observed, attempts: int) -> Action:
     if p.step == Step.CLAIMED and p.data["worker"] not in seen.live_workers:
         return Action(Act.EXPORT_LOST, f"exporter worker-{p.data['worker']} is gone")
     if p.step == Step.OPEN and not seen.live_workers:
+        if not seen.can_launch_exporter:
+            return Action(Act.FAIL, "the final export: no live worker holds the trained "
+                          "model (every member that trained is gone; export budget)")
         if attempts >= seen.max_export_attempts:
             return Action(Act.FAIL, f"the final export's exporter died {attempts} time(s) "
                           f"(export budget {seen.max_export_attempts})")

@@ -30,6 +30,9 @@ class Recovery:
 
     tm: TaskManager
     replicas: ReplicaBook
+    # only a worker that trained holds the model (allreduce members; a PS worker
+    # pulls it from the PS, so any may export): set before a restore replays
+    export_requires_training = False
     report: JobReport
     protocols: ProtocolBook
     job_type: JobType
@@ -137,6 +140,8 @@ class Recovery:
             if not (self.job_type == JobType.TRAIN and self.finished()) or \
                     self.protocols.exported is not None:
                 return False
+            if self.export_requires_training and not self.tm.has_worked(worker_id):
+                return False   # e.g. an allreduce worker launched after training
             p = self.protocols.find(Kind.EXPORT)
             if p is not None and p.step != Step.OPEN:
                 return False

@@ -185,3 +185,25 @@ def test_case7_evaluation_interrupted_by_a_rollback_runs_again_on_the_model_as_i
         assert e["metrics"]["seen_version"] == e["model_version"], evaluations
     rerun = [e for e in evaluations if e["model_version"] >= 500]
     assert rerun and set(interrupted["reasons"]) <= set(rerun[0]["reasons"]), evaluations
+
+
+def test_allreduce_export_only_by_a_worker_that_trained():
+    """Campaign finding: an allreduce worker relaunched after training (it never got
+    a task, so it holds no trained model) claimed the export of a dead exporter and
+    wrote an untrained model. Only workers that trained may claim; with none left
+    the job fails naming the export budget (a PS job launches one instead)."""
+    FakeWorker.shared["version"] = 0
+    core = make_core()
+    core.export_requires_training = True
+    core.begin()
+    w = FakeWorker(core, 0)
+    while not core.finished():
+        (w.finish if w.held else w.take)()
+    assert not core.claim_export(7)           # relaunched after training: refused
+    assert core.claim_export(0)
+    seen = Observed(incarnation=0, live_workers=frozenset(), can_launch_exporter=False)
+    pid = core.open_protocols()[0].pid
+    core.export_lost(pid)
+    action = next_action(core.open_protocols()[0], seen, 1)
+    assert action.act == Act.FAIL and "no live worker holds the trained model" in \
+        action.reason
