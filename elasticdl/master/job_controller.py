@@ -156,6 +156,12 @@ class JobController:
         for event in lost:
             logger.warning("%s is gone (it died while the master was down)", event.name)
             self._guarded(f"handling {event.name} lost", self.handle, event)
+        if self.rendezvous is not None:
+            # the rendezvous comes from the last snapshot: workers whose end was
+            # journaled after it leave it now
+            for w in self.rendezvous.state_dict()["workers"]:
+                if not self.book.is_live(int(w)):
+                    self.rendezvous.remove_worker(int(w))
         # a master that died while launching the job's workers: the rest of them
         # (relaunches take ids only after every initial worker has one)
         missing = self.spec.num_workers - self.book.next_worker_id

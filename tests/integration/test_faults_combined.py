@@ -249,7 +249,15 @@ def test_case8_allreduce_exporter_dies_and_a_member_takes_over(id_data, tmp_path
     assert_trained_exactly(run, EPOCHS, ("exporter_before_export@1",))
 
 
-def test_case4_allreduce_worker_killed_and_master_dies_after_launch_intent(id_data, tmp_path):
+@pytest.mark.parametrize("point", [
+    pytest.param("master:after_launch_intent", marks=pytest.mark.xfail(
+        strict=True, reason="OPEN BUG (issue 21, found by this test and the combined "
+        "campaign): allreduce, a member killed and the master killed between the "
+        "replacement's journaled id and its launch: the job succeeds with ~128 of 512 "
+        "records trained once in 2 epochs (under-trained); not yet diagnosed")),
+    ""])
+def test_case4_allreduce_worker_killed_and_master_dies_after_launch_intent(id_data, tmp_path,
+                                                                          point):
     """Allreduce: a member is killed; the master journals its replacement's id and dies
     before launching it; the restarted master launches one replacement."""
     import os
@@ -266,10 +274,10 @@ def test_case4_allreduce_worker_killed_and_master_dies_after_launch_intent(id_da
         pid = next(r["pid"] for r in live_replicas(job_dir) if r["replica"] == "worker-1")
         os.kill(pid, signal.SIGKILL)
 
-    run = run_job(tmp_path, id_data, "case4-ar", "master:after_launch_intent", epochs=EPOCHS,
+    run = run_job(tmp_path, id_data, "case4-ar", point, epochs=EPOCHS,
                   delay_s=0.05, during=kill_worker_1, checkpoint_dir=ckpt,
                   checkpoint_steps=5, distribution_strategy="AllreduceStrategy",
                   num_workers=2, collective_timeout_s=10)
-    assert_trained_exactly(run, EPOCHS, ("master_after_launch_intent@1",))
+    assert_trained_exactly(run, EPOCHS, ("master_after_launch_intent@1",) if point else ())
     procs = _worker_processes(run["job_dir"])
     assert all(len(pids) == 1 for pids in procs.values()), procs
