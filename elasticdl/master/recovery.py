@@ -15,7 +15,9 @@ import threading
 from typing import TYPE_CHECKING, Any, Optional
 
 from elasticdl.common.enums import JobType
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.master.protocols import Kind, Protocol, ProtocolBook, Step
+from elasticdl.master.task_state import EVAL_TYPES
 
 if TYPE_CHECKING:
     from elasticdl.common.job_report import JobReport
@@ -53,7 +55,8 @@ class Recovery:
         def finished(self) -> bool:
             ...
 
-        def _rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
+        def _rollback(self, applied: dict[int, int], new_version: int,
+                      closed: Optional[IntervalSet] = None) -> list[int]:
             ...
 
         def _after_rollback(self, lost: list[int]) -> None:
@@ -107,18 +110,21 @@ class Recovery:
             self._log("protocol_step", pid=pid, step=step.value, data=data)
             return p
 
-    def rollback_requeued(self, pid: int, applied: dict[int, int], new_version: int) -> list[int]:
+    def rollback_requeued(self, pid: int, applied: dict[int, int], new_version: int,
+                          closed: Optional[IntervalSet] = None) -> list[int]:
         """Every PS rolled back (protocol ``pid``): re-queue what the checkpoint
-        does not hold, versions continue at ``new_version``."""
+        does not hold (``applied`` per task; ``closed``: tasks held whole, see
+        :meth:`JobCore.rollback`), versions continue at ``new_version``."""
         with self._lock:
-            lost = self._rollback(applied, new_version)
+            lost = self._rollback(applied, new_version, closed)
             p = self.protocols.step(pid, Step.REQUEUED, new_version=new_version)
             self.protocols.rollbacks_done += 1
             self.report.extra.setdefault("ps_rollbacks", []).append(
                 {"checkpoint_version": p.data.get("checkpoint"), "new_version": new_version})
             self._after_rollback(lost)
             self._log("rollback_requeued", pid=pid,
-                      applied={str(k): v for k, v in applied.items()}, version=new_version)
+                      applied={str(k): v for k, v in applied.items()}, version=new_version,
+                      closed=None if closed is None else closed.to_flat())
             return lost
 
     def protocol_close(self, pid: int) -> None:
@@ -225,11 +231,12 @@ def evaluations_after_rollback(core: Any) -> None:
         running = core._running
         if running is not None:
             version = running["version"]
-            tm._eval_todo = type(tm._eval_todo)(t for t in tm._eval_todo
-                                                if t.model_version != version)
+            tm._blocks = [b for b in tm._blocks
+                          if not (b.type in EVAL_TYPES and b.model_version == version)]
+            tm._eval_requeued = type(tm._eval_requeued)(
+                t for t in tm._eval_requeued if t.model_version != version)
             for task_id in [k for k, d in tm._doing.items()
-                            if d.task.model_version == version and
-                            d.task.type.name.startswith("EVALUATION")]:
+                            if d.task.model_version == version and d.task.type in EVAL_TYPES]:
                 del tm._doing[task_id]
             tm._eval_jobs.pop(version, None)
             core.aggregator.discard(version)
