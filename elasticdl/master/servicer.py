@@ -18,7 +18,7 @@ import grpc
 
 from elasticdl.common import auth
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
-from elasticdl.common.task import TaskType
+from elasticdl.common.task import WAIT_TASK, TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
 from elasticdl.master.evaluation import MetricStateError
 from elasticdl.master.job import JobCore, VersionError
@@ -147,9 +147,23 @@ class MasterServicer(pb_grpc.MasterServicer):
             msg.has_closed = True
         if task.type == TaskType.EVALUATION_FINALIZE:
             msg.metric_states.extend(self.core.evaluation_states(task.model_version))
-        if task.type == TaskType.NONE and self.core.claim_export(worker_id):
-            msg.extended_config["export_model"] = "true"
+        if task.type == TaskType.NONE:
+            if self.core.claim_export(worker_id) or self.core.exporter() == worker_id:
+                msg.extended_config["export_model"] = "true"
+            elif self.core.export_pending():
+                # training is done, the final model not written yet: stay, in case the
+                # exporter dies and this worker takes the export over
+                msg = task_to_proto(WAIT_TASK)
         return msg
+
+    @_validated
+    def report_export(self, request: pb.ReportExportRequest, context: Any) -> pb.Empty:
+        worker_id = _worker(request.worker_id)
+        path = _text("path", request.path)
+        if not self.core.export_written(worker_id, path):
+            logger.warning("worker %d reported an export it does not hold (replaced as "
+                           "exporter?): ignored", worker_id)
+        return pb.Empty()
 
     @_validated
     def report_task_result(self, request: pb.ReportTaskResultRequest, context: Any) -> pb.Empty:

@@ -22,7 +22,7 @@ import torch
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.checkpoint.single import CheckpointError
-from elasticdl.common import auth, chunk_wire
+from elasticdl.common import auth, chunk_wire, faults
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, short
@@ -365,18 +365,41 @@ class PServicer(pb_grpc.PServerServicer):
             raise ValueError(f"rollback: only the master rolls a PS back, not {caller}")
         check_range("checkpoint_version", request.checkpoint_version, 0, MAX_VERSION)
         check_range("new_version", request.new_version, 0, MAX_VERSION)
+        key = (request.protocol_id, request.incarnation, request.new_version)
+        repeat = self.shard.rollback_answer(key) if request.protocol_id else None
+        if repeat is not None:  # the same request again (a lost reply): the same answer
+            with self.shard.lock:   # (closed since: held whole, still true)
+                closed = self.shard.ledger.closed.copy()
+            return _applied_response(request.new_version, list(repeat), closed,
+                                     request.new_version)
+        vdir = self._rollback_dir(request)
+        entries = self.shard.rollback(lambda shard: ps_ckpt.restore_shard(shard, vdir),
+                                      request.new_version, key=key)
+        faults.point("after_restore")
+        with self.shard.lock:
+            closed = self.shard.ledger.closed.copy()
+        return _applied_response(request.new_version, entries, closed, request.new_version)
+
+    def _rollback_dir(self, request: pb.RollbackRequest) -> str:
+        """The version directory a rollback restores: the one the master names (its
+        restore rule; only this job's checkpoints or its init checkpoint), else
+        ``checkpoint_version`` of the job's checkpoint directory."""
+        from elasticdl.master import restore  # no torch there; the rule is the master's
+
+        if request.version_dir:
+            spec = self.shard.job_spec
+            if spec is None or not restore.allowed(spec, request.version_dir):
+                raise ValueError(f"rollback: {request.version_dir} is neither a complete "
+                                 "version of this job's checkpoint directory nor its init "
+                                 "checkpoint")
+            return request.version_dir
         ckpt_dir = self.shard.config.checkpoint_dir
         if not ckpt_dir:
             raise ValueError("rollback: this PS has no checkpoint directory")
         try:
-            vdir = ps_ckpt.version_dir_of(ckpt_dir, request.checkpoint_version)
+            return ps_ckpt.version_dir_of(ckpt_dir, request.checkpoint_version)
         except CheckpointError as e:  # the caller named a version that is not there
             raise ValueError(f"rollback: {e}") from e
-        entries = self.shard.rollback(lambda shard: ps_ckpt.restore_shard(shard, vdir),
-                                      request.new_version)
-        with self.shard.lock:
-            closed = self.shard.ledger.closed.copy()
-        return _applied_response(request.new_version, entries, closed, request.new_version)
 
     def echo(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
         return pb.Empty()

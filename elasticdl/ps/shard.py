@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -131,6 +131,9 @@ class PSShard:
         self._on_version = on_version
         self.last_checkpoint_version = 0   # the version last written (or restored)
         self.awaiting_rollback = False  # set by a relaunched PS until the master rolls back
+        self.job_spec: Any = None       # the job (restore rule checks of rollback requests)
+        # the last rollback's (protocol id, master incarnation, new version) and answer
+        self._last_rollback: Optional[tuple[tuple[int, int, int], list]] = None
 
     # ------------------------------------------------------------ state
     @property
@@ -262,9 +265,8 @@ class PSShard:
                             "before; ignored", self.config.ps_id, ident[0], ident[1],
                             push.worker_id)
                 return PushResult(True, self.version, True, self._lr())
-            for name, value in push.buffers.items():
-                self.params.buffers[name].copy_(value)
             if self.config.use_async:
+                self._copy_buffers(push)
                 staleness = self.version - push.version
                 factor = 1.0
                 if self.config.lr_staleness_modulation and staleness > 1:
@@ -278,6 +280,7 @@ class PSShard:
                 logger.debug("rejected gradients of version %d from worker %d (now %d)",
                              push.version, push.worker_id, self.version)
                 return PushResult(False, self.version, False, self._lr())
+            self._copy_buffers(push)   # only an accepted push's statistics (BatchNorm)
             g = self._group
             if ident is not None and ident in g.identities:  # a repeat of a pending push
                 self.duplicates_ignored += 1
@@ -287,6 +290,10 @@ class PSShard:
                 self._complete(g)
                 return PushResult(True, self.version, False, g.learning_rate)
             return self._wait(g, push.worker_id)
+
+    def _copy_buffers(self, push: GradientPush) -> None:
+        for name, value in push.buffers.items():
+            self.params.buffers[name].copy_(value)
 
     def _note_peer(self, worker_id: int) -> None:
         """In "peers absent" mode, two different workers pushing end it."""
@@ -386,10 +393,19 @@ class PSShard:
         if self._on_version is not None:
             self._on_version(self)
 
-    def rollback(self, restore: Callable[[PSShard], int], new_version: int
+    def rollback_answer(self, key: tuple[int, int, int]
+                        ) -> Optional[list[tuple[int, int, int, int]]]:
+        """The answer of the rollback ``key`` if it was the last one done here."""
+        with self._cond:
+            last = self._last_rollback
+            return list(last[1]) if last is not None and last[0] == key else None
+
+    def rollback(self, restore: Callable[[PSShard], int], new_version: int,
+                 key: Optional[tuple[int, int, int]] = None
                  ) -> list[tuple[int, int, int, int]]:
         """Replace the state by ``restore(self)`` (e.g. a checkpoint) and continue
-        numbering versions at ``new_version``; returns the restored ledger."""
+        numbering versions at ``new_version``; returns the restored ledger
+        (remembered under ``key``, see :meth:`rollback_answer`)."""
         with self._cond:
             if new_version <= self.version:
                 raise ValueError(f"new_version {new_version} must exceed PS "
@@ -409,7 +425,10 @@ class PSShard:
             self._cond.notify_all()
             logger.warning("PS %d rolled back to checkpoint version %d; versions continue "
                            "at %d", self.config.ps_id, restored, new_version)
-            return list(self.ledger.entries())
+            entries = list(self.ledger.entries())
+            if key is not None:
+                self._last_rollback = (key, entries)
+            return entries
 
     # --------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
