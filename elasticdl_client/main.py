@@ -5,7 +5,14 @@
 (``--distribution_strategy=Local``), as local processes (``--cluster=local``),
 or on Kubernetes (``--image_name=...``).
 
-Exit codes: 0 success; 1 the job failed; 2 bad flags, model module or data.
+Exit codes: 0 success; 1 the job failed; 2 bad flags, model module or data;
+128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP).
+
+SIGTERM and SIGHUP stop a job as Ctrl-C does: the client stops the master (which
+stops every PS and worker; they run in their own sessions, so signalling the
+client's process group alone would miss them) and exits. A client killed by
+SIGKILL leaves a ``--cluster=local`` job running: ``elasticdl status`` shows it
+and ``elasticdl stop`` ends it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import dataclasses
 import difflib
 import inspect
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +43,30 @@ class UsageError(Exception):
     """Bad input found before the job starts (exit code 2)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached the client: the job stops as on Ctrl-C (a
+    KeyboardInterrupt, so every path that cleans up after Ctrl-C runs)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread; the first
+    one only (while the job is being stopped, more of them are ignored)."""
+    def handler(signum: int, frame: Any) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+
+
 def _fail(command: str, message: str, code: int) -> None:
     print(f"elasticdl {command}: error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -47,6 +79,7 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
         _fail(job_type, str(e), USAGE_ERROR)
         return
     configure_logging(spec.log_level)
+    stop_on_signals()
     from elasticdl.api.model_spec import ModelSpecError
     from elasticdl.common.advice import config_warnings, effective_batch_note
     from elasticdl.data.api import DataError
@@ -68,8 +101,10 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
     except DataError as e:
         _fail(job_type, f"bad data: {e}", JOB_FAILED)
         return
-    except KeyboardInterrupt:
-        _fail(job_type, "interrupted", 130)
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        _fail(job_type, f"interrupted ({signal.Signals(signum).name}): job {spec.job_name} "
+              "stopped", 128 + signum)
         return
     if report is not None and report.get("status") != "succeeded":
         failure = report.get("failure") or {}
