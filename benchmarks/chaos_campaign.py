@@ -30,10 +30,12 @@ writes everything to ``--output`` (default out/chaos_campaign.json).
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -223,7 +225,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--min_accuracy", type=float, default=0.9)
     p.add_argument("--data", default=os.path.join(ROOT, "data", "digits"))
     p.add_argument("--output", default=os.path.join(ROOT, "out", "chaos_campaign.json"))
+    p.add_argument("--smoke", action="store_true", help="one PS trial of one epoch, a "
+                   "worker fault, output in a temporary directory")
     a = p.parse_args(argv)
+    if a.smoke:
+        smoke_dir = tempfile.mkdtemp(prefix="chaos-smoke-")
+        atexit.register(shutil.rmtree, smoke_dir, True)
+        a.data = os.path.join(smoke_dir, "digits")
+        a.trials, a.modes, a.epochs, a.victims, a.min_accuracy = 1, "ps", 1, "worker", 0.5
+        a.output = os.path.join(smoke_dir, "chaos_campaign.json")
     rng = random.Random(a.seed)
     data = prepare_data(a.data)
     results: list[dict[str, Any]] = []
