@@ -247,14 +247,17 @@ def _zoo(name: str):
     return _exit_with(getattr(zoo, name))
 
 
-def _rbac():
-    from elasticdl_client import k8s
+def _rbac(namespace: str = "default") -> None:
+    """Print the ServiceAccount, Role and RoleBinding the master pod needs."""
+    from elasticdl_client import k8s  # not at import: a Local job never needs grpc/kubernetes
 
-    return _exit_with(k8s.rbac)
+    code = k8s.rbac(namespace)
+    if code:
+        sys.exit(code)
 
 
 COMMANDS["zoo"] = {"init": _zoo("init"), "build": _zoo("build"), "push": _zoo("push")}
-COMMANDS["rbac"] = _rbac()
+COMMANDS["rbac"] = _rbac
 COMMANDS["status"] = _job_op("status")
 COMMANDS["logs"] = _job_op("logs")
 COMMANDS["stop"] = _job_op("stop")

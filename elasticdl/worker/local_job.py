@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -29,11 +29,13 @@ from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
 from elasticdl.master import observability
 from elasticdl.master.job import JobCore
-from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop
 from elasticdl.worker.task_source import LocalTaskSource
 from elasticdl.worker.trainer import LocalTrainer, select_device
+
+if TYPE_CHECKING:  # imported when a module defines train_loop: a plain Local job never needs it
+    from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class LocalJob:
         self.trainer: Union[LocalTrainer, AllreduceTrainer]
         if self.custom_loop:  # train_loop(ctx): a one-member elastic group
             from elasticdl.elastic.solo import SoloComm
+            from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 
             self.trainer = AllreduceTrainer(self.model_spec, spec, 0, device, SoloComm(),
                                             "127.0.0.1")
@@ -81,6 +84,8 @@ class LocalJob:
             self.save_checkpoint(partial={task.task_id: done})
 
     def _run_custom_loop(self) -> LoopStats:
+        from elasticdl.worker.allreduce_trainer import AllreduceTrainer
+
         assert isinstance(self.trainer, AllreduceTrainer)
         logger.info("model module defines train_loop(ctx): running it as a one-member "
                     "elastic group")
