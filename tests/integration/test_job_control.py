@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import FIXTURE_ZOO, ROOT
 from tests.integration.helpers import (
     cli_env,
     kill_job_tree,
@@ -134,3 +134,25 @@ def test_a_sigkilled_client_leaves_a_job_that_status_shows_and_stop_ends(toy_che
         assert "master not running" in after.stdout and " running   pid" not in after.stdout
     finally:
         kill_job_tree(proc, job_dir)
+
+
+def test_sigterm_stops_a_local_job_in_the_client(toy_checkpoint):  # noqa: F811
+    """--distribution_strategy=Local trains in the client's process: SIGTERM ends it
+    there (exit 143, the report names the interruption)."""
+    tmp = toy_checkpoint
+    home, out = str(tmp / "home"), tmp / "local-term"
+    args = ["train", f"--model_zoo={FIXTURE_ZOO}", "--model_def=toy.linear.custom_model",
+            f"--training_data={tmp / 'predict'}", f"--output={out}", "--job_name=localterm",
+            "--minibatch_size=10", "--num_minibatches_per_task=2",
+            "--envs=TOY_FEED_DELAY_S=0.2"]
+    proc = start_cli(args, home, str(tmp / "cli.log"), TOY_FEED_DELAY_S="0.2")
+    try:
+        wait_for(lambda: "first task" in (tmp / "cli.log").read_text(), 120, "training")
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        report = read_json(str(out / "job_report.json"))
+        assert report["status"] == "failed" and "stopped by SIGTERM" in \
+            report["failure"]["error"], report["failure"]
+        assert "interrupted (SIGTERM)" in (tmp / "cli.log").read_text()
+    finally:
+        kill_job_tree(proc, str(out))
