@@ -63,7 +63,7 @@ CASES = {
     "net": Case(MODEL_ZOO, "mnist.mnist_example.custom_model", epochs=2, batch=64),
     "gpt2": Case(BENCH_ZOO, "gpt2_lm.custom_model", epochs=2, batch=32, records=1500),
     "deepfm": Case(MODEL_ZOO, "deepfm.deepfm_torchfm.custom_model", epochs=1, batch=256,
-                   records=60_000),
+                   records=20_000),
 }
 SMOKE = {"net": Case(MODEL_ZOO, "mnist.mnist_example.custom_model", epochs=1, batch=64)}
 

@@ -433,7 +433,7 @@ def main() -> None:
                     "3 steps, AUC over 20k scores")
     a = ap.parse_args()
     if a.smoke:
-        a.rounds, a.steps = 1, 3
+        a.rounds, a.steps, a.batch = 1, 3, 16
         a.auc_records, a.auc_tasks, a.auc_minibatch = 20_000, 4, 1024
     torch.set_num_threads(a.threads)
     logging.basicConfig(level=logging.WARNING)

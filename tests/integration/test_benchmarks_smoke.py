@@ -18,6 +18,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -39,21 +41,27 @@ NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 def run_smoke(script: str) -> dict[str, Any]:
     """``python benchmarks/<script> --smoke`` in its own session (whatever it starts is
-    killed with it on a timeout)."""
+    killed with it on a timeout); its exit code, output, wall and CPU seconds."""
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, os.path.join("benchmarks", script), "--smoke"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)
-        timed_out = True
-    return {"rc": proc.returncode, "stdout": out, "stderr": err, "timed_out": timed_out,
-            "wall_s": time.monotonic() - start}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, os.path.join("benchmarks", script),
+                                 "--smoke"], cwd=ROOT, env=env, stdout=out, stderr=err,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        killer = threading.Timer(TIMEOUT_S, os.killpg, (proc.pid, signal.SIGKILL))
+        killer.start()
+        try:
+            # wait4: the CPU time of the script and of the processes it waited for
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return {"rc": proc.returncode, "stdout": out.read(), "stderr": err.read(),
+                "timed_out": proc.returncode == -signal.SIGKILL,
+                "wall_s": time.monotonic() - start,
+                "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +74,21 @@ def smoke_runs(request):
                                                  SLOW_FIRST.index(s) if s in SLOW_FIRST else 0,
                                                  s))
     pool = ThreadPoolExecutor(PARALLEL)
+    start = time.monotonic()
     futures: dict[str, Future] = {s: pool.submit(run_smoke, s) for s in order
                                   if has_smoke(s)}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
+    done = {s: f.result() for s, f in futures.items() if f.done() and not f.cancelled()}
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and done:
+        reporter.write_line("")
+        reporter.write_line(f"benchmarks --smoke: {len(done)} scripts in "
+                            f"{time.monotonic() - start:.0f} s wall, "
+                            f"{sum(r['cpu_s'] for r in done.values()):.0f} s CPU; each "
+                            "(wall s / CPU s): " + ", ".join(
+                                f"{s} {r['wall_s']:.0f}/{r['cpu_s']:.0f}"
+                                for s, r in sorted(done.items())))
 
 
 def has_smoke(script: str) -> bool:
