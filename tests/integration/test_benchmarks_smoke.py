@@ -32,7 +32,7 @@ pytestmark = pytest.mark.integration
 
 BENCHMARKS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks",
                                                                          "*.py")))
-TIMEOUT_S = 240.0          # per script; whole jobs (master, PS, workers) under load
+TIMEOUT_S = 420.0          # per script: whole jobs (master, PS, workers) on a loaded machine
 SLOW_FIRST = ("chaos_campaign.py", "master_failover.py", "allreduce_recovery.py",
               "end_to_end.py", "training_features.py", "ps_step.py", "fuzz_rpc.py")
 PARALLEL = 4
@@ -80,15 +80,13 @@ def smoke_runs(request):
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
     done = {s: f.result() for s, f in futures.items() if f.done() and not f.cancelled()}
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and done:
-        reporter.write_line("")
-        reporter.write_line(f"benchmarks --smoke: {len(done)} scripts in "
+    if done:  # past pytest's capture: the suite's cost, for whoever runs it
+        sys.__stderr__.write(f"\nbenchmarks --smoke: {len(done)} scripts in "
                             f"{time.monotonic() - start:.0f} s wall, "
                             f"{sum(r['cpu_s'] for r in done.values()):.0f} s CPU; each "
                             "(wall s / CPU s): " + ", ".join(
                                 f"{s} {r['wall_s']:.0f}/{r['cpu_s']:.0f}"
-                                for s, r in sorted(done.items())))
+                                for s, r in sorted(done.items())) + "\n")
 
 
 def has_smoke(script: str) -> bool:
