@@ -141,7 +141,10 @@ def main() -> int:
     ap.add_argument("--batchnorm", action="store_true",
                     help="CNN with BatchNorm: measures buffer synchronisation")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 2 blocks of 2 steps")
     args = ap.parse_args()
+    if args.smoke:
+        args.blocks, args.block_steps, args.warmup = 2, 2, 1
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()

@@ -64,7 +64,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="seconds: 20 calls, 1 round")
     a = ap.parse_args()
+    if a.smoke:
+        a.calls, a.rounds = 20, 1
     import grpc
 
     from elasticdl.common import auth

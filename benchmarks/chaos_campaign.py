@@ -36,10 +36,12 @@ trial (the combined campaign's with ``--combined``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -238,7 +240,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="--combined: faults per trial (0: 2 or 3 at random)")
     p.add_argument("--delay_s", type=float, default=0.02,
                    help="--combined: per-minibatch delay of the first run (paces faults)")
-    p.add_argument("--smoke", action="store_true", help="one short trial")
+    p.add_argument("--smoke", action="store_true", help="one PS trial of one epoch, a "
+                   "worker fault, output in a temporary directory (with --combined: one "
+                   "short combined trial)")
     a = p.parse_args(argv)
     if a.combined:
         from benchmarks.chaos_combined import campaign
@@ -248,7 +252,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return campaign(a.ps_trials, a.allreduce_trials, a.seed, 2, a.records, a.timeout_s,
                         a.delay_s, a.output, a.faults)
     if a.smoke:
-        a.trials, a.modes, a.epochs = 1, "ps", 1
+        smoke_dir = tempfile.mkdtemp(prefix="chaos-smoke-")
+        atexit.register(shutil.rmtree, smoke_dir, True)
+        a.data = os.path.join(smoke_dir, "digits")
+        a.trials, a.modes, a.epochs, a.victims, a.min_accuracy = 1, "ps", 1, "worker", 0.5
+        a.output = os.path.join(smoke_dir, "chaos_campaign.json")
     rng = random.Random(a.seed)
     data = prepare_data(a.data)
     results: list[dict[str, Any]] = []

@@ -5,7 +5,7 @@ shapes, truncated and reordered chunk streams, undecodable bytes) with the job
 token, garbage from a stranger without it, and a legitimate worker training at
 the same time; see tests/integration/fuzz_harness.py for what counts as a crash.
 
-Run: python benchmarks/fuzz_rpc.py --seconds 300 [--seed 0]
+Run: python benchmarks/fuzz_rpc.py --seconds 300 [--seed 0] [--smoke]
 Prints the figures as JSON; exits 1 on any crash, internal error, state change by
 a refused request, or a legitimate step that failed.
 """
@@ -27,7 +27,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="seconds: fuzz for 3 s")
     args = p.parse_args()
+    if args.smoke:
+        args.seconds = 3.0
     logging.basicConfig(level=logging.CRITICAL)  # refusals are the point; keep it quiet
     report = run_fuzz(args.seconds, args.seed)
     summary = report.summary()

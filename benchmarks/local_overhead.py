@@ -97,7 +97,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true", help="seconds: 1 round of 5 steps")
     a = ap.parse_args()
+    if a.smoke:
+        a.rounds, a.steps = 1, 5
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     import logging
 

@@ -78,7 +78,10 @@ def main() -> None:
                     "directory (fsynced before each reply), as a failover master does")
     ap.add_argument("--tasks", type=int, default=50_000_000,
                     help="tasks queued (about 300 bytes of master memory each)")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 10k tasks, 1 short round")
     a = ap.parse_args()
+    if a.smoke:
+        a.clients, a.seconds, a.rounds, a.tasks = 2, 0.5, 1, 10_000
     tm = TaskManager(prediction_shards=[("bench", 0, a.tasks)], records_per_task=1)
     port = free_port()
     core = JobCore.for_tasks(tm, EvaluationAggregator())

@@ -3,14 +3,16 @@ and time until the relaunched master acknowledges the next completed task (the
 first task result in its journal). Five kills in one job; prints each figure
 and the median, and the downtime each restart's report entry shows.
 
-Run: python benchmarks/master_failover.py [--kills 5] [--workdir DIR]
+Run: python benchmarks/master_failover.py [--kills 5] [--workdir DIR] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -44,8 +46,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--smoke", action="store_true", help="one kill")
     a = ap.parse_args()
+    if a.smoke:
+        a.kills = 1
     work = a.workdir or tempfile.mkdtemp(prefix="failover-bench-")
+    if a.smoke and not a.workdir:
+        atexit.register(shutil.rmtree, work, True)
     data, job_dir = os.path.join(work, "digits"), os.path.join(work, "job")
     subprocess.run([sys.executable, os.path.join(ROOT, "model_zoo", "digits",
                                                  "prepare_data.py"), f"--output={data}"],

@@ -72,7 +72,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tasks", type=int, default=400_000)
+    ap.add_argument("--smoke", action="store_true", help="seconds: 2k tasks, 1 short round")
     a = ap.parse_args()
+    if a.smoke:
+        a.clients, a.seconds, a.rounds, a.tasks = 2, 0.5, 1, 2_000
     plain_addr, plain, _ = master(a.tasks, False)
     obs_addr, observed, obs = master(a.tasks, True)
     stop = threading.Event()

@@ -13,7 +13,7 @@ and down through gRPC Python as ready-made ``bytes`` messages of the chunk
 size, with no (de)serialisation, tensor copies or optimizer (``raw gRPC``).
 
 Run: python benchmarks/ps_bandwidth.py [--mb 40] [--tensors 10] [--repeats 9] [--rounds 3]
-     [--chunk_mb 4]
+     [--chunk_mb 4] [--smoke]
 """
 
 from __future__ import annotations
@@ -93,7 +93,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--chunk_mb", type=float, default=4.0)
+    p.add_argument("--smoke", action="store_true", help="seconds: a 1 MB model, 1 round")
     args = p.parse_args()
+    if args.smoke:
+        args.mb, args.tensors, args.repeats, args.rounds, args.chunk_mb = 1.0, 4, 2, 1, 0.25
 
     import torch
 
@@ -128,7 +131,7 @@ def main() -> None:
             r.start()
         assert q.get(timeout=120) == "ready"
         dest = {n: torch.empty_like(t) for n, t in model.items()}
-        version = [-1]
+        version = [0]  # the pushed model's; each push carries the version it was computed on
 
         def step() -> float:
             start = time.perf_counter()

@@ -44,7 +44,10 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--batches", default="4096,65536,262144", help="ids per pull")
+    p.add_argument("--smoke", action="store_true", help="seconds: 10k rows, 1k ids")
     args = p.parse_args()
+    if args.smoke:
+        args.rows, args.repeats, args.batches = 10_000, 2, "1000"
 
     import numpy as np
     import torch

@@ -73,7 +73,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1 << 31)
     p.add_argument("--touched", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--smoke", action="store_true", help="seconds: 100k ids, 1k touched")
     args = p.parse_args()
+    if args.smoke:
+        args.rows, args.touched = 100_000, 1000
     print(f"{args.dim} float32 per row (Adam row state), 1 PS, cpus={os.cpu_count()}")
     for rows, touched in ((1000, 1000), (args.rows, args.touched)):
         m = measure(rows, touched, args.dim)

@@ -115,7 +115,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--smoke", action="store_true", help="seconds: 3 steps per worker")
     args = p.parse_args()
+    if args.smoke:
+        args.steps, args.batch = 3, 16
     from elasticdl.cluster.process import free_port
 
     ctx = mp.get_context("spawn")

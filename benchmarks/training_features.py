@@ -28,7 +28,7 @@ per-round ratios.
 
 Run: python benchmarks/training_features.py [--part local|ps|amp|auc|all] [--rounds 7]
      [--steps 30] [--batch 64] [--threads 1] [--clip 1.0]
-     [--auc_records 1000000] [--auc_tasks 100] [--auc_minibatch 1024]
+     [--auc_records 1000000] [--auc_tasks 100] [--auc_minibatch 1024] [--smoke]
 """
 
 from __future__ import annotations
@@ -429,7 +429,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads of the Local runs (1: steadier on a "
                          "loaded machine; the PS part always uses 1 per process)")
+    ap.add_argument("--smoke", action="store_true", help="seconds: every part, 1 round of "
+                    "1 step (after 2 warm-up steps), AUC over 20k scores")
     a = ap.parse_args()
+    if a.smoke:
+        a.rounds, a.steps, a.batch = 1, 1, 16
+        a.auc_records, a.auc_tasks, a.auc_minibatch = 20_000, 4, 1024
     torch.set_num_threads(a.threads)
     logging.basicConfig(level=logging.WARNING)
     # a Local run ends by raising StopIteration from its step hook; its task

@@ -10,6 +10,7 @@ Layout of a job directory::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 from elasticdl.cluster.process import (
@@ -78,7 +80,9 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
                           ) -> dict[str, Any]:
     """Start the master process, stream its log, wait; returns the job report.
 
-    Ctrl-C (or ``timeout_s``) stops the master, which stops every replica.
+    Ctrl-C, SIGTERM or SIGHUP (any KeyboardInterrupt; the CLI turns the signals into
+    one) or ``timeout_s`` stops the master, which stops every replica; replicas
+    still running after it are killed.
     """
     out = out or sys.stderr
     job_dir = register_job_dir(spec)
@@ -103,11 +107,13 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
     # replicas of a master that dies become ours: we reap them and tell the next
     # master their exit codes (it adopts them)
     subreaper = become_subreaper()
-    proc = _start_master(cmd, log_path, env, job_dir, spec.job_name, port)
-    out.write(f"job {spec.job_name}: master pid {proc.pid}, directory {job_dir}\n")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     restarts = 0
+    proc: Optional[subprocess.Popen] = None
     try:
+        with _signals_deferred():  # a signal lands after proc is known, never inside Popen
+            proc = _start_master(cmd, log_path, env, job_dir, spec.job_name, port)
+        out.write(f"job {spec.job_name}: master pid {proc.pid}, directory {job_dir}\n")
         while True:
             while proc.poll() is None:
                 pos = _follow(log_path, pos, out)
@@ -122,20 +128,55 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
                 break
             restarts += 1
             _note_restart(job_dir, proc.returncode)
-            proc = _start_master(cmd + ["--restore"], log_path, env, job_dir, spec.job_name,
-                                 port)
+            with _signals_deferred():
+                proc = _start_master(cmd + ["--restore"], log_path, env, job_dir,
+                                     spec.job_name, port)
             out.write(f"job {spec.job_name}: the master died (exit {_code(job_dir)}); "
                       f"relaunched it ({restarts}/{spec.max_master_restarts}), pid {proc.pid}\n")
     except (KeyboardInterrupt, TimeoutError):
-        out.write(f"\nstopping job {spec.job_name} ...\n")
-        terminate(proc, grace_s=30)
-        _follow(log_path, pos, out)
+        # Ctrl-C, SIGTERM, SIGHUP (elasticdl_client.main.Interrupted) or the timeout: the
+        # master and replicas run in their own sessions, so stop them here. Stop first,
+        # then write: after SIGHUP the terminal may be gone and writing raise EIO.
+        _say(out, f"\nstopping job {spec.job_name} ...\n")
+        if proc is not None:
+            terminate(proc, grace_s=30)
+        left = _kill_replicas(job_dir)  # a master that did not stop its replicas in time
+        with contextlib.suppress(OSError):
+            _follow(log_path, pos, out)
+        if left:
+            _say(out, f"job {spec.job_name}: killed replicas the master left: "
+                 f"{', '.join(left)}\n")
         raise
     _follow(log_path, pos, out)
     report = read_job_report(job_dir)
     if report.get("status") in ("running", "starting") or not report.get("status"):
         report = _master_died(job_dir, proc.returncode, report)
     return report
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP until the block is done, then deliver them to
+    the handlers they had. (Not with the signal mask: a child started under it would
+    inherit it and never see SIGTERM.)"""
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    pending: list[int] = []
+    old = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum))
+           for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            if handler is not None:  # None: set outside Python; leave ours (records only)
+                signal.signal(sig, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
+
+
+def _say(out: Any, text: str) -> None:
+    with contextlib.suppress(OSError):  # a hung-up terminal
+        out.write(text)
+        out.flush()
 
 
 def _start_master(cmd: list[str], log_path: str, env: dict[str, str], job_dir: str,

@@ -24,7 +24,24 @@ def render() -> str:
            "`status JOB`, `logs JOB [--replica=worker-1] [--follow]`, `stop JOB` manage "
            "running jobs; `zoo init|build|push` package a model zoo as an image.", "",
            "Exit codes: 0 success, 1 the job failed, 2 bad flags / model module / data "
-           "found before the job started.", ""]
+           "found before the job started, 128 + N stopped by signal N (130 Ctrl-C, "
+           "143 SIGTERM, 129 SIGHUP).", "",
+           "## Stopping a job", "",
+           "Ctrl-C, SIGTERM (e.g. from `timeout`) and SIGHUP (a closed terminal) to "
+           "`elasticdl train|evaluate|predict` stop the job: a Local job in the client's "
+           "process; a `--cluster=local` job's master, PS and workers, which run in their "
+           "own sessions, are stopped by the client (the master stops its replicas; any "
+           "still running after it are killed) and `job_report.json` says `stopped`. "
+           "A client killed with SIGKILL cannot clean up: the job keeps running; "
+           "`elasticdl status JOB` shows it and `elasticdl stop JOB` ends it (and every "
+           "process it started). A Kubernetes job runs on in the cluster whatever "
+           "happens to the client; `elasticdl stop JOB` ends it.", "",
+           "## Final model", "",
+           "A training job writes `model.pt` (the model's own state dict, loadable into the "
+           "model class without elasticdl) to `--output`. With `--export_torchscript` it "
+           "also tries `model_scripted.pt`; a model TorchScript cannot compile (many "
+           "Hugging Face `transformers` models: `OSError: Failed to get source`) gets a "
+           "warning naming the error, and the job still succeeds with `model.pt`.", ""]
     groups: dict[str, list] = {}
     for f in cli_fields():
         groups.setdefault(f.metadata["group"], []).append(f)

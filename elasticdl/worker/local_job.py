@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -30,11 +30,13 @@ from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
 from elasticdl.master import observability
 from elasticdl.master.job import JobCore
-from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop
 from elasticdl.worker.task_source import LocalTaskSource
 from elasticdl.worker.trainer import LocalTrainer, select_device
+
+if TYPE_CHECKING:  # imported when a module defines train_loop: a plain Local job never needs it
+    from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class LocalJob:
         self.trainer: Union[LocalTrainer, AllreduceTrainer]
         if self.custom_loop:  # train_loop(ctx): a one-member elastic group
             from elasticdl.elastic.solo import SoloComm
+            from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 
             self.trainer = AllreduceTrainer(self.model_spec, spec, 0, device, SoloComm(),
                                             "127.0.0.1")
@@ -85,6 +88,8 @@ class LocalJob:
             self.save_checkpoint(partial={task.task_id: done})
 
     def _run_custom_loop(self) -> LoopStats:
+        from elasticdl.worker.allreduce_trainer import AllreduceTrainer
+
         assert isinstance(self.trainer, AllreduceTrainer)
         logger.info("model module defines train_loop(ctx): running it as a one-member "
                     "elastic group")
@@ -167,7 +172,7 @@ class LocalJob:
         if spec.job_type == JobType.TRAIN:
             if spec.checkpoint_dir and spec.checkpoint_steps:
                 self.save_checkpoint()
-            ckpt.export_model(self.trainer.model, self.out_dir)
+            ckpt.export_model(self.trainer.model, self.out_dir, spec.export_torchscript)
         self.core.refresh_report()
         self.report.status = "succeeded"
         self.report.extra["nonfinite_steps_skipped"] = stats.nonfinite_skipped

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import FIXTURE_ZOO, ROOT
 from tests.integration.helpers import (
     cli_env,
     kill_job_tree,
@@ -90,3 +90,69 @@ def test_ctrl_c_tears_everything_down(toy_checkpoint):  # noqa: F811
         assert report["status"] == "stopped"
     finally:
         kill_job_tree(proc, job_dir)
+
+
+@pytest.mark.parametrize("signum, to_group", [(signal.SIGTERM, False), (signal.SIGHUP, True)])
+def test_sigterm_and_sighup_stop_the_job_like_ctrl_c(toy_checkpoint, signum, to_group):  # noqa: F811
+    """`timeout` SIGTERMs the client alone; a closed terminal SIGHUPs its process group.
+    Master, PS and workers run in their own sessions: the client must stop them."""
+    tmp = toy_checkpoint
+    name = signal.Signals(signum).name.lower()
+    home, job_dir = str(tmp / "home"), str(tmp / name)
+    proc = start_cli(slow_job(tmp, name), home, str(tmp / "cli.log"))
+    try:
+        pids = wait_running(job_dir)
+        if to_group:
+            os.killpg(proc.pid, signum)
+        else:
+            os.kill(proc.pid, signum)
+        assert proc.wait(timeout=60) == 128 + signum, (tmp / "cli.log").read_text()[-2000:]
+        wait_for(lambda: not any(pid_running(p) for p in pids), 30, "every process gone")
+        report = read_json(os.path.join(job_dir, "job_report.json"))
+        assert report["status"] == "stopped"
+        assert f"interrupted ({signal.Signals(signum).name})" in (tmp / "cli.log").read_text()
+    finally:
+        kill_job_tree(proc, job_dir)
+
+
+def test_a_sigkilled_client_leaves_a_job_that_status_shows_and_stop_ends(toy_checkpoint):  # noqa: F811
+    tmp = toy_checkpoint
+    home, job_dir = str(tmp / "home"), str(tmp / "orphan")
+    proc = start_cli(slow_job(tmp, "orphan"), home, str(tmp / "cli.log"))
+    try:
+        pids = wait_running(job_dir)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert all(pid_running(p) for p in pids)  # the job goes on without its client
+        st = cli(home, "status", "orphan")
+        assert st.returncode == 0 and "master running" in st.stdout, st.stdout + st.stderr
+        assert all(f"worker-{i}" in st.stdout for i in range(3))
+        stopped = cli(home, "stop", "orphan")
+        assert stopped.returncode == 0 and "master" in stopped.stdout
+        wait_for(lambda: not any(pid_running(p) for p in pids), 30, "every process gone")
+        after = cli(home, "status", "orphan")
+        assert "master not running" in after.stdout and " running   pid" not in after.stdout
+    finally:
+        kill_job_tree(proc, job_dir)
+
+
+def test_sigterm_stops_a_local_job_in_the_client(toy_checkpoint):  # noqa: F811
+    """--distribution_strategy=Local trains in the client's process: SIGTERM ends it
+    there (exit 143, the report names the interruption)."""
+    tmp = toy_checkpoint
+    home, out = str(tmp / "home"), tmp / "local-term"
+    args = ["train", f"--model_zoo={FIXTURE_ZOO}", "--model_def=toy.linear.custom_model",
+            f"--training_data={tmp / 'predict'}", f"--output={out}", "--job_name=localterm",
+            "--minibatch_size=10", "--num_minibatches_per_task=2",
+            "--envs=TOY_FEED_DELAY_S=0.2"]
+    proc = start_cli(args, home, str(tmp / "cli.log"), TOY_FEED_DELAY_S="0.2")
+    try:
+        wait_for(lambda: "first task" in (tmp / "cli.log").read_text(), 120, "training")
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        report = read_json(str(out / "job_report.json"))
+        assert report["status"] == "failed" and "stopped by SIGTERM" in \
+            report["failure"]["error"], report["failure"]
+        assert "interrupted (SIGTERM)" in (tmp / "cli.log").read_text()
+    finally:
+        kill_job_tree(proc, str(out))
