@@ -44,7 +44,8 @@ class LocalJob:
     def __init__(self, spec: JobSpec, model_spec: Optional[ModelSpec] = None):
         self.spec = spec
         self.model_spec = model_spec or load_from_job_spec(spec)
-        self.readers = create_readers(spec, self.model_spec.custom_data_reader)
+        self.readers = create_readers(spec, self.model_spec.custom_data_reader,
+                                      model_spec=self.model_spec)
         self.core = JobCore.from_spec(spec, self.readers)
         self.task_manager = self.core.tm
         self.report = self.core.report
