@@ -182,7 +182,10 @@ class TorchDatasetReader(DataReader):
                 self.dataset, batch_sampler=self._sampler,
                 collate_fn=self.collate_fn or torch_default_collate,
                 num_workers=workers, pin_memory=self.pin_memory and torch.cuda.is_available(),
-                persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None)
+                persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
+                # its own generator: an iterator's base seed never draws from the global
+                # RNG, which the training thread's dropout uses (runs stay reproducible)
+                generator=torch.Generator().manual_seed(0))
         return self._loader
 
 
