@@ -4,7 +4,8 @@
   model, optimizer, version, data position).
 * :func:`latest`: the newest complete ``version-N`` directory, or None.
 * :func:`export_model`: the final ``model.pt`` (a plain state dict a user loads
-  without elasticdl) and, when the model scripts, ``model_scripted.pt``.
+  without elasticdl) and, with ``--export_torchscript`` and when the model
+  scripts, ``model_scripted.pt`` (a failure there is a warning, never an error).
 * :func:`load_for_inference`: model weights from any layout (single writer or
   PS shards) into a trainer, for ``evaluate`` and ``predict`` jobs.
 
@@ -14,6 +15,7 @@ it was asked for.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -47,25 +49,55 @@ def latest(checkpoint_dir: str) -> Optional[str]:
     return version_dir(checkpoint_dir, versions[-1]) if versions else None
 
 
-def export_model(model: torch.nn.Module, directory: str) -> list[str]:
-    """Write ``model.pt`` (a plain state dict) and, when the model scripts,
-    ``model_scripted.pt`` (TorchScript); returns the paths written."""
+def export_model(model: torch.nn.Module, directory: str, torchscript: bool = False
+                 ) -> list[str]:
+    """Write ``model.pt`` (a plain state dict, the model's own keys) and, with
+    ``torchscript`` (``--export_torchscript``), ``model_scripted.pt``; returns
+    the paths written.
+
+    TorchScript is an optional extra: any error in scripting or saving it (a
+    model that does not compile, ``OSError`` from ``inspect`` on a class whose
+    source is not available, as with Hugging Face ``transformers`` models, ...)
+    is logged as a WARNING naming the cause and the job keeps ``model.pt``. An
+    export never fails a trained job over TorchScript.
+
+    Raises:
+        OSError: ``model.pt`` itself could not be written (disk full, no permission).
+    """
     os.makedirs(directory, exist_ok=True)
     paths = [os.path.join(directory, "model.pt")]
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     single.save_file(state, paths[0])
+    if torchscript:
+        scripted = _export_torchscript(model, os.path.join(directory, "model_scripted.pt"))
+        if scripted:
+            paths.append(scripted)
+    logger.info("final model written to %s", ", ".join(paths))
+    return paths
+
+
+def _export_torchscript(model: torch.nn.Module, path: str) -> Optional[str]:
+    """``path`` with the scripted model, or None (warned) when it cannot be made."""
+    tmp = path + ".tmp"
     try:
         with warnings.catch_warnings():  # TorchScript is deprecated but still what users load
             warnings.simplefilter("ignore", DeprecationWarning)
             scripted = torch.jit.script(model.cpu())
-    except (RuntimeError, torch.jit.frontend.NotSupportedError) as e:  # type: ignore[attr-defined]
-        logger.info("model does not compile to TorchScript (%s); wrote the state dict only",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
-    else:
-        paths.append(os.path.join(directory, "model_scripted.pt"))
-        scripted.save(paths[1])
-    logger.info("final model written to %s", ", ".join(paths))
-    return paths
+            scripted.save(tmp)
+        os.replace(tmp, path)
+    # Deliberately broad: the scripted file is an optional extra next to model.pt, and
+    # torch.jit raises whatever its frontend hits (RuntimeError, NotSupportedError,
+    # OSError from inspect.getsource, TypeError, AttributeError ...). The warning names
+    # it; model.pt is already written.
+    except Exception as e:  # noqa: BLE001
+        first = str(e).splitlines()[0] if str(e) else ""
+        logger.warning("--export_torchscript: %s does not compile to TorchScript (%s%s); "
+                       "wrote model.pt (the state dict) only", type(model).__name__,
+                       type(e).__name__, f": {first}" if first else "")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        return None
+    return path
 
 
 def load_for_inference(trainer: Any, path: str) -> int:

@@ -133,6 +133,9 @@ class JobSpec:
     skip_nonfinite_steps: bool = _f(False, "Skip (and count in the report) a step whose "
                                     "loss or gradient is NaN/Inf instead of failing its task",
                                     "training")
+    export_torchscript: bool = _f(False, "Also export the final model as TorchScript "
+                                  "(model_scripted.pt) next to model.pt; a model that does "
+                                  "not script gets a warning, never a failed job", "training")
     task_timeout_s: float = _f(0.0, "Reassign a task held longer than this (0: 3x the "
                                "median task time, at least 60 s)", "distribution", min=0)
     master_reconnect_timeout_s: float = _f(300.0, "Seconds workers and PS keep reconnecting "

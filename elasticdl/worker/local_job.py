@@ -158,7 +158,7 @@ class LocalJob:
         if spec.job_type == JobType.TRAIN:
             if spec.checkpoint_dir and spec.checkpoint_steps:
                 self.save_checkpoint()
-            ckpt.export_model(self.trainer.model, self.out_dir)
+            ckpt.export_model(self.trainer.model, self.out_dir, spec.export_torchscript)
         self.core.refresh_report()
         self.report.status = "succeeded"
         self.report.extra["nonfinite_steps_skipped"] = stats.nonfinite_skipped

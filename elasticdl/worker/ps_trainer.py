@@ -367,7 +367,7 @@ class PSTrainer(Trainer):
                 key = f"{name}.weight" if name else "weight"
                 module.weight = torch.nn.Parameter(state[key])
         model.load_state_dict(state, strict=True)
-        return export_model(model, directory)
+        return export_model(model, directory, self.job_spec.export_torchscript)
 
     def save_checkpoint(self) -> str:
         """Every PS writes its shard of its current version into the job's checkpoint

@@ -200,7 +200,8 @@ class LocalRuntime(TaskLoopRuntime):
         return cls(trainer, spec, ctx.worker_id)
 
     def export(self, directory: str) -> list[str]:
-        return ckpt.export_model(self.trainer.model, directory)
+        return ckpt.export_model(self.trainer.model, directory,
+                                 self.job_spec.export_torchscript)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -277,7 +278,8 @@ class AllreduceRuntime(WorkerRuntime):
         return self.member.run(source, readers, prediction_sink=sink, on_step=on_step)
 
     def export(self, directory: str) -> list[str]:
-        return ckpt.export_model(self.member.model, directory)
+        return ckpt.export_model(self.member.model, directory,
+                                 self.member.job_spec.export_torchscript)
 
     def close(self) -> None:
         self.member.close()

@@ -37,7 +37,8 @@ def spec(tmp_path, job_type="train", **flags):
 
 def test_trains_evaluates_exports_and_reports(toy):
     linear, tmp = toy
-    report = run_local_job(spec(tmp, num_epochs=3, evaluation_steps=10))
+    report = run_local_job(spec(tmp, num_epochs=3, evaluation_steps=10,
+                                export_torchscript=True))
     assert report["status"] == "succeeded"
     assert [e["records_completed"] for e in report["epochs"]] == [300, 300, 300]
     assert sorted(linear.TRAINED) == sorted(list(range(300)) * 3)
