@@ -21,7 +21,7 @@ import torch
 from tests.conftest import FIXTURE_ZOO, MODEL_ZOO
 from tests.integration.helpers import kill_job_tree, read_json, start_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 RECORDS, EPOCHS = 96, 2
 
@@ -35,7 +35,7 @@ STRATEGIES = {
 def _run(args: list[str], job_dir: str, tmp_path, **env: str) -> dict:
     proc = start_cli(args, str(tmp_path / "home"), str(tmp_path / "cli.log"), **env)
     try:
-        assert proc.wait(timeout=400) == 0, (tmp_path / "cli.log").read_text()[-4000:]
+        assert proc.wait(timeout=800) == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
     report = read_json(os.path.join(job_dir, "job_report.json"))
@@ -57,8 +57,8 @@ def test_a_module_dataset_trains_every_record_once_per_epoch(strategy, tmp_path)
     assert report["dataset"]["training_records"] == RECORDS
     assert [e["records_completed"] for e in report["epochs"]] == [RECORDS] * EPOCHS
     state = torch.load(os.path.join(job_dir, "model.pt"), weights_only=True)
-    counts = state["even"] + state["odd"]   # each record's id is in one of them
-    assert counts.tolist() == [EPOCHS] * RECORDS, counts.tolist()
+    for name in ("even", "odd"):   # optimizer steps that trained each record
+        assert state[name].tolist() == [EPOCHS] * RECORDS, (name, state[name].tolist())
     loaded = [line.split() for line in log.read_text().split("\n") if line]
     # the probe's len() loads nothing; every training load came from a worker's loader
     assert sorted(int(i) for _, i in loaded) == sorted(list(range(RECORDS)) * EPOCHS)

@@ -26,7 +26,8 @@ import torch
 from tests.conftest import MODEL_ZOO
 from tests.integration.helpers import kill_job_tree, read_json, start_cli
 
-pytestmark = pytest.mark.integration
+# a whole job per test: transformers imports alone take minutes on a loaded 2-core machine
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 TRAIN, VAL, EPOCHS, GLOBAL_BATCH = 256, 64, 2, 32
 
@@ -91,7 +92,7 @@ def _run(model_def: str, train: str, val: str, strategy: str, tmp_path) -> dict:
             "--num_minibatches_per_task=2", "--data_loader_workers=1", *STRATEGIES[strategy]]
     proc = start_cli(args, str(tmp_path / "home"), str(tmp_path / "cli.log"))
     try:
-        assert proc.wait(timeout=540) == 0, (tmp_path / "cli.log").read_text()[-4000:]
+        assert proc.wait(timeout=1100) == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
     report = read_json(os.path.join(job_dir, "job_report.json"))
