@@ -252,3 +252,52 @@ def test_a_failing_dataset_is_reported_by_the_probe_with_its_error(tmp_path):
         probe_sizes(spec, timeout_s=240)
 
 
+
+
+# ---------------------------------------------------------------------- contract and allreduce
+def test_feed_is_optional_with_a_dataset_and_required_without(tmp_path):
+    from elasticdl.api.model_spec import ModelSpecError, load_model_spec
+
+    base = ("import torch\n"
+            "def custom_model(): return torch.nn.Linear(1, 1)\n"
+            "def loss(labels, outputs): return outputs.sum()\n"
+            "def optimizer(params): return torch.optim.SGD(params, lr=0.1)\n")
+    (tmp_path / "with_ds.py").write_text(base + "def dataset(path, mode): return [1, 2]\n")
+    (tmp_path / "no_feed.py").write_text(base)
+    spec = load_model_spec(str(tmp_path), "with_ds.custom_model")
+    assert spec.feed is None and spec.dataset is not None
+    x = torch.ones(2, 1)
+    assert spec.feed_batch((x, torch.zeros(2)), "training")[0] is x
+    features, labels = spec.feed_batch({"input_ids": x, "labels": x}, "training")
+    assert set(features) == {"input_ids", "labels"} and labels is x
+    with pytest.raises(ModelSpecError, match="defines no feed"):
+        spec.feed_batch(x, "training")
+    with pytest.raises(ModelSpecError, match="defines no feed function 'feed'"):
+        load_model_spec(str(tmp_path), "no_feed.custom_model")
+
+
+def test_allreduce_dataset_makes_ahead_and_remakes_lost_minibatches():
+    from elasticdl.elastic.dataset import ElasticDataset
+    from elasticdl.master.evaluation import EvaluationAggregator
+    from elasticdl.master.task_manager import TaskManager
+    from elasticdl.worker.task_source import LocalTaskSource
+    from tests.unit.elastic.test_elastic_dataset import ScriptedRunner
+
+    ds = Squares(48)
+    reader = TorchDatasetReader("s", ds, num_workers=0)
+    tm = TaskManager(training_shards=[("s", 0, 48)], records_per_task=48, num_epochs=1)
+    source = LocalTaskSource(tm, EvaluationAggregator())
+    runner = ScriptedRunner()
+    elastic = ElasticDataset(runner, source,  # type: ignore[arg-type]
+                             lambda task: TaskRecords(reader, task, "training", 16, _pair),
+                             lambda *a: None, 16, wait_s=0.0, max_wait_s=10.0)
+    seen: list[int] = []
+    lost = False
+    for i, (x, _y) in enumerate(elastic):
+        tag = elastic.take_current()
+        runner.submit(lambda x=x: seen.extend(int(v) for v in x), (), tag.records, tag)
+        if i == 1 and not lost:
+            lost = True
+            runner.lose_unconfirmed()   # minibatch 1 must be made again
+    assert seen == list(range(16)) + list(range(16, 32)) * 2 + list(range(32, 48))
+    assert tm.finished() and tm.epochs_report()[0]["records_completed"] == 48
