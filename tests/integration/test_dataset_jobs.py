@@ -85,7 +85,11 @@ def _plain_net_accuracy(train: str, val: str, epochs: int, batch: int) -> float:
     sched = m.lr_scheduler(opt)
     model.train()
     for _ in range(epochs):
-        for x, y in torch.utils.data.DataLoader(m.dataset(train, "training"), batch_size=batch):
+        # a DataLoader's own generator, as the framework's: iterating it draws nothing from
+        # the global RNG, so dropout gets the same masks as in the job
+        loader = torch.utils.data.DataLoader(m.dataset(train, "training"), batch_size=batch,
+                                             generator=torch.Generator())
+        for x, y in loader:
             opt.zero_grad()
             m.loss(y, model(x)).backward()
             opt.step()
