@@ -49,12 +49,14 @@ class ModelSpec:
     model_kwargs: dict[str, object]
     loss: Callable[..., Any]
     optimizer: Callable[..., Any]
-    feed: Callable[..., Any]
+    feed: Optional[Callable[..., Any]]
     eval_metrics_fn: Optional[Callable[[], dict[str, Callable[..., Any]]]]
     custom_data_reader: Optional[Callable[..., Any]]
     prediction_outputs_processor: Optional[Any]
     train_loop: Optional[Callable[..., Any]]
     lr_scheduler: Optional[Callable[..., Any]] = None
+    dataset: Optional[Callable[..., Any]] = None
+    collate_fn: Optional[Callable[..., Any]] = None
 
     def call(self, fn: Callable[..., Any], *args: Any, **extra: Any) -> Any:
         """``fn(*args, **extra, **model_params)`` with only the keywords ``fn`` accepts
@@ -114,7 +116,10 @@ class ModelSpec:
         return LRSchedule(out, interval)
 
     def feed_batch(self, records: Any, mode: str) -> Any:
-        """``feed(records, mode)`` (with the --model_params it accepts)."""
+        """``feed(records, mode)`` (with the --model_params it accepts); without a
+        ``feed`` (allowed with ``dataset``), :func:`split_batch` of the collated batch."""
+        if self.feed is None:
+            return split_batch(records, self.module_path)
         return self.call(self.feed, records, mode)
 
     def compute_loss(self, labels: Any, outputs: Any, model: Any) -> Any:
@@ -136,6 +141,25 @@ class ModelSpec:
                 f"(elasticdl.api.metrics), got {metrics!r}"
             )
         return metrics
+
+
+def split_batch(batch: Any, where: str = "the model module") -> tuple[Any, Any]:
+    """``(features, labels)`` of a collated batch when the module defines no ``feed``:
+    a ``(features, labels)`` pair as it is; a dict (e.g. ``input_ids``, ``labels``) is
+    the features (``model(**batch)``) and its ``"labels"`` entry, if any, the labels.
+
+    Raises:
+        ModelSpecError: the batch is neither (the module must define ``feed``).
+    """
+    from collections.abc import Mapping
+
+    if isinstance(batch, Mapping):
+        return batch, batch.get("labels")
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ModelSpecError(f"{where} defines no feed(batch, mode), and its dataset's "
+                         f"collated batch is a {type(batch).__name__}, neither a "
+                         "(features, labels) pair nor a dict: define feed")
 
 
 @dataclass
@@ -249,6 +273,8 @@ def load_model_spec(
     prediction_outputs_processor: str = "PredictionOutputsProcessor",
     train_loop: str = "train_loop",
     lr_scheduler: str = "lr_scheduler",
+    dataset: str = "dataset",
+    collate_fn: str = "collate_fn",
 ) -> ModelSpec:
     """Import the module named by ``model_def`` and check every function.
 
@@ -279,6 +305,7 @@ def load_model_spec(
         return obj
 
     factory = required(factory_name, "model factory")
+    dataset_fn = optional(dataset, "dataset")
     spec = ModelSpec(
         module=module,
         module_path=path,
@@ -286,16 +313,24 @@ def load_model_spec(
         model_kwargs=dict(model_kwargs or {}),
         loss=required(loss, "loss"),
         optimizer=required(optimizer, "optimizer"),
-        feed=required(feed, "feed"),
+        # with dataset(path, mode), feed is optional (see split_batch)
+        feed=optional(feed, "feed") if dataset_fn is not None else required(feed, "feed"),
         eval_metrics_fn=optional(eval_metrics_fn, "eval_metrics_fn"),
         custom_data_reader=optional(custom_data_reader, "custom_data_reader"),
         prediction_outputs_processor=optional(prediction_outputs_processor,
                                               "PredictionOutputsProcessor"),
         train_loop=optional(train_loop, "train_loop"),
         lr_scheduler=optional(lr_scheduler, "lr_scheduler"),
+        dataset=dataset_fn,
+        collate_fn=optional(collate_fn, "collate_fn"),
     )
     _check_arity(spec.loss, 2, "loss", path)
-    _check_arity(spec.feed, 2, "feed", path)
+    if spec.feed is not None:
+        _check_arity(spec.feed, 2, "feed", path)
+    if spec.dataset is not None:
+        _check_arity(spec.dataset, 2, "dataset", path)
+    if spec.collate_fn is not None:
+        _check_arity(spec.collate_fn, 1, "collate_fn", path)
     _check_arity(spec.optimizer, 1, "optimizer", path)
     _check_model_params(spec)
     return spec
@@ -305,7 +340,7 @@ def _check_model_params(spec: ModelSpec) -> None:
     """Every --model_params key must reach some contract function (typos fail here)."""
     fns = [f for f in (spec.model_factory, spec.loss, spec.optimizer, spec.feed,
                        spec.eval_metrics_fn, spec.lr_scheduler, spec.custom_data_reader,
-                       spec.train_loop) if f is not None]
+                       spec.train_loop, spec.dataset) if f is not None]
     unused = set(spec.model_kwargs)
     for fn in fns:
         unused -= set(_accepted(fn, spec.model_kwargs))
@@ -313,7 +348,7 @@ def _check_model_params(spec: ModelSpec) -> None:
         raise ModelSpecError(
             f"--model_params {sorted(unused)} are accepted by no function of "
             f"{spec.module_path} (the model factory, loss, optimizer, feed, "
-            "eval_metrics_fn, lr_scheduler, custom_data_reader or train_loop)")
+            "eval_metrics_fn, lr_scheduler, custom_data_reader, train_loop or dataset)")
 
 
 def _check_arity(fn: Callable[..., Any], n: int, what: str, path: str) -> None:

@@ -10,14 +10,27 @@ from elasticdl.common.task import TaskType
 from elasticdl.data.api import DataError, DataReader
 from elasticdl.data.registry import create_data_reader
 
+_TYPES = {"training": TaskType.TRAINING, "evaluation": TaskType.EVALUATION,
+          "prediction": TaskType.PREDICTION}
 
-def create_readers(spec: Any, custom_reader: Optional[Callable[..., DataReader]] = None
-                   ) -> dict[TaskType, DataReader]:
+
+def create_readers(spec: Any, custom_reader: Optional[Callable[..., DataReader]] = None,
+                   model_spec: Optional[Any] = None) -> dict[TaskType, DataReader]:
     """Readers for the training, validation and prediction data a job names.
 
     ``custom_reader(path, params)`` from the model module replaces the
-    built-in readers. Raises DataError naming an unreadable path.
+    built-in readers; a module's ``dataset(path, mode)`` (``model_spec.dataset``)
+    replaces both: its datasets are read through a torch DataLoader
+    (:mod:`elasticdl.data.torch_dataset`; this imports torch). Raises DataError
+    naming an unreadable path.
     """
+    if model_spec is not None and getattr(model_spec, "dataset", None) is not None:
+        from elasticdl.data.dataset_source import data_flags
+        from elasticdl.data.torch_dataset import dataset_readers, pin_memory_default
+
+        made = dataset_readers(model_spec, data_flags(spec), spec.data_loader_workers,
+                               pin_memory_default(spec.device))
+        return {_TYPES[mode]: reader for mode, reader in made.items()}
     params = spec.reader_params
     readers: dict[TaskType, DataReader] = {}
     for typ, path in ((TaskType.TRAINING, spec.training_data),
@@ -47,3 +60,17 @@ def shards_for(readers: dict[TaskType, DataReader], spec: Any) -> dict[str, Any]
     if spec.job_type == JobType.EVALUATE:
         return {"evaluation_shards": shards(TaskType.EVALUATION)}
     return {"prediction_shards": shards(TaskType.PREDICTION)}
+
+
+def master_readers(spec: Any, defined: bool = False) -> dict[TaskType, DataReader]:
+    """The master's readers of a model module's ``dataset(path, mode)``, sized by a
+    probe subprocess (the master never imports torch); None when the module's source
+    defines no ``dataset`` (:mod:`elasticdl.data.dataset_source`) and ``defined`` is
+    False: ``{}``."""
+    from elasticdl.data import dataset_source as ds
+
+    module_name = spec.model_def.rsplit(".", 1)[0]
+    if not (defined or ds.module_defines(spec.model_zoo, module_name, ds.DATASET_FN)):
+        return {}
+    shards = ds.dataset_shards(spec, ds.probe_sizes(spec))
+    return {_TYPES[mode]: reader for mode, reader in shards.items()}

@@ -80,6 +80,9 @@ class JobSpec:
     num_epochs: int = _f(1, "Passes over the training data", "data", min=1)
     shuffle: bool = _f(False, "Shuffle the order of tasks in each epoch", "data")
     seed: int = _f(0, "Seed for task shuffling and model initialisation", "data")
+    data_loader_workers: int = _f(0, "Worker processes of the torch DataLoader that loads a "
+                                  "model module's dataset(path, mode) (0: in a background "
+                                  "thread of the worker)", "data", min=0)
     prediction_output_format: str = _f("npz", "Default prediction writer format: npz or csv",
                                        "data", choices=("npz", "csv"))
     # --- training

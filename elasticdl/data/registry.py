@@ -6,8 +6,10 @@ builds it from the string parameters of ``--data_reader_params``-style flags, co
 (once, at the edge) into the reader's typed arguments. Reader modules are imported only by their
 factory, and optional dependencies (pyarrow) only when a file is read.
 
-Built-in formats: ``csv`` (.csv, .tsv), ``text`` (.txt, .text), ``numpy`` (.npy, .npz) and
-``parquet`` (.parquet). The parameter ``format=<name>`` overrides detection by extension.
+Built-in formats: ``csv`` (.csv, .tsv), ``text`` (.txt, .text), ``numpy`` (.npy, .npz),
+``parquet`` (.parquet) and ``arrow`` (.arrow; also a Hugging Face ``datasets`` directory written
+by ``save_to_disk``, recognised by its ``state.json`` and ``dataset_info.json``). The parameter
+``format=<name>`` overrides detection by extension.
 """
 
 from __future__ import annotations
@@ -155,8 +157,15 @@ def create_data_reader(path: str, params: Mapping[str, str] | None = None) -> Da
         ValueError: an unknown or invalid parameter.
     """
     params = dict(params or {})
-    files = dataset_files(path)
     fmt = params.pop(FORMAT_PARAM, None)
+    from elasticdl.data.arrow_reader import hf_dataset_files, is_hf_dataset_dir
+
+    if is_hf_dataset_dir(os.path.abspath(os.path.expanduser(path))):
+        # a Hugging Face datasets save_to_disk directory: its .arrow files, in order
+        files = hf_dataset_files(os.path.abspath(os.path.expanduser(path)))
+        fmt = fmt or "arrow"
+    else:
+        files = dataset_files(path)
     if fmt is None:
         fmt = _detect_format(path, files)
     elif fmt not in _FACTORIES:
@@ -254,3 +263,18 @@ register_data_reader("csv", _create_csv, (".csv", ".tsv"))
 register_data_reader("text", _create_text, (".txt", ".text"))
 register_data_reader("numpy", _create_numpy, (".npy", ".npz"))
 register_data_reader("parquet", _create_parquet, (".parquet",))
+
+
+def _create_arrow(files: Sequence[str], params: Mapping[str, str]) -> DataReader:
+    from elasticdl.data.arrow_reader import ArrowDataReader
+
+    _check_keys("arrow", params, ("columns",))
+    columns = None
+    if "columns" in params:
+        columns = [c.strip() for c in params["columns"].split(",") if c.strip()]
+        if not columns:
+            raise ValueError("reader parameter columns= names no column")
+    return ArrowDataReader(files, columns=columns)
+
+
+register_data_reader("arrow", _create_arrow, (".arrow",))

@@ -52,8 +52,11 @@ import torch
 
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
+from elasticdl.data.api import DataError
+from elasticdl.data.prefetch import Prefetcher
 from elasticdl.elastic import collective
 from elasticdl.elastic.runner import ElasticRunner, ElasticState, RoundStatus
+from elasticdl.worker.minibatches import Minibatch, TaskRecords
 from elasticdl.worker.poller import TaskPoller, minibatch_count, minibatch_slice
 from elasticdl.worker.task_source import TaskSource
 
@@ -65,7 +68,7 @@ Feed = Callable[[Sequence[Any], Task, int], tuple[Any, Any]]
 @dataclass(eq=False)
 class _TaskState:
     task: Task
-    records: Sequence[Any]
+    records: Any                 # a Sequence of records, or a TaskRecords
     num_batches: int
     cursor: int = 0
     confirmed: set[int] = field(default_factory=set)
@@ -73,6 +76,20 @@ class _TaskState:
                                  # (a tensor: no device sync per step)
     loss_records: int = 0
     last_lr: Optional[float] = None   # the lr the task's last step was applied with
+    ahead: Optional[Prefetcher[Minibatch]] = None   # TaskRecords: minibatches made ahead
+    peek: Optional[Minibatch] = None
+
+    @property
+    def num_records(self) -> int:
+        if isinstance(self.records, TaskRecords):
+            return self.records.num_records
+        return len(self.records)
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
+        self.peek = None
 
 
 @dataclass(frozen=True)
@@ -108,18 +125,23 @@ class ElasticDataset:
         runner: the worker's elastic runner (its ``on_confirmed``/``on_lost``
             are taken over).
         source: the master (``get_task``/``report_task``).
-        read: records of a task.
+        read: records of a task: a sequence (cut into minibatches and passed to
+            ``feed``), or a :class:`~elasticdl.worker.minibatches.TaskRecords`, whose
+            minibatches are made ahead in a background thread while steps run.
         feed: ``feed(records, task, offset) -> (features, labels)`` for a
-            minibatch starting ``offset`` records into the task.
+            minibatch starting ``offset`` records into the task (sequences only).
+        on_data_error: called as ``cb(task, error)`` when making a minibatch of a
+            TaskRecords raised a DataError (before it propagates).
         minibatch_size: records per minibatch.
         run_other_task: runs and reports an evaluation or prediction task.
         wait_s / max_wait_s: pause after an idle round, and the longest wait.
     """
 
     def __init__(self, runner: ElasticRunner, source: TaskSource,
-                 read: Callable[[Task], Sequence[Any]], feed: Feed, minibatch_size: int,
+                 read: Callable[[Task], Any], feed: Feed, minibatch_size: int,
                  run_other_task: Optional[Callable[[Task], None]] = None,
-                 wait_s: float = 0.2, max_wait_s: float = 3600.0):
+                 wait_s: float = 0.2, max_wait_s: float = 3600.0,
+                 on_data_error: Optional[Callable[[Task, DataError], None]] = None):
         self.runner = runner
         self.source = source
         self.read = read
@@ -128,6 +150,7 @@ class ElasticDataset:
         self.run_other_task = run_other_task
         self.wait_s = wait_s
         self.max_wait_s = max_wait_s
+        self.on_data_error = on_data_error
         self.task: Optional[Task] = None
         self.tasks_reported = 0
         self.records_trained = 0
@@ -167,7 +190,8 @@ class ElasticDataset:
             task = poller.poll(while_waiting=idle_round)
             if task.type == TaskType.TRAINING:
                 records = self.read(task)
-                n = minibatch_count(len(records), self.minibatch_size)
+                n = records.num_minibatches if isinstance(records, TaskRecords) else \
+                    minibatch_count(len(records), self.minibatch_size)
                 self._queue.append(self._task_state(task, records, n))
                 if len(self._queue[-1].confirmed) == n:
                     self._report(self._queue.pop())
@@ -204,6 +228,8 @@ class ElasticDataset:
                 logger.info("task %d resumes: minibatch(es) %s of %d already in the model "
                             "(stepped by an earlier holder); skipped", task.task_id,
                             sorted(state.confirmed), n)
+        if isinstance(records, TaskRecords) and len(state.confirmed) < n:
+            state.ahead = records.produce(skip=frozenset(state.confirmed))
         return state
 
     def _next_tag(self) -> Optional[BatchTag]:
@@ -217,14 +243,43 @@ class ElasticDataset:
             if state.cursor < state.num_batches:
                 i = state.cursor
                 state.cursor += 1
-                s = minibatch_slice(i, len(state.records), self.minibatch_size)
+                s = minibatch_slice(i, state.num_records, self.minibatch_size)
                 self.task = state.task
                 return BatchTag(state, i, s.stop - s.start)
         return None
 
     def _make(self, tag: BatchTag) -> tuple[Any, Any]:
-        s = minibatch_slice(tag.index, len(tag.state.records), self.minibatch_size)
-        return self.feed(tag.state.records[s], tag.state.task, s.start)
+        state = tag.state
+        if not isinstance(state.records, TaskRecords):
+            s = minibatch_slice(tag.index, len(state.records), self.minibatch_size)
+            return self.feed(state.records[s], state.task, s.start)
+        try:
+            mb = self._take(state, tag.index)
+        except DataError as e:
+            state.close()
+            if self.on_data_error is not None:
+                self.on_data_error(state.task, e)
+            raise
+        return mb.features, mb.labels
+
+    @staticmethod
+    def _take(state: _TaskState, index: int) -> Minibatch:
+        """Minibatch ``index`` of the task: the one made ahead when it is next in line,
+        else made now (a minibatch trained again after a membership change)."""
+        while state.ahead is not None:
+            mb = state.peek if state.peek is not None else next(state.ahead, None)
+            state.peek = None
+            if mb is None:
+                state.close()
+                break
+            if mb.index == index:
+                return mb
+            if mb.index > index:
+                state.peek = mb
+                break
+            # made ahead but no longer wanted: dropped
+        assert isinstance(state.records, TaskRecords)
+        return state.records.make(index)
 
     def _skip_unstepped(self) -> None:
         tag = self.take_current()
@@ -242,6 +297,7 @@ class ElasticDataset:
             self.records_trained += tag.records
             if len(state.confirmed) == state.num_batches and state in self._queue:
                 self._queue.remove(state)
+                state.close()
                 self._report(state)
 
     def record_step(self, tags: Sequence[Any], outputs: Sequence[Any],
@@ -264,7 +320,7 @@ class ElasticDataset:
         loss = float(state.loss_sum) / state.loss_records if state.loss_records else None
         self.source.report_task(state.task, loss=loss, learning_rate=state.last_lr)
         self.tasks_reported += 1
-        logger.debug("task %d done (%d records)", state.task.task_id, len(state.records))
+        logger.debug("task %d done (%d records)", state.task.task_id, state.num_records)
 
     def _lost(self, tags: list[Any]) -> None:
         for tag in tags:
@@ -277,6 +333,7 @@ class ElasticDataset:
             logger.error("training stopped with unfinished task(s) %s; reported as failed "
                          "so the master re-queues them", sorted(set(left)))
             for state in self._queue:
+                state.close()
                 self.source.report_task(state.task, "training group stopped before the task "
                                         "finished")
             self._queue.clear()

@@ -25,7 +25,7 @@ from elasticdl.checkpoint import data_position
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.cluster.registry import create_cluster
 from elasticdl.common import auth, faults
-from elasticdl.common.datasets import create_readers
+from elasticdl.common.datasets import create_readers, master_readers
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
@@ -78,12 +78,17 @@ def parse_args(argv: Optional[list[str]] = None) -> MasterArgs:
 
 
 def _readers(spec: JobSpec) -> dict:
+    readers = master_readers(spec)   # a module's dataset(path, mode): sized by a probe
+    if readers:
+        return readers
     try:
         return create_readers(spec)
     except DataError:
         from elasticdl.api.model_spec import load_from_job_spec
 
         model_spec = load_from_job_spec(spec)
+        if model_spec.dataset is not None:   # defined in a way the source check missed
+            return master_readers(spec, defined=True)
         if model_spec.custom_data_reader is None:
             raise
         return create_readers(spec, model_spec.custom_data_reader)

@@ -59,9 +59,10 @@ from elasticdl.elastic.runner import (
     StepAborted,
 )
 from elasticdl.elastic.trained import TrainedRecords
+from elasticdl.worker.minibatches import TaskRecords
 from elasticdl.worker.poller import TaskPoller
 from elasticdl.worker.prediction import PredictionSink
-from elasticdl.worker.task_loop import LoopStats, TaskLoop, feed_records
+from elasticdl.worker.task_loop import LoopStats, TaskLoop
 from elasticdl.worker.task_source import TaskSource
 from elasticdl.worker.trainer import LocalTrainer, Trainer, batch_size_of
 
@@ -275,30 +276,29 @@ class AllreduceTrainer(Trainer):
                         worker_id=self.worker_id, prediction_sink=prediction_sink,
                         wait_s=wait_s, eval_minibatch_size=self.job_spec.eval_minibatch_size)
 
-        def read(task: Task) -> Sequence[Any]:
+        def fatal(task: Task, e: DataError) -> None:
             # bad data is fatal (retrying cannot help): the master fails the job at
             # this report, as in PS mode, instead of relaunching workers that fail again
+            logger.error("task %d: bad data: %s", task.task_id, e)
+            source.report_task(task, str(e), traceback.format_exc(), fatal=True)
+
+        def read(task: Task) -> TaskRecords:
             try:
                 reader = readers.get(TaskType.TRAINING)
                 if reader is None:
                     raise DataError(f"no training data configured for task {task.task_id}")
-                return reader.read(task.shard_name, task.start, task.end)
+                return TaskRecords(reader, task, "training", self.job_spec.minibatch_size,
+                                   self.spec.feed_batch)
             except DataError as e:
-                logger.error("task %d: bad data: %s", task.task_id, e)
-                source.report_task(task, str(e), traceback.format_exc(), fatal=True)
+                fatal(task, e)
                 raise
 
         def feed(records: Sequence[Any], task: Task, offset: int) -> tuple[Any, Any]:
-            try:
-                return feed_records(self.spec.feed_batch, records, "training", task.shard_name,
-                                    task.start + offset)
-            except DataError as e:
-                source.report_task(task, str(e), traceback.format_exc(), fatal=True)
-                raise
+            raise AssertionError("minibatches come from TaskRecords")  # never a sequence
 
         dataset = ElasticDataset(self.runner, source, read, feed,
                                  self.job_spec.minibatch_size, run_other_task=loop.run_task,
-                                 wait_s=wait_s)
+                                 wait_s=wait_s, on_data_error=fatal)
         self._dataset = dataset
 
         self.runner.start()

@@ -47,7 +47,8 @@ class LocalJob:
     def __init__(self, spec: JobSpec, model_spec: Optional[ModelSpec] = None):
         self.spec = spec
         self.model_spec = model_spec or load_from_job_spec(spec)
-        self.readers = create_readers(spec, self.model_spec.custom_data_reader)
+        self.readers = create_readers(spec, self.model_spec.custom_data_reader,
+                                      model_spec=self.model_spec)
         self.custom_loop = (spec.job_type == JobType.TRAIN
                             and self.model_spec.train_loop is not None)
         # a custom loop's checkpoints name trained records by task id: ids of a run

@@ -82,7 +82,7 @@ def run_worker(args: WorkerArgs) -> int:
                           unavailable_timeout_s=spec.master_reconnect_timeout_s)
     try:
         model_spec = load_from_job_spec(spec)
-        readers = create_readers(spec, model_spec.custom_data_reader)
+        readers = create_readers(spec, model_spec.custom_data_reader, model_spec=model_spec)
         runtime = build_runtime(args, model_spec, client)
         sink = None
         if spec.job_type == JobType.PREDICT:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import csv
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,8 +31,12 @@ def _to_numpy(outputs: Sequence[Any]) -> np.ndarray:
     for out in outputs:
         if isinstance(out, (tuple, list)):
             out = out[0]
-        if isinstance(out, dict):
-            raise TypeError("the default prediction writer handles tensor outputs; define a "
+        if not isinstance(out, torch.Tensor) and isinstance(
+                getattr(out, "logits", None), torch.Tensor):
+            out = out.logits   # a transformers ModelOutput (or alike): its logits
+        if isinstance(out, Mapping):
+            raise TypeError("the default prediction writer handles tensor outputs (or "
+                            "ModelOutput-like ones with .logits); define a "
                             "PredictionOutputsProcessor for dict outputs")
         parts.append(out.detach().cpu().numpy() if isinstance(out, torch.Tensor)
                      else np.asarray(out))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,9 +20,15 @@ import torch
 
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.task import Task, TaskType
-from elasticdl.data.api import DataError, DataReader, MalformedRecordError
+from elasticdl.data.api import DataError, DataReader
 from elasticdl.worker.eval_metrics import EvalMetrics
-from elasticdl.worker.poller import DEFAULT_MAX_WAIT_S, TaskPoller, minibatch_count, minibatch_slice
+from elasticdl.worker.minibatches import (  # noqa: F401 - FeedError, feed_records re-exported
+    FeedError,
+    Minibatch,
+    TaskRecords,
+    feed_records,
+)
+from elasticdl.worker.poller import DEFAULT_MAX_WAIT_S, TaskPoller
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_source import Metric, TaskSource
 from elasticdl.worker.trainer import NonFiniteError, Trainer, batch_size_of, to_device
@@ -33,26 +39,6 @@ MODES = {TaskType.TRAINING: "training", TaskType.EVALUATION: "evaluation",
          TaskType.PREDICTION: "prediction", TaskType.EVALUATION_FINALIZE: "evaluation"}
 
 StepCallback = Callable[[Task, int, torch.Tensor], None]
-
-
-class FeedError(DataError):
-    """``feed`` failed on a minibatch although each record alone was accepted."""
-
-
-def feed_records(feed: Callable[..., Any], records: Sequence[Any], mode: str, shard: str,
-                 start: int) -> tuple[Any, Any]:
-    """Run the user's ``feed``; on failure, find and name the first bad record."""
-    try:
-        return feed(records, mode)
-    except Exception as batch_error:  # user code: re-raised as a structured data error
-        for i, record in enumerate(records):
-            try:
-                feed([record], mode)
-            except Exception as e:  # noqa: BLE001 - named and re-raised below
-                raise MalformedRecordError(shard, start + i,
-                                           f"feed rejected it: {type(e).__name__}: {e}") from e
-        raise FeedError(f"feed failed on records {start}-{start + len(records)} of {shard}: "
-                        f"{type(batch_error).__name__}: {batch_error}") from batch_error
 
 
 @dataclass
@@ -129,13 +115,15 @@ class TaskLoop:
         counters: dict[str, int] = {}
         try:
             records = self._read(task)
-            if task.type == TaskType.TRAINING:
+            if task.type == TaskType.EVALUATION_FINALIZE:
+                self.source.report_evaluation(task, self._metrics.finalize(task.metric_states))
+            elif records is None:
+                raise ValueError(f"unexpected task type {task.type!r}")
+            elif task.type == TaskType.TRAINING:
                 self._train(task, records)
                 counters = self.trainer.finish_task(task)  # e.g. what the PS applied
             elif task.type == TaskType.EVALUATION:
                 self.source.report_evaluation(task, *self._evaluate(task, records))
-            elif task.type == TaskType.EVALUATION_FINALIZE:
-                self.source.report_evaluation(task, self._metrics.finalize(task.metric_states))
             elif task.type == TaskType.PREDICTION:
                 self._predict(task, records)
             else:
@@ -154,8 +142,8 @@ class TaskLoop:
         except Exception as e:  # reported with its traceback, then re-raised
             self.source.report_task(task, f"{type(e).__name__}: {e}", traceback.format_exc())
             raise
-        if counters:
-            counters["records_read"] = len(records)  # a reader may return fewer
+        if counters and records is not None:
+            counters["records_read"] = records.num_records  # a reader may return fewer
         if self._skipped_in_task:
             counters["nonfinite_steps_skipped"] = self._skipped_in_task
             counters["records_skipped"] = self._records_skipped
@@ -166,31 +154,51 @@ class TaskLoop:
         for cb in self.after_task:
             cb(task)
 
-    def _read(self, task: Task) -> list[Any]:
+    def _read(self, task: Task) -> Optional[TaskRecords]:
         if task.type == TaskType.EVALUATION_FINALIZE:
-            return []  # its input are the metric states it carries
+            return None  # its input are the metric states it carries
         reader = self.readers.get(task.type)
         if reader is None:
             raise DataError(f"no {MODES[task.type]} data configured for task {task.task_id}")
-        return reader.read(task.shard_name, task.start, task.end)
+        return TaskRecords(reader, task, MODES[task.type], self._size(task),
+                           self.spec.feed_batch)
 
-    def _minibatches(self, task: Task, records: Sequence[Any]):
-        mode = MODES[task.type]
-        size = self.minibatch_size if task.type == TaskType.TRAINING else \
+    def _size(self, task: Task) -> int:
+        return self.minibatch_size if task.type == TaskType.TRAINING else \
             self.eval_minibatch_size
-        for k in range(minibatch_count(len(records), size)):
-            s = minibatch_slice(k, len(records), size)
-            features, labels = feed_records(self.spec.feed_batch, records[s], mode, task.shard_name,
-                                            task.start + s.start)
-            yield s.stop, features, labels
 
-    def _train(self, task: Task, records: Sequence[Any]) -> None:
-        applied = self.trainer.start_task(task)  # pushed by an earlier holder: skipped
-        previous = 0
-        for k, (done, features, labels) in enumerate(self._minibatches(task, records), 1):
-            size, previous = done - previous, done
-            if k in applied:
-                continue
+    def _minibatches(self, task: Task, records: Sequence[Any]
+                     ) -> Iterator[tuple[int, Any, Any]]:
+        """``(records done in the task, features, labels)`` per minibatch of ``records``."""
+        made = TaskRecords.of(records, task, MODES[task.type], self._size(task),
+                              self.spec.feed_batch)
+        for mb in self._produce(made):
+            yield mb.stop, mb.features, mb.labels
+
+    def _produce(self, records: TaskRecords, skip: frozenset[int] = frozenset()
+                 ) -> Generator[Minibatch, None, None]:
+        """The task's minibatches but ``skip`` (0-based), made ahead in a thread (stopped
+        when the caller stops, e.g. on a failed step)."""
+        batches = records.produce(skip)
+        try:
+            yield from batches
+        finally:
+            batches.close()
+
+    def _train(self, task: Task, records: TaskRecords) -> None:
+        # pushed by an earlier holder (1-based): skipped, neither read nor fed
+        applied = self.trainer.start_task(task)
+        minibatches = self._produce(records, frozenset(k - 1 for k in applied))
+        try:
+            self._train_minibatches(task, minibatches)
+        finally:
+            minibatches.close()
+        self.stats.train_records += records.num_records
+
+    def _train_minibatches(self, task: Task, minibatches: Iterator[Minibatch]) -> None:
+        for mb in minibatches:
+            k, size, done = mb.index + 1, mb.size, mb.stop
+            features, labels = mb.features, mb.labels
             self.trainer.set_position(task.task_id, k, size)
             try:
                 loss = self.trainer.train_minibatch(features, labels)
@@ -211,25 +219,32 @@ class TaskLoop:
             self._loss_records += size
             for cb in self.after_train_step:
                 cb(task, done, loss)
-        self.stats.train_records += len(records)
 
-    def _evaluate(self, task: Task, records: Sequence[Any]) -> tuple[list[Metric], bytes]:
+    def _evaluate(self, task: Task, records: TaskRecords) -> tuple[list[Metric], bytes]:
         """The task's plain metrics and its stateful metrics' serialised states."""
         self._metrics.begin_task()
-        for _, features, labels in self._minibatches(task, records):
-            outputs = self.trainer.forward(features)
-            n = batch_size_of(labels, features)
-            labels = to_device(labels, self.trainer.device)
-            self._metrics.update(labels, outputs, n)
-        self.stats.eval_records += len(records)
+        minibatches = self._produce(records)
+        try:
+            for mb in minibatches:
+                outputs = self.trainer.forward(mb.features)
+                n = batch_size_of(mb.labels, mb.features)
+                labels = to_device(mb.labels, self.trainer.device)
+                self._metrics.update(labels, outputs, n)
+        finally:
+            minibatches.close()
+        self.stats.eval_records += records.num_records
         return self._metrics.end_task()
 
-    def _predict(self, task: Task, records: Sequence[Any]) -> None:
+    def _predict(self, task: Task, records: TaskRecords) -> None:
         if self.prediction_sink is None:
             raise RuntimeError("prediction task without a prediction sink")
         outputs = []
-        for _, features, _labels in self._minibatches(task, records):
-            outputs.append(self.trainer.forward(features))
+        minibatches = self._produce(records)
+        try:
+            for mb in minibatches:
+                outputs.append(self.trainer.forward(mb.features))
+        finally:
+            minibatches.close()
         index = np.arange(task.start, task.end, dtype=np.int64)
         self.prediction_sink.write(task, index, outputs, self.worker_id)
-        self.stats.predict_records += len(records)
+        self.stats.predict_records += records.num_records

@@ -10,8 +10,10 @@ pushes around the same calls.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -34,7 +36,7 @@ def to_device(obj: Any, device: torch.device) -> Any:
     """Move a tensor, or tensors nested in dicts/lists/tuples, to ``device``."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
@@ -43,8 +45,8 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 def batch_size_of(labels: Any, features: Any) -> int:
     ref = labels if labels is not None else features
-    while isinstance(ref, (dict, list, tuple)):
-        ref = next(iter(ref.values())) if isinstance(ref, dict) else ref[0]
+    while isinstance(ref, (Mapping, list, tuple)):
+        ref = next(iter(ref.values())) if isinstance(ref, Mapping) else ref[0]
     return int(ref.shape[0]) if hasattr(ref, "shape") else len(ref)
 
 
@@ -151,8 +153,50 @@ class OptimizerExtras(ScheduleClock):
 
 
 def call_model(model: torch.nn.Module, features: Any) -> Any:
-    """``model(features)``; a dict of features is passed as one argument."""
+    """Call ``model`` on what ``feed`` returned as features.
+
+    A dict is spread as keywords (``model(**features)``, e.g. a ``transformers``
+    model's ``input_ids=, attention_mask=, labels=``) and a tuple or list as
+    positional arguments (``model(*features)``, e.g. ``forward(input, hidden)``)
+    when ``forward``'s signature accepts them so; otherwise, and for anything else,
+    it is passed whole (``model(features)``: a ``forward(self, features)`` that
+    unpacks a tuple itself keeps working). Outputs are returned as the model gives
+    them (a tensor, a tuple, a ``ModelOutput``...): the module's ``loss`` and
+    metrics get them unchanged.
+    """
+    if isinstance(features, Mapping):
+        if _spreads(type(model), model.forward, "kw", tuple(features)):
+            return model(**features)
+    elif isinstance(features, (tuple, list)):
+        if _spreads(type(model), model.forward, "pos", len(features)):
+            return model(*features)
     return model(features)
+
+
+_SPREAD_CACHE: dict[tuple[Any, str, Any], bool] = {}
+
+
+def _spreads(cls: type, forward: Any, kind: str, shape: Any) -> bool:
+    """Whether ``forward`` binds the features spread (keywords ``shape``, or
+    ``shape`` positional arguments); cached per model class."""
+    key = (cls, kind, shape)
+    hit = _SPREAD_CACHE.get(key)
+    if hit is not None:
+        return hit
+    try:
+        sig = inspect.signature(forward)
+        if kind == "kw":
+            sig.bind(**dict.fromkeys(shape))
+        else:
+            sig.bind(*([None] * shape))
+        ok = True
+    except TypeError:
+        ok = False
+    except ValueError:  # no signature (a builtin): the old contract, one argument
+        ok = False
+    if len(_SPREAD_CACHE) < 4096:
+        _SPREAD_CACHE[key] = ok
+    return ok
 
 
 class Trainer(ABC):

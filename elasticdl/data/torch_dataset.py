@@ -1,0 +1,216 @@
+"""A model module's ``dataset(path, mode)`` as a reader, loaded through a torch DataLoader.
+
+A model module may define ``dataset(path, mode)`` returning a map-style
+``torch.utils.data.Dataset`` (``__getitem__`` and ``__len__``). The dataset is one shard
+named by ``path`` (the ``--training_data``/``--validation_data``/``--prediction_data``
+value, which need not be a file) holding ``len(dataset)`` records; the master cuts it
+into tasks of index ranges like any reader's shard. A worker loads the minibatches of a
+task with a real :class:`torch.utils.data.DataLoader` over exactly the indices of each
+minibatch (a batch sampler: minibatch k of a task holds the same records on every try),
+``--data_loader_workers`` worker processes (persistent across tasks), ``pin_memory`` on
+CUDA, and the module's ``collate_fn`` or ``default_collate``.
+
+Imports torch: workers and Local jobs only. The master learns the size without torch
+(:mod:`elasticdl.data.dataset_source`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import default_collate as torch_default_collate
+
+from elasticdl.data.api import DataError, DataReader, MalformedRecordError, Shard
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchLoadError", "TorchDatasetReader", "check_map_style"]
+
+
+class BatchLoadError(DataError):
+    """Loading a minibatch failed although every record of it loads and collates alone."""
+
+
+def check_map_style(dataset: Any, where: str) -> int:
+    """``len(dataset)`` of a map-style dataset.
+
+    Raises:
+        DataError: ``dataset`` is iterable-style, has no ``__getitem__``/``__len__``, or its
+            length is not a non-negative integer (named with ``where``).
+    """
+    if isinstance(dataset, IterableDataset):
+        raise DataError(f"{where} returned an IterableDataset ({type(dataset).__name__}); "
+                        "tasks are index ranges, so a map-style dataset (__getitem__ and "
+                        "__len__) is needed")
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise DataError(f"{where} returned {type(dataset).__name__}, not a map-style "
+                        "dataset (__getitem__ and __len__)")
+    try:
+        size = len(dataset)
+    except Exception as e:  # noqa: BLE001 - user code; re-raised as a data error
+        raise DataError(f"{where}: len() of the dataset failed: {type(e).__name__}: {e}") from e
+    if not isinstance(size, int) or size < 0:
+        raise DataError(f"{where}: len() of the dataset is {size!r}, not a count")
+    return size
+
+
+class _Ranges:
+    """A batch sampler whose batches are set per task: the index lists of minibatches."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start, stop in self.ranges:
+            yield list(range(start, stop))
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+
+class TorchDatasetReader(DataReader):
+    """One shard ``path`` of ``len(dataset)`` records, read through a DataLoader.
+
+    Args:
+        path: the shard name (the job's data flag value).
+        dataset: a map-style dataset.
+        collate_fn: the module's ``collate_fn``, or None for ``default_collate``.
+        num_workers: DataLoader worker processes (0: load in the calling thread).
+        pin_memory: pin collated tensors (set when training on CUDA).
+        size: the size the master sharded (checked against ``len(dataset)``).
+    """
+
+    def __init__(self, path: str, dataset: Any, collate_fn: Optional[Callable[..., Any]] = None,
+                 num_workers: int = 0, pin_memory: bool = False, where: str = "dataset"):
+        self.path = path
+        self.dataset = dataset
+        self.size = check_map_style(dataset, where)
+        self.collate_fn = collate_fn
+        self.num_workers = int(num_workers)
+        self.pin_memory = bool(pin_memory)
+        self._sampler = _Ranges()
+        self._loader: Optional[DataLoader] = None
+        self._lock = threading.Lock()   # one iteration of the loader at a time
+
+    # ------------------------------------------------------------------ DataReader
+    def create_shards(self) -> list[Shard]:
+        if not self.size:
+            logger.info("dataset %s holds no records; no shard created", self.path)
+            return []
+        return [Shard(self.path, 0, self.size)]
+
+    def num_records(self) -> int:
+        return self.size
+
+    def check_range(self, name: str, start: int, end: int) -> None:
+        """Raises DataError / ValueError for a range that is not of this dataset."""
+        if name != self.path:
+            raise DataError(f"{name}: not the dataset of this reader ({self.path})")
+        if start < 0 or start > end or end > self.size:
+            raise ValueError(f"{self.path}: invalid record range [{start}, {end}) for a "
+                             f"dataset of {self.size} records (did the data change since "
+                             "the master sharded it?)")
+
+    def read(self, name: str, start: int, end: int) -> list[Any]:
+        """The items ``dataset[start:end]``, uncollated (one by one, no DataLoader)."""
+        self.check_range(name, start, end)
+        return [self._item(i) for i in range(start, end)]
+
+    # ------------------------------------------------------------------ loading
+    def collate(self, items: list[Any]) -> Any:
+        fn = self.collate_fn or torch_default_collate
+        return fn(items)
+
+    def load(self, start: int, stop: int) -> Any:
+        """Records ``[start, stop)`` collated, in this thread; a failure names the record
+        (the dataset's item or the collate function rejecting it)."""
+        items = [self._item(i) for i in range(start, stop)]
+        try:
+            return self.collate(items)
+        except Exception as batch_error:  # noqa: BLE001 - located below
+            for i, item in zip(range(start, stop), items):
+                try:
+                    self.collate([item])
+                except Exception as e:  # noqa: BLE001 - named and re-raised
+                    raise MalformedRecordError(self.path, i, f"collate rejected it: "
+                                               f"{type(e).__name__}: {e}") from e
+            raise BatchLoadError(f"{self.path}: collating records {start}-{stop} failed: "
+                                 f"{type(batch_error).__name__}: {batch_error}"
+                                 ) from batch_error
+
+    def _item(self, i: int) -> Any:
+        try:
+            return self.dataset[i]
+        except Exception as e:  # noqa: BLE001 - user code: a structured data error
+            raise MalformedRecordError(self.path, i, f"dataset[{i}] raised "
+                                       f"{type(e).__name__}: {e}") from e
+
+    def batches(self, ranges: Sequence[tuple[int, int]]) -> Generator[Any, None, None]:
+        """The collated minibatches of ``ranges`` (absolute index ranges), in order,
+        through the DataLoader. A failing batch is loaded again record by record to
+        name the bad record (:meth:`load`)."""
+        if not ranges:
+            return
+        with self._lock:
+            loader = self._get_loader()
+            self._sampler.ranges = list(ranges)
+            it = iter(loader)
+            done = 0
+            try:
+                for batch in it:
+                    yield batch
+                    done += 1
+            except Exception as e:  # noqa: BLE001 - located, or re-raised as it is
+                self._loader = None   # a fresh loader (and worker processes) next time
+                start, stop = ranges[done]
+                logger.warning("%s: loading records %d-%d failed (%s: %s); loading them one "
+                               "by one to find the record", self.path, start, stop,
+                               type(e).__name__, e)
+                self.load(start, stop)
+                raise BatchLoadError(f"{self.path}: loading records {start}-{stop} failed: "
+                                     f"{type(e).__name__}: {e}") from e
+
+    def _get_loader(self) -> DataLoader:
+        if self._loader is None:
+            workers = self.num_workers
+            self._loader = DataLoader(
+                self.dataset, batch_sampler=self._sampler,
+                collate_fn=self.collate_fn or torch_default_collate,
+                num_workers=workers, pin_memory=self.pin_memory and torch.cuda.is_available(),
+                persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
+                # its own generator: an iterator's base seed never draws from the global
+                # RNG, which the training thread's dropout uses (runs stay reproducible)
+                generator=torch.Generator().manual_seed(0))
+        return self._loader
+
+
+def pin_memory_default(device: str) -> bool:
+    """Pin host memory when the job trains on CUDA (``--device`` auto or cuda)."""
+    return device != "cpu" and torch.cuda.is_available()
+
+
+def dataset_readers(model_spec: Any, paths: dict[Any, tuple[str, str]], num_workers: int,
+                    pin_memory: bool) -> dict[Any, TorchDatasetReader]:
+    """``{key: reader}`` for ``{key: (path, mode)}`` from the module's ``dataset``.
+
+    Raises:
+        DataError: ``dataset`` raised, or returned something that is not a map-style
+            dataset (named with the module path).
+    """
+    out = {}
+    for key, (path, mode) in paths.items():
+        where = f"dataset({path!r}, {mode!r}) of {model_spec.module_path}"
+        try:
+            ds = model_spec.call(model_spec.dataset, path, mode)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - user code; re-raised naming it
+            raise DataError(f"{where} failed: {type(e).__name__}: {e}") from e
+        out[key] = TorchDatasetReader(path, ds, model_spec.collate_fn, num_workers,
+                                      pin_memory, where=where)
+    return out
