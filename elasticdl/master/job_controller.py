@@ -31,6 +31,7 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
 from elasticdl.common.strategy import entry_for
 from elasticdl.master import ps_rollback
+from elasticdl.master.elastic_control import ElasticControl
 from elasticdl.master.job import JobCore
 from elasticdl.master.policy import Action, RelaunchPolicy
 from elasticdl.master.rendezvous import RendezvousHandler
@@ -67,6 +68,7 @@ class JobController:
         self._finishing = False
         self.ps_addrs: list[str] = []
         self._ps_ports: list[int] = []
+        self.elastic = ElasticControl(self)   # elastic scheduling (master/scaling.py)
 
     # ------------------------------------------------------------ replicas
     def _common_flags(self) -> list[str]:
@@ -127,6 +129,7 @@ class JobController:
             cmd.append(f"--ps_addrs={','.join(self.ps_addrs)}")
         self.cluster.create_replica(self._replica(ReplicaType.WORKER, worker_id,
                                                   cmd + self._common_flags()))
+        self.elastic.launched(worker_id)
         return worker_id
 
     def _endpoints(self) -> int:
@@ -154,6 +157,7 @@ class JobController:
         have = {(r.type, r.index) for r in adopted}
         for r in adopted:
             self.core.notify("on_replica", kind=r.type.value, index=r.index, alive=True)
+        self.elastic.adopted(adopted)
         num_ps = self._endpoints()
         lost = [ReplicaEvent(ReplicaType.PS, i, Phase.FAILED, None, "killed",
                              "gone while the master was down")
@@ -175,11 +179,14 @@ class JobController:
     # -------------------------------------------------------------- events
     def handle(self, event: ReplicaEvent) -> None:
         if event.phase in (Phase.PENDING, Phase.RUNNING):
+            self.elastic.observe(event)
             return
         name = event.name
         self.core.notify("on_replica", kind=event.type.value, index=event.index, alive=False)
         if event.type == ReplicaType.WORKER:
             self._worker_gone(event)
+            if self.elastic.ended(event):
+                return  # retired by a resize (or cancelled): not replaced
         key = f"{event.type.value}:" + str(self.book.lineage_of(event.index)
                                            if event.type == ReplicaType.WORKER else event.index)
         counts_as_failure = event.phase == Phase.FAILED and event.reason not in (
@@ -194,6 +201,8 @@ class JobController:
             self._relaunch(event, decision.reason)
         elif decision.action == Action.FAIL_JOB:
             self._fail(name, decision.reason, "")
+        elif decision.action == Action.DROP and event.type == ReplicaType.WORKER:
+            self.elastic.dropped()
 
     def _worker_gone(self, event: ReplicaEvent) -> None:
         self.book.worker_gone(event.index, event.phase == Phase.SUCCEEDED)
@@ -271,6 +280,7 @@ class JobController:
                     self.report.failure is not None:
                 self.core.snapshot()  # replica bookkeeping is not in the journal's records
             self._guarded("stopping hung workers", self._stop_hung_workers)
+            self._guarded("elastic scaling", self.elastic.step)
             now = time.monotonic()
             if now - last_report >= self.report_interval_s:
                 last_report = now
@@ -311,6 +321,7 @@ class JobController:
         return self.report.status
 
     def _write_report(self) -> None:
+        self.report.extra["workers"] = self.elastic.report()
         self.core.refresh_report().write(self.report_dir)
 
     def _log_progress(self) -> None:
@@ -320,7 +331,8 @@ class JobController:
         elapsed = time.time() - self.report.started
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (total - done) / rate if rate > 0 else float("inf")
-        logger.info("progress: %d/%d records (%.1f%%), %.1f records/s, ETA %s, workers %d, "
-                    "model version %d", done, total, 100.0 * done / max(total, 1), rate,
-                    "?" if eta == float("inf") else f"{eta:.0f}s", self.book.num_live(),
-                    self.core.version)
+        counts = self.elastic.counts
+        logger.info("progress: %d/%d records (%.1f%%), %.1f records/s, ETA %s, workers %d "
+                    "(%d pending), model version %d", done, total, 100.0 * done / max(total, 1),
+                    rate, "?" if eta == float("inf") else f"{eta:.0f}s", counts.num_running(),
+                    counts.num_pending(), self.core.version)

@@ -116,7 +116,7 @@ def _rendezvous(spec: JobSpec, host: str) -> Optional[RendezvousHandler]:
     # second (they poll it while they wait); one silent for longer than a collective
     # timeout (+2 s: a member blocked in a collective reports when that times out) is hung
     return Rendezvous(host, free_port, checkin_timeout_s=spec.collective_timeout_s + 5,
-                      initial_workers=spec.num_workers,
+                      initial_workers=spec.workers_min,
                       hung_after_s=spec.collective_timeout_s + 2)
 
 
