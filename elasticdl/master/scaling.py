@@ -198,6 +198,11 @@ class WorkerCounts:
         with self._lock:
             return len(self.running)
 
+    def num_training(self) -> int:
+        """Running workers not being retired (those that push gradients)."""
+        with self._lock:
+            return len(self.running - self.retiring)
+
     def num_pending(self) -> int:
         with self._lock:
             return len(self.pending)

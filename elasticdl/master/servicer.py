@@ -318,7 +318,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     def _size(counts: Any) -> pb.JobSize:
         w = counts.report()
         return pb.JobSize(min_workers=w["min"], max_workers=w["max"],
-                          running_workers=w["running"], pending_workers=w["pending"],
+                          running_workers=counts.num_training(), pending_workers=w["pending"],
                           retiring_workers=len(w["retiring"]))
 
 
