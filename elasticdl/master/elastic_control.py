@@ -36,11 +36,15 @@ class ElasticControl:
         self.c = controller
         spec = controller.spec
         self.policy = policy or ScalingPolicy()
-        self.counts = WorkerCounts(spec.workers_min, spec.num_workers)
         core = controller.core
-        core.attachments["scaling"] = self.counts   # snapshotted with the core
-        if core.restored_extra.get("scaling"):
-            self.counts.load_state_dict(core.restored_extra["scaling"])
+        existing = core.attachments.get("scaling")
+        if existing is not None:  # attached before a restore (master/main.py): as restored
+            self.counts: WorkerCounts = existing
+        else:
+            self.counts = WorkerCounts(spec.workers_min, spec.num_workers)
+            core.attachments["scaling"] = self.counts   # snapshotted with the core
+            if core.restored_extra.get("scaling"):
+                self.counts.load_state_dict(core.restored_extra["scaling"])
         self._retired_at: dict[int, float] = {}
         self._stopping: set[int] = set()
         self._said_pending: dict[int, str] = {}
@@ -98,9 +102,9 @@ class ElasticControl:
         except JobSpecError as e:
             logger.error("ignoring the resize request %r: %s", wanted, e)
             return
-        self.counts.resize(low, high, f"elasticdl scale --num_workers={wanted}")
+        self.c.core.resize_workers(low, high, f"elasticdl scale --num_workers={wanted}")
+        self.c.core.durable()
         logger.info("resize to %d:%d requested", low, high)
-        self.c.core.snapshot()
 
     def step(self) -> None:
         """Decide from the current view and apply the decisions (one pass)."""

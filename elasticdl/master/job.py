@@ -283,6 +283,18 @@ class JobCore(Journaled):
         with self._lock:
             return self._pending is None and self._running is None and self.tm.finished()
 
+    def resize_workers(self, low: int, high: int, reason: str) -> dict[str, Any]:
+        """New worker bounds MIN:MAX (``elasticdl scale``), journaled; the job
+        controller reconciles the workers (elasticdl/master/scaling.py). Raises
+        ValueError for bad bounds, LookupError without worker bookkeeping."""
+        with self._lock, self._at() as t:
+            counts = self.attachments.get("scaling")
+            if counts is None:
+                raise LookupError("this job keeps no worker bookkeeping")
+            entry = counts.resize(low, high, reason)
+            self._log("resize", t=t, min=low, max=high, reason=reason)
+            return dict(entry)
+
     def claim_export(self, worker_id: int) -> bool:
         """Whether ``worker_id`` writes the final model (the first to ask, once done)."""
         with self._lock:

@@ -167,6 +167,9 @@ class Journaled:
                 self.load_state_dict(snap["state"])
                 tm, extra = self.tm, snap["extra"]
                 self.restored_extra = extra
+                for name, attached in self.attachments.items():  # attached before restore
+                    if name in extra:
+                        attached.load_state_dict(extra[name])
                 for k, started in extra["started"].items():
                     if int(k) in tm._doing:
                         tm._doing[int(k)].started = float(started)
@@ -213,6 +216,7 @@ class Op(str, enum.Enum):
     START_AT = "start_at"
     EXPORT = "export"
     WORKER_REPORTED = "worker_reported"
+    RESIZE = "resize"                   # elasticdl scale: new worker bounds (scaling.py)
 
 
 def _replay_get(core: Any, rec: dict[str, Any]) -> None:
@@ -245,4 +249,5 @@ HANDLERS: dict[Op, Handler] = {
     Op.EXPORT: lambda core, rec: core.claim_export(rec["w"]),
     Op.WORKER_REPORTED: lambda core, rec: core.worker_reported(rec["w"], rec["error"],
                                                                rec["tb"]),
+    Op.RESIZE: lambda core, rec: core.resize_workers(rec["min"], rec["max"], rec["reason"]),
 }

@@ -36,6 +36,7 @@ from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.journal import JournalLockedError
 from elasticdl.master.rendezvous import RendezvousHandler
+from elasticdl.master.scaling import WorkerCounts
 from elasticdl.master.servicer import MasterServicer, start_master_server
 
 logger = logging.getLogger("elasticdl.master")
@@ -100,6 +101,8 @@ def build_core(spec: JobSpec, restoring: bool = False) -> JobCore:
     # a new task id range per run: no task matches a PS ledger of an earlier run
     core = JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
                              start_version=start)
+    # the worker bounds, before a restore: replayed resizes land in it (docs/elastic.md)
+    core.attachments["scaling"] = WorkerCounts(spec.workers_min, spec.num_workers)
     if spec.job_type == JobType.TRAIN and not restoring:
         # resume the data position; record this run's tasks
         data_position.attach(core.tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)

@@ -291,17 +291,17 @@ class MasterServicer(pb_grpc.MasterServicer):
     @_validated
     def scale(self, request: pb.ScaleRequest, context: Any) -> pb.JobSize:
         """``elasticdl scale``: new MIN:MAX; the job controller adds or retires
-        workers. Durable (snapshotted) before the reply."""
+        workers. Journaled (op resize) before the reply."""
         if auth.caller_replica(context) is not None:
             raise _Denied("replicas may not resize the job")
         counts = self._scaling()
         try:
-            counts.resize(request.min_workers, request.max_workers,
-                          _text("reason", request.reason, MAX_NAME) or "elasticdl scale")
+            self.core.resize_workers(request.min_workers, request.max_workers,
+                                     _text("reason", request.reason, MAX_NAME)
+                                     or "elasticdl scale")
         except ValueError as e:
             raise _Invalid(str(e)) from None
         logger.info("resize to %d:%d requested", request.min_workers, request.max_workers)
-        self.core.snapshot()
         return self._size(counts)
 
     @_validated

@@ -171,3 +171,18 @@ def test_all_workers_unschedulable_fails_after_the_bound_naming_the_reason(
     wait_for(lambda: not [p for p in server.list("pods")
                           if "worker" in p["metadata"]["name"]
                           and p["status"].get("phase") == "Pending"], 60, "workers removed")
+
+
+def test_elastic_scheduling_benchmark_smoke(control_plane, tmp_path):
+    """benchmarks/elastic_scheduling.py --smoke on this session's control plane: one tiny
+    gang/elastic pair of async PS jobs, each ending with every record trained once."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import elastic_scheduling
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    args = elastic_scheduling.parse_args(["--smoke", f"--workdir={tmp_path}"])
+    results = elastic_scheduling.run(args, control_plane)
+    [row] = results["ps"]
+    assert row["gang_makespan_s"] > 0 and row["elastic_makespan_s"] > 0
+    assert row["makespan_ratio"] == round(row["elastic_makespan_s"] / row["gang_makespan_s"], 3)

@@ -203,3 +203,37 @@ def test_sync_ps_pending_group_completes_when_workers_leave():
     shard.set_live_workers(1)   # the others were preempted: the group of one is complete
     t.join(10)
     assert not t.is_alive() and shard.version == 1
+
+
+def _core_with_counts():
+    from tests.unit.master.test_journal import make_core
+
+    core = make_core()
+    core.attachments["scaling"] = WorkerCounts(2, 4)
+    return core
+
+
+@pytest.mark.parametrize("snapshot_between", [False, True])
+def test_resize_is_journaled_and_survives_a_master_restart(tmp_path, snapshot_between):
+    """A resize acknowledged to `elasticdl scale` is in the journal: a master restored
+    from it (snapshot + records after it) has the new bounds and the resize entries."""
+    import shutil
+
+    from elasticdl.master.journal import Journal
+
+    a = _core_with_counts()
+    a.attach_journal(Journal(str(tmp_path / "j")))
+    a.begin()
+    a.resize_workers(1, 3, "elasticdl scale --num_workers=1:3")
+    if snapshot_between:
+        a.snapshot()
+    a.resize_workers(5, 6, "elasticdl scale --num_workers=5:6")
+    a.durable()
+    shutil.copytree(tmp_path / "j", tmp_path / "copy")   # the master is killed here
+    b = _core_with_counts()
+    b.restore(Journal(str(tmp_path / "copy")))
+    r = b.attachments["scaling"].report()
+    assert (r["min"], r["max"]) == (5, 6)
+    assert [(e["from"], e["to"]) for e in r["resizes"]] == [("2:4", "1:3"), ("1:3", "5:6")]
+    with pytest.raises(ValueError):
+        b.resize_workers(3, 1, "bad")
