@@ -8,6 +8,8 @@ the scarce resource.
   high-priority pod preempts 2 of its low-priority workers (reported as
   ``preempted``, not failures) and grows back when that pod ends; every record is
   trained exactly once per epoch (the record-counting model).
+  ``elasticdl scale --num_workers=2`` (the annotation path, as the user bound to the
+  Role of ``elasticdl rbac``) then retires 2 workers mid-epoch; none is replaced.
 * A job none of whose workers can ever be scheduled fails after
   ``--min_workers_timeout_s`` naming the scheduler's reason (never waits forever).
 """
@@ -94,7 +96,7 @@ def test_elastic_job_starts_at_min_grows_with_a_node_and_shrinks_when_preempted(
                       "--distribution_strategy=ParameterServerStrategy", "--use_async=true",
                       "--num_ps_pods=1", "--num_workers=2:4", f"--num_epochs={EPOCHS}",
                       "--minibatch_size=4", "--num_minibatches_per_task=8",
-                      f"--envs=COUNT_RECORDS={RECORDS},COUNT_RECORDS_DELAY_S=0.2")
+                      f"--envs=COUNT_RECORDS={RECORDS},COUNT_RECORDS_DELAY_S=0.3")
         assert cli.returncode == 0, cli.stdout + cli.stderr
         master = master_pod(server, job)
 
@@ -122,8 +124,18 @@ def test_elastic_job_starts_at_min_grows_with_a_node_and_shrinks_when_preempted(
         wait_for(lambda: _workers(report_path).get("preempted", 0) >= 1, 120,
                  "workers preempted", log)
         wait_for(lambda: server.phase("hog") == "Succeeded", 120, "the hog pod to end", log)
-        wait_for(lambda: _workers(report_path).get("running") == 4 or
-                 server.phase(master) in ("Succeeded", "Failed"), 120, "4 running again", log)
+        wait_for(lambda: _workers(report_path).get("running") == 4, 120, "4 running again",
+                 log)
+        # `elasticdl scale` as `user` (the Role of `elasticdl rbac`): down to 2, mid-epoch
+        env = dict(os.environ, KUBECONFIG=server.kubeconfig, PYTHONPATH=ROOT)
+        scaled = subprocess.run([sys.executable, "-m", "elasticdl_client.main", "scale", job,
+                                 "--num_workers=2", f"--namespace={server.namespace}",
+                                 "--cluster=k8s"], env=env, cwd=ROOT, capture_output=True,
+                                text=True, timeout=60)
+        assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+        wait_for(lambda: (w := _workers(report_path)).get("running") == 2 and
+                 not w.get("retiring") or server.phase(master) == "Succeeded", 120,
+                 "2 workers retired", log)
         wait_for(lambda: server.phase(master) in ("Succeeded", "Failed"), 400, "the job end",
                  log)
         assert server.phase(master) == "Succeeded", log()
@@ -138,10 +150,11 @@ def test_elastic_job_starts_at_min_grows_with_a_node_and_shrinks_when_preempted(
     reasons = {r["reason"] for r in report["relaunches"]}
     assert reasons == {"preempted"}, report["relaunches"]
     w = report["workers"]
-    assert w["preempted"] >= 1 and (w["min"], w["max"]) == (2, 4)
+    assert w["preempted"] >= 1 and (w["min"], w["max"]) == (2, 2)
+    assert [(r["from"], r["to"]) for r in w["resizes"]] == [("2:4", "2:2")]
     running = [p[1] for p in w["timeline"]]
-    top = running.index(4)
-    assert 2 in running[:top] and min(running[top:]) < 4, w["timeline"]
+    top = running.index(4)   # 2 -> 4 (node added) -> 2 (preempted) -> 4 -> 2 (scaled)
+    assert 2 in running[:top] and 4 in running[running.index(2, top):], w["timeline"]
     assert w["time_under_min_s"] < 5, w  # 2 of MIN 2 ran from the start
     state = torch.load(os.path.join(tmp_path / "out", "model.pt"), weights_only=True)
     for name in ("even", "odd"):

@@ -237,3 +237,19 @@ def test_resize_is_journaled_and_survives_a_master_restart(tmp_path, snapshot_be
     assert [(e["from"], e["to"]) for e in r["resizes"]] == [("2:4", "1:3"), ("1:3", "5:6")]
     with pytest.raises(ValueError):
         b.resize_workers(3, 1, "bad")
+
+
+def test_status_lines_show_running_pending_reasons_and_resizes():
+    from elasticdl_client import job_figures
+
+    c = WorkerCounts(2, 4)
+    for w in range(4):
+        c.launched(w)
+    c.observe(0, True)
+    c.observe(1, True)
+    c.observe(2, False, "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.")
+    c.resize(2, 3, "elasticdl scale --num_workers=2:3")
+    lines = "\n".join(job_figures.from_report({"workers": c.report()}))
+    assert "workers: 2 running, 2 pending (MIN:MAX 2:3), 0 preempted" in lines
+    assert "pending because: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu." in lines
+    assert "resize: 2:4 -> 2:3 (elasticdl scale --num_workers=2:3)" in lines
