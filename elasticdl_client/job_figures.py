@@ -95,6 +95,14 @@ def from_metrics(samples: Samples) -> list[str]:
         alive.append(f"PS {_num(_one(samples, 'elasticdl_ps_alive'), '{:.0f}')}/"
                      f"{_num(_one(samples, 'elasticdl_ps_requested'), '{:.0f}')}")
     lines.append("  alive: " + ", ".join(alive))
+    if "elasticdl_workers_min" in samples:
+        lines.append(_workers_line(
+            _one(samples, "elasticdl_workers_alive"), _one(samples, "elasticdl_workers_pending"),
+            _one(samples, "elasticdl_workers_min"), _one(samples, "elasticdl_workers_requested"),
+            _one(samples, "elasticdl_workers_preempted_total"),
+            _one(samples, "elasticdl_workers_under_min_seconds_total"),
+            _one(samples, "elasticdl_workers_resizes_total"),
+            [dict(k)["reason"] for k in samples.get("elasticdl_workers_pending_reason", {})]))
     by = {(dict(k)["replica_type"], dict(k)["reason"]): int(v)
           for k, v in samples.get("elasticdl_relaunches_total", {}).items()}
     lines.append(_relaunch_line(by))
@@ -111,6 +119,17 @@ def from_metrics(samples: Samples) -> list[str]:
     return lines
 
 
+def _workers_line(running: Any, pending: Any, low: Any, high: Any, preempted: Any,
+                  under_s: Any, resizes: Any, reasons: list[str]) -> str:
+    line = (f"  workers: {_num(running, '{:.0f}')} running, {_num(pending, '{:.0f}')} pending "
+            f"(MIN:MAX {_num(low, '{:.0f}')}:{_num(high, '{:.0f}')}), "
+            f"{_num(preempted, '{:.0f}')} preempted, {_num(under_s, '{:.0f}')} s under MIN, "
+            f"{_num(resizes, '{:.0f}')} resize(s)")
+    if reasons:
+        line += "; pending because: " + "; ".join(reasons)
+    return line
+
+
 def from_report(report: dict[str, Any]) -> list[str]:
     """The same lines from ``job_report.json`` (no task states or replicas alive:
     those describe a running job)."""
@@ -124,6 +143,13 @@ def from_report(report: dict[str, Any]) -> list[str]:
         key = (str(r["replica"]).rsplit("-", 1)[0], str(r["reason"]))
         by[key] = by.get(key, 0) + 1
     lines.append(_relaunch_line(by))
+    w = report.get("workers")
+    if w:
+        lines.append(_workers_line(w["running"], w["pending"], w["min"], w["max"],
+                                   w["preempted"], w["time_under_min_s"], w["resizes_total"],
+                                   w.get("pending_reasons", [])))
+        for r in w.get("resizes", [])[-5:]:
+            lines.append(f"  resize: {r['from']} -> {r['to']} ({r['reason']})")
     evaluations = report.get("evaluations", [])
     if evaluations:
         last = evaluations[-1]

@@ -256,6 +256,15 @@ def _rbac(namespace: str = "default") -> None:
 
 COMMANDS["zoo"] = {"init": _zoo("init"), "build": _zoo("build"), "push": _zoo("push")}
 COMMANDS["rbac"] = _rbac
+
+
+def _scale():
+    from elasticdl_client import scale
+
+    return _exit_with(scale.scale)
+
+
+COMMANDS["scale"] = _scale()
 COMMANDS["status"] = _job_op("status")
 COMMANDS["logs"] = _job_op("logs")
 COMMANDS["stop"] = _job_op("stop")

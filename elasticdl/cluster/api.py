@@ -64,7 +64,9 @@ class ReplicaEvent:
 
     ``reason`` is backend-neutral: ``"killed"`` (signal, preemption, exit
     137 without OOM), ``"oom"``, ``"error"`` (non-zero exit), ``"completed"``,
-    ``"deleted"`` (removed by someone else), ``"unschedulable"``.
+    ``"deleted"`` (removed by someone else), ``"preempted"`` (the scheduler
+    deleted it for a higher-priority pod), ``"unschedulable"`` (pending: ``message``
+    is the scheduler's reason).
     """
 
     type: ReplicaType
@@ -108,6 +110,12 @@ class Cluster(ABC):
 
     def master_address(self) -> Optional[str]:
         """Address replicas dial to reach the master, if the backend fixes it."""
+        return None
+
+    def requested_workers(self) -> Optional[str]:
+        """``"MIN:MAX"`` a user asked for from outside the master (Kubernetes: the
+        master pod's ``elasticdl.org/num-workers`` annotation, set by ``elasticdl
+        scale``), or None. Local jobs are resized through the master's RPC."""
         return None
 
     def adopt_replicas(self) -> list[ReplicaInfo]:

@@ -16,6 +16,7 @@ when set, replaces Service DNS names in addresses (the stand-in has no DNS).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -31,6 +32,7 @@ from elasticdl.cluster import manifests as mf
 from elasticdl.cluster.api import (
     Cluster,
     ClusterError,
+    Phase,
     ReplicaEvent,
     ReplicaInfo,
     ReplicaSpec,
@@ -47,6 +49,7 @@ from elasticdl.cluster.k8s_api import (
     uid_of,
 )
 from elasticdl.cluster.k8s_objects import JobObjects
+from elasticdl.cluster.k8s_preemption import preemption_message
 from elasticdl.cluster.k8s_watch import PodWatcher
 from elasticdl.cluster.pod_status import Pod, PodState, pod_state, replica_of
 from elasticdl.common import auth
@@ -55,6 +58,7 @@ from elasticdl.common.job_spec import JobSpec
 logger = logging.getLogger(__name__)
 
 SERVICE_HOST_ENV = "ELASTICDL_K8S_SERVICE_HOST"
+SCALE_ANNOTATION = "elasticdl.org/num-workers"   # elasticdl scale (elasticdl_client/scale.py)
 
 
 @dataclass
@@ -107,6 +111,8 @@ class KubernetesCluster(Cluster):
         self._selector = mf.job_selector(job_spec.job_name)
         self._lock = threading.RLock()
         self._pods: dict[str, _Tracked] = {}  # by uid
+        self._deleted_here: set[str] = set()   # pods this master deleted (not preempted)
+        self._requested_workers: Optional[str] = None
         self._created: dict[str, str] = {}  # pod name -> uid of the incarnation we made
         self._events: queue.Queue[ReplicaEvent] = queue.Queue()
         self._closed = threading.Event()
@@ -184,6 +190,9 @@ class KubernetesCluster(Cluster):
             return None
         return f"{self._pod_ip}:{port}"
 
+    def requested_workers(self) -> Optional[str]:
+        return self._requested_workers
+
     def adopt_replicas(self) -> list[ReplicaInfo]:
         """The job's PS and worker pods that are pending or running and not being
         deleted, found by the job's labels; from now on this cluster reports their
@@ -235,6 +244,7 @@ class KubernetesCluster(Cluster):
         uid = uid_of(pod)
         with self._lock:
             self._created[name] = uid
+            self._deleted_here.discard(name)
             tracked = self._pods.setdefault(uid, _Tracked(name, spec.type, spec.index, {}))
             tracked.high_priority = priority == "high"
         logger.info("created pod %s (%s)%s", name, spec.name,
@@ -344,6 +354,8 @@ class KubernetesCluster(Cluster):
         raise ClusterError(f"old pod {name} was not removed within {self._delete_wait_s:.0f} s")
 
     def _delete_pod(self, name: str, quiet: bool = False) -> bool:
+        with self._lock:
+            self._deleted_here.add(name)  # bounded by the job's pods (names are unique)
         try:
             delete_object(self._core.delete_namespaced_pod, name, self.namespace,
                           body=client.V1DeleteOptions(propagation_policy="Background"))
@@ -401,6 +413,11 @@ class KubernetesCluster(Cluster):
 
     def _on_pod(self, pod: Pod, deleted: bool) -> None:
         replica = replica_of(pod)
+        if replica is not None and replica[0] == ReplicaType.MASTER and not deleted:
+            wanted = ((pod.get("metadata") or {}).get("annotations") or {}).get(
+                SCALE_ANNOTATION)
+            if wanted:
+                self._requested_workers = str(wanted)
         if replica is None or replica[0] == ReplicaType.MASTER:
             return
         meta = pod.get("metadata") or {}
@@ -423,6 +440,23 @@ class KubernetesCluster(Cluster):
             message = f"{message}\n{tail}".strip() if tail else message
         event = ReplicaEvent(replica[0], replica[1], state.phase, state.exit_code,
                              state.reason, message)
+        if state.phase == Phase.DELETED and state.message.startswith("pod disrupted: Preemption"):
+            event = dataclasses.replace(event, reason="preempted")
+        elif state.phase == Phase.DELETED and state.reason == "deleted" and \
+                (pod.get("spec") or {}).get("nodeName") and name not in self._deleted_here:
+            threading.Thread(target=self._deleted, args=(event, name, uid), daemon=True,
+                             name=f"preempted-{name}").start()
+            return
+        self._emit(event, name, state)
+
+    def _deleted(self, event: ReplicaEvent, name: str, uid: str) -> None:
+        """A bound pod was deleted: preempted (the scheduler's Event), or a plain delete."""
+        message = preemption_message(self._core, self.namespace, uid)
+        if message:
+            event = dataclasses.replace(event, reason="preempted", message=message)
+        self._emit(event, name, PodState(event.phase, event.reason, event.exit_code))
+
+    def _emit(self, event: ReplicaEvent, name: str, state: PodState) -> None:
         logger.info("%s (pod %s): %s%s%s", event.name, name, state.phase.value,
                     f" ({state.reason})" if state.reason else "",
                     f" exit {state.exit_code}" if state.exit_code is not None else "")

@@ -18,6 +18,11 @@ deleted (or deletionTimestamp set) before it finished,    deleted      killed
 with a DisruptionTarget condition (preemption)
 deleted before it finished, otherwise                     deleted      deleted
 ========================================================  ===========  ==========
+
+The Kubernetes cluster refines ``killed``/``deleted`` of a deleted pod into
+``preempted`` when a DisruptionTarget condition of reason ``Preemption*`` says so,
+or, on servers before 1.26 (no such condition), the scheduler's ``Preempted``
+Event does (:mod:`elasticdl.cluster.k8s_preemption`).
 """
 
 from __future__ import annotations

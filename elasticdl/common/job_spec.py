@@ -101,7 +101,17 @@ class JobSpec:
     log_level: str = _f("INFO", "DEBUG, INFO, WARNING or ERROR", "training",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     # --- distribution
-    num_workers: int = _f(1, "Number of workers", "distribution", min=1)
+    num_workers: int = _f(1, "Number of workers, or MIN:MAX (elastic: trains once MIN run, "
+                          "asks for MAX; see docs/elastic.md)", "distribution", min=1)
+    # --- elastic scheduling (docs/elastic.md); --num_workers=MIN:MAX sets min_workers
+    min_workers: int = _f(0, "Workers the job needs to train (0: --num_workers)",
+                          "distribution", min=0, cli=False)
+    min_workers_timeout_s: float = _f(600.0, "Seconds with fewer than MIN workers running "
+                                      "before --on_min_workers_timeout applies", "distribution",
+                                      min=1)
+    on_min_workers_timeout: str = _f("wait", "wait (log, report and keep waiting) or fail "
+                                     "(fail the job naming the scheduler's reason)",
+                                     "distribution", choices=("wait", "fail"))
     num_ps_pods: int = _f(1, "Number of parameter servers (ParameterServerStrategy)",
                           "distribution", min=1)
     grads_to_wait: int = _f(1, "Sync PS: pushes averaged per model version", "distribution",
@@ -244,6 +254,9 @@ class JobSpec:
                                f"is required to {self.job_type} (the model to use)")
         if self.job_type == JobType.PREDICT and not self.output:
             raise JobSpecError("output", "is required to predict (where outputs go)")
+        if self.min_workers > self.num_workers:
+            raise JobSpecError("num_workers", f"MIN {self.min_workers} is above MAX "
+                               f"{self.num_workers}")
         strategy = entry_for(self.distribution_strategy)
         if self.job_type == JobType.TRAIN and strategy.in_process_training and \
                 self.num_workers > 1:
@@ -260,6 +273,11 @@ class JobSpec:
         if self.metrics_port == 0 and self.cluster == ClusterKind.K8S:
             return master_port + K8S_METRICS_PORT_OFFSET
         return self.metrics_port
+
+    @property
+    def workers_min(self) -> int:
+        """Workers the job needs running to train (MIN of --num_workers=MIN:MAX)."""
+        return self.min_workers or self.num_workers
 
     @property
     def records_per_task(self) -> int:
@@ -335,5 +353,22 @@ def job_spec_from_flags(job_type: str, flags: Mapping[str, Any]) -> JobSpec:
         key = name.replace("-", "_")
         if key not in by_name:
             raise JobSpecError(key, "unknown flag (see --help)")
+        if key == "num_workers" and isinstance(value, str) and ":" in value:
+            values["min_workers"], values[key] = parse_worker_range(value)
+            continue
         values[key] = _coerce(by_name[key], value)
     return JobSpec(**values)
+
+
+def parse_worker_range(text: str) -> tuple[int, int]:
+    """``"MIN:MAX"`` (or ``"N"``) -> ``(min, max)``; raises JobSpecError naming
+    --num_workers for anything else (MIN >= 1, MAX >= MIN)."""
+    parts = str(text).strip().split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        low, high = 0, -1
+    if len(parts) > 2 or low < 1 or high < low:
+        raise JobSpecError("num_workers", f"expects N or MIN:MAX with 1 <= MIN <= MAX, got "
+                           f"{text!r}")
+    return low, high

@@ -317,6 +317,18 @@ class JobCore(Journaled, Recovery):
             return self._pending is None and self._running is None and \
                 self.tm.finished() and not self.rolling_back()
 
+    def resize_workers(self, low: int, high: int, reason: str) -> dict[str, Any]:
+        """New worker bounds MIN:MAX (``elasticdl scale``), journaled; the job
+        controller reconciles the workers (elasticdl/master/scaling.py). Raises
+        ValueError for bad bounds, LookupError without worker bookkeeping."""
+        with self._lock, self._at() as t:
+            counts = self.attachments.get("scaling")
+            if counts is None:
+                raise LookupError("this job keeps no worker bookkeeping")
+            entry = counts.resize(low, high, reason)
+            self._log("resize", t=t, min=low, max=high, reason=reason)
+            return dict(entry)
+
     # ----------------------------------------------------------- evaluation
     def _request_evaluation(self, reason: str, epoch: Optional[int]) -> None:
         if not self.tm.evaluation_records or not self._manage:

@@ -32,6 +32,7 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
 from elasticdl.common.strategy import entry_for
 from elasticdl.master import restore
+from elasticdl.master.elastic_control import ElasticControl
 from elasticdl.master.executor import ProtocolExecutor
 from elasticdl.master.job import JobCore
 from elasticdl.master.policy import Action, RelaunchPolicy
@@ -70,6 +71,7 @@ class JobController:
         self.ps_addrs: list[str] = []
         self._ps_ports: list[int] = []
         self.executor = ProtocolExecutor(self)
+        self.elastic = ElasticControl(self)   # elastic scheduling (master/scaling.py)
 
     # ------------------------------------------------------------ replicas
     def _common_flags(self) -> list[str]:
@@ -118,6 +120,7 @@ class JobController:
             cmd.append(f"--ps_addrs={','.join(self.ps_addrs)}")
         self.cluster.create_replica(self._replica(ReplicaType.WORKER, worker_id,
                                                   cmd + self._common_flags()))
+        self.elastic.launched(worker_id)
         return worker_id
 
     def _endpoints(self) -> int:
@@ -146,6 +149,7 @@ class JobController:
         have = {(r.type, r.index) for r in adopted}
         for r in adopted:
             self.core.notify("on_replica", kind=r.type.value, index=r.index, alive=True)
+        self.elastic.adopted(adopted)
         num_ps = self._endpoints()
         lost = [ReplicaEvent(ReplicaType.PS, i, Phase.FAILED, None, "killed",
                              "gone while the master was down")
@@ -181,6 +185,7 @@ class JobController:
     # -------------------------------------------------------------- events
     def handle(self, event: ReplicaEvent) -> None:
         if event.phase in (Phase.PENDING, Phase.RUNNING):
+            self.elastic.observe(event)
             return
         name = event.name
         self.core.notify("on_replica", kind=event.type.value, index=event.index, alive=False)
@@ -193,6 +198,8 @@ class JobController:
             event.phase == Phase.SUCCEEDED, key, counts_as_failure)
         if event.type == ReplicaType.WORKER:
             self._worker_gone(event)
+            if self.elastic.ended(event):
+                return  # retired by a resize (or cancelled): not replaced
         # until the final model is written, a lost replica is replaced (a PS rollback
         # may even reopen training): the export needs a worker and every PS
         done = self._finishing and (self.spec.job_type != JobType.TRAIN or
@@ -206,6 +213,8 @@ class JobController:
             self._relaunch(event, decision.reason)
         elif decision.action == Action.FAIL_JOB:
             self._fail(name, decision.reason, "")
+        elif decision.action == Action.DROP and event.type == ReplicaType.WORKER:
+            self.elastic.dropped()
 
     def _worker_gone(self, event: ReplicaEvent) -> None:
         if event.phase != Phase.SUCCEEDED:
@@ -284,6 +293,7 @@ class JobController:
                 self.core.snapshot()  # replica bookkeeping is not in the journal's records
             self._guarded("stopping hung workers", self._stop_hung_workers)
             self._guarded("advancing the recovery protocols", self.executor.advance)
+            self._guarded("elastic scaling", self.elastic.step)
             now = time.monotonic()
             if now - last_report >= self.report_interval_s:
                 last_report = now
@@ -326,6 +336,7 @@ class JobController:
         return self.report.status
 
     def _write_report(self) -> None:
+        self.report.extra["workers"] = self.elastic.report()
         self.core.refresh_report().write(self.report_dir)
 
     def _log_progress(self) -> None:
@@ -335,7 +346,8 @@ class JobController:
         elapsed = time.time() - self.report.started
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (total - done) / rate if rate > 0 else float("inf")
-        logger.info("progress: %d/%d records (%.1f%%), %.1f records/s, ETA %s, workers %d, "
-                    "model version %d", done, total, 100.0 * done / max(total, 1), rate,
-                    "?" if eta == float("inf") else f"{eta:.0f}s", self.book.num_live(),
-                    self.core.version)
+        counts = self.elastic.counts
+        logger.info("progress: %d/%d records (%.1f%%), %.1f records/s, ETA %s, workers %d "
+                    "(%d pending), model version %d", done, total, 100.0 * done / max(total, 1),
+                    rate, "?" if eta == float("inf") else f"{eta:.0f}s", counts.num_running(),
+                    counts.num_pending(), self.core.version)

@@ -195,6 +195,9 @@ class Journaled:
                 self.load_state_dict(snap["state"])
                 tm, extra = self.tm, snap["extra"]
                 self.restored_extra = extra
+                for name, attached in self.attachments.items():  # attached before restore
+                    if name in extra:
+                        attached.load_state_dict(extra[name])
                 for k, started in extra["started"].items():
                     if int(k) in tm._doing:
                         tm._doing[int(k)].started = float(started)
@@ -253,6 +256,7 @@ class Op(str, enum.Enum):
     LAUNCH = "launch"
     GONE = "gone"
     NOTE_EXIT = "note_exit"
+    RESIZE = "resize"                   # elasticdl scale: new worker bounds (scaling.py)
 
 
 def _replay_get(core: Any, rec: dict[str, Any]) -> None:
@@ -314,4 +318,5 @@ HANDLERS: dict[Op, Handler] = {
     Op.GONE: lambda core, rec: core.replica_gone(rec["w"], rec["ok"], rec["key"],
                                                  rec["counts"]),
     Op.NOTE_EXIT: lambda core, rec: core.note_exit(rec["w"], rec["replica"], rec["fallback"]),
+    Op.RESIZE: lambda core, rec: core.resize_workers(rec["min"], rec["max"], rec["reason"]),
 }

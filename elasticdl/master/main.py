@@ -37,6 +37,7 @@ from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.journal import JournalLockedError
 from elasticdl.master.rendezvous import RendezvousHandler
+from elasticdl.master.scaling import WorkerCounts
 from elasticdl.master.servicer import MasterServicer, start_master_server
 
 logger = logging.getLogger("elasticdl.master")
@@ -110,6 +111,8 @@ def build_core(spec: JobSpec, restoring: bool = False) -> JobCore:
     # a new task id range per run: no task matches a PS ledger of an earlier run
     core = JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
                              start_version=start)
+    # the worker bounds, before a restore: replayed resizes land in it (docs/elastic.md)
+    core.attachments["scaling"] = WorkerCounts(spec.workers_min, spec.num_workers)
     if spec.job_type == JobType.TRAIN and not restoring:
         # resume the data position; record this run's tasks
         data_position.attach(core.tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)
@@ -126,7 +129,7 @@ def _rendezvous(spec: JobSpec, host: str) -> Optional[RendezvousHandler]:
     # second (they poll it while they wait); one silent for longer than a collective
     # timeout (+2 s: a member blocked in a collective reports when that times out) is hung
     return Rendezvous(host, free_port, checkin_timeout_s=spec.collective_timeout_s + 5,
-                      initial_workers=spec.num_workers,
+                      initial_workers=spec.workers_min,
                       hung_after_s=spec.collective_timeout_s + 2)
 
 

@@ -38,6 +38,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticdl_tasks": ("gauge", ("type", "state")),
     "elasticdl_workers_alive": ("gauge", ()),
     "elasticdl_workers_requested": ("gauge", ()),
+    "elasticdl_workers_pending": ("gauge", ()),
+    "elasticdl_workers_pending_reason": ("gauge", ("reason",)),
+    "elasticdl_workers_min": ("gauge", ()),
+    "elasticdl_workers_preempted": ("counter", ()),
+    "elasticdl_workers_under_min_seconds": ("counter", ()),
+    "elasticdl_workers_resizes": ("counter", ()),
     "elasticdl_ps_alive": ("gauge", ()),
     "elasticdl_ps_requested": ("gauge", ()),
     "elasticdl_relaunches": ("counter", ("replica_type", "reason")),
@@ -143,9 +149,7 @@ class JobCollector(Collector):
         for (typ, state), n in sorted(task_counts(tm).items()):
             tasks.add_metric([typ, state], n)
         yield tasks
-        yield _gauge("elasticdl_workers_alive", "Workers running", core.replicas.num_live())
-        yield _gauge("elasticdl_workers_requested", "Workers asked for (--num_workers)",
-                     report.num_workers)
+        yield from self._workers(core, report)
         if self.replicas is not None:
             yield _gauge("elasticdl_ps_alive", "Parameter servers running",
                          self.replicas.ps_alive())
@@ -153,6 +157,37 @@ class JobCollector(Collector):
         yield from self._counters(relaunches, restarts, len(evaluations))
         yield from self._evaluation(evaluations)
         yield from self._training()
+
+    def _workers(self, core: Any, report: Any) -> Iterator[Any]:
+        """Running (not pending) workers, pending ones by the scheduler's reason,
+        the bounds (docs/elastic.md); without elastic bookkeeping, the live ones."""
+        counts = core.attachments.get("scaling")
+        if counts is None:  # no job controller (in-process jobs): the live ones
+            from elasticdl.master.scaling import WorkerCounts
+
+            counts = WorkerCounts(report.num_workers, report.num_workers)
+            counts.running = set(core.replicas.live_workers)
+        w = counts.report()
+        yield _gauge("elasticdl_workers_alive", "Workers running (pending ones not counted)",
+                     w["running"])
+        yield _gauge("elasticdl_workers_requested", "Workers asked for (MAX of "
+                     "--num_workers=MIN:MAX, or elasticdl scale)", w["max"])
+        yield _gauge("elasticdl_workers_min", "Workers the job needs to train (MIN)", w["min"])
+        yield _gauge("elasticdl_workers_pending", "Workers created but not running",
+                     w["pending"])
+        reasons = _gauge("elasticdl_workers_pending_reason",
+                         "Pending workers, by the scheduler's reason")
+        for reason, n in sorted(counts.pending_reason_counts().items()):
+            reasons.add_metric([reason[:200]], n)
+        yield reasons
+        for name, help, value in (
+                ("elasticdl_workers_preempted", "Workers preempted", w["preempted"]),
+                ("elasticdl_workers_under_min_seconds", "Seconds with fewer than MIN "
+                 "workers running", w["time_under_min_s"]),
+                ("elasticdl_workers_resizes", "Resizes (elasticdl scale)", w["resizes_total"])):
+            family = CounterMetricFamily(name, help)
+            family.add_metric([], value)
+            yield family
 
     def _counters(self, relaunches: list[dict[str, Any]], restarts: int,
                   evaluations: int) -> Iterator[Any]:

@@ -138,6 +138,9 @@ class MasterServicer(pb_grpc.MasterServicer):
         if request.task_type not in (pb.NONE, pb.TRAINING, pb.EVALUATION, pb.PREDICTION):
             raise _Invalid(f"cannot ask for task type {request.task_type}")
         wanted = None if request.task_type == pb.NONE else TaskType(request.task_type)
+        scaling = self.core.attachments.get("scaling")
+        if scaling is not None and scaling.is_retiring(worker_id):
+            return task_to_proto(WAIT_TASK)  # retired by a resize: no new work
         task = self.core.get(worker_id, wanted, request_id=request.request_id)
         msg = task_to_proto(task)
         if task.type == TaskType.TRAINING and self.rendezvous is not None:
@@ -305,6 +308,39 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     def echo(self, request: pb.Empty, context: Any) -> pb.Empty:
         return pb.Empty()
+
+    @_validated
+    def scale(self, request: pb.ScaleRequest, context: Any) -> pb.JobSize:
+        """``elasticdl scale``: new MIN:MAX; the job controller adds or retires
+        workers. Journaled (op resize) before the reply."""
+        if auth.caller_replica(context) is not None:
+            raise _Denied("replicas may not resize the job")
+        counts = self._scaling()
+        try:
+            self.core.resize_workers(request.min_workers, request.max_workers,
+                                     _text("reason", request.reason, MAX_NAME)
+                                     or "elasticdl scale")
+        except ValueError as e:
+            raise _Invalid(str(e)) from None
+        logger.info("resize to %d:%d requested", request.min_workers, request.max_workers)
+        return self._size(counts)
+
+    @_validated
+    def get_job_size(self, request: pb.Empty, context: Any) -> pb.JobSize:
+        return self._size(self._scaling())
+
+    def _scaling(self) -> Any:
+        counts = self.core.attachments.get("scaling")
+        if counts is None:
+            raise _Invalid("this master runs no worker bookkeeping (a local job)")
+        return counts
+
+    @staticmethod
+    def _size(counts: Any) -> pb.JobSize:
+        w = counts.report()
+        return pb.JobSize(min_workers=w["min"], max_workers=w["max"],
+                          running_workers=counts.num_training(), pending_workers=w["pending"],
+                          retiring_workers=len(w["retiring"]))
 
 
 def start_master_server(servicer: MasterServicer, port: int, host: str = "[::]",

@@ -184,6 +184,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         watch_master(args.master_addr, f"ps-{args.ps_id}", stop,
                      args.job_spec.master_reconnect_timeout_s)
+        if not shard.config.use_async and shard.config.grads_to_wait > 1:
+            from elasticdl.ps.group_size import follow_job_size
+
+            follow_job_size(args.master_addr, f"ps-{args.ps_id}", shard, stop)
     while not stop.wait(1.0):
         pass
     server.stop(args.grace_s).wait(args.grace_s + 1)

@@ -125,6 +125,7 @@ class PSShard:
         self._group = Group()
         self._peers_absent = False
         self._absent_seen: set[int] = set()
+        self._live_workers = 0   # running workers per the master (0: unknown)
         self._spread: Optional[float] = None  # EMA of first-to-last push time of a group
         self._wait_scale = 1.0
         self._cond = threading.Condition(threading.RLock())
@@ -286,7 +287,7 @@ class PSShard:
                 self.duplicates_ignored += 1
                 return self._wait(g, push.worker_id, duplicate=True)
             g.add(push)
-            if g.count >= self.config.grads_to_wait or self._peers_absent:
+            if g.count >= self._group_target() or self._peers_absent:
                 self._complete(g)
                 return PushResult(True, self.version, False, g.learning_rate)
             return self._wait(g, push.worker_id)
@@ -294,6 +295,21 @@ class PSShard:
     def _copy_buffers(self, push: GradientPush) -> None:
         for name, value in push.buffers.items():
             self.params.buffers[name].copy_(value)
+
+    def _group_target(self) -> int:
+        """Pushes per group: ``grads_to_wait``, or fewer while fewer workers run."""
+        live = self._live_workers
+        return min(self.config.grads_to_wait, live) if live > 0 else self.config.grads_to_wait
+
+    def set_live_workers(self, n: int) -> None:
+        """The job's running workers (elasticdl.ps.group_size); a pending group
+        that is now complete is applied."""
+        with self._cond:
+            self._live_workers = max(0, int(n))
+            g = self._group
+            if g.count and not g.done and g.count >= self._group_target():
+                self._complete(g)
+                self._cond.notify_all()
 
     def _note_peer(self, worker_id: int) -> None:
         """In "peers absent" mode, two different workers pushing end it."""
@@ -329,7 +345,7 @@ class PSShard:
 
     def _complete(self, g: Group) -> None:
         """Apply the pending group ``g`` (lock held)."""
-        if len(g.workers) > 1 and g.count >= self.config.grads_to_wait:
+        if len(g.workers) > 1 and g.count >= self._group_target():
             spread = time.monotonic() - g.started
             self._spread = spread if self._spread is None else 0.8 * self._spread + 0.2 * spread
             self._wait_scale = 1.0

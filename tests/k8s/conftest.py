@@ -57,8 +57,10 @@ current-context: stand-in
 def free_port_base() -> int:
     """A port base P such that the master (P), PS 0-3 (P+1..P+4), the master's
     metrics endpoint (P+1000, ``K8S_METRICS_PORT_OFFSET``) and workers 0-7
-    (P+1001..P+1008) ports were free a moment ago."""
-    for base in range(41000, 59000, 1500):
+    (P+1001..P+1008) ports were free a moment ago. Bases lie in 10000-18900, below
+    the ephemeral range (32768-60999 here), where other processes' connections
+    took ports of a range picked inside it."""
+    for base in range(10000, 18900 - 1008, 1500):
         probe = [base + i for i in range(5)] + [base + 1000 + i for i in range(9)]
         try:
             for port in probe:

@@ -1,0 +1,234 @@
+"""Elastic vs gang scheduling of two GPU jobs, on a genuine Kubernetes control plane.
+
+ElasticDL's experiment: a cluster with 6 GPUs, two jobs each asking 4 GPU workers.
+*Gang*: the second job is admitted only when all 4 of its workers fit (Kubernetes
+1.20 has no gang scheduler: the benchmark holds job B until job A's master ended,
+which is when 4 GPUs are free). *Elastic*: both jobs are submitted at once with
+``--num_workers=MIN:4``; B starts with the GPUs left and grows when A ends.
+The GPU time of a step is simulated by a sleep per minibatch (the record-counting
+model's ``COUNT_RECORDS_DELAY_S``), large enough to dominate the CPU cost.
+
+Everything is real but the containers: kube-apiserver, kube-scheduler and the
+controller manager v1.20.2 (``../shared/k8s-control-plane``) on 127.0.0.1, one
+node with 6 ``nvidia.com/gpu``, the test kubelet running each bound pod as a local
+process, the ``elasticdl`` CLI submitting each job (master Job -> master pod ->
+PS/worker pods through the API server).
+
+Reports per strategy and pair: makespan (both jobs submitted at t0 -> the last
+ends) and mean job completion time, gang and elastic, and the elastic/gang ratios;
+medians over pairs. Pairs alternate which mode runs first. Every job must end with
+every record trained exactly once (checked from its exported model).
+
+Run:   python benchmarks/elastic_scheduling.py [--pairs 3] [--strategies ps,allreduce]
+Smoke: python benchmarks/elastic_scheduling.py --smoke   (one tiny pair, PS only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tests.conftest import FIXTURE_ZOO  # noqa: E402
+from tests.k8s import realcluster  # noqa: E402
+
+GPU = "nvidia.com/gpu"
+STRATEGY_FLAGS = {
+    "ps": ["--distribution_strategy=ParameterServerStrategy", "--use_async=true",
+           "--num_ps_pods=1"],
+    "allreduce": ["--distribution_strategy=AllreduceStrategy"],
+}
+
+
+class Bench:
+    def __init__(self, work: str, records: int, delay_s: float, epochs: int, min_workers: int,
+                 plane: Optional[realcluster.ControlPlane] = None):
+        """``plane``: a running control plane to use (a test's), else one is started."""
+        self.work, self.records, self.delay_s = work, records, delay_s
+        self.epochs, self.min_workers = epochs, min_workers
+        self.own_plane = plane is None
+        if plane is None:
+            reason = realcluster.unavailable()
+            if reason:
+                raise SystemExit(f"elastic_scheduling: {reason}")
+            for attempt in (1, 2, 3):  # up.sh has a 60 s budget: a loaded machine misses it
+                try:
+                    plane = realcluster.start(os.path.join(work, f"plane{attempt}"))
+                    break
+                except RuntimeError as e:
+                    if attempt == 3:
+                        raise
+                    print(f"control plane start failed ({str(e)[-200:]}); again",
+                          file=sys.stderr, flush=True)
+        self.plane = plane
+        from kubernetes import client, config
+
+        from tests.k8s.kubelet import NODE, FakeKubelet
+
+        self.admin = realcluster.admin_client(self.plane.admin_kubeconfig)
+        realcluster.ensure_priority_classes(self.admin)
+        self.core = client.CoreV1Api(self.admin)
+        self.core.patch_node_status(NODE, {"status": {"capacity": {GPU: "6"},
+                                                      "allocatable": {GPU: "6"}}})
+        self.ns = realcluster.make_namespace(self.admin, user_is_admin=True)
+        self.data = os.path.join(work, "ids")
+        os.makedirs(self.data, exist_ok=True)
+        import numpy as np
+
+        np.save(os.path.join(self.data, "ids.npy"), np.arange(records, dtype=np.int64))
+        node_api = config.new_client_from_config(config_file=self.plane.node_kubeconfig,
+                                                 persist_config=False)
+        os.makedirs(os.path.join(work, "node"), exist_ok=True)
+        self.kubelet = FakeKubelet(node_api, os.path.join(work, "pod-logs"),
+                                   os.path.join(work, "node"),
+                                   extra_env={"KUBECONFIG": self.plane.admin_kubeconfig,
+                                              "ELASTICDL_K8S_SERVICE_HOST": "127.0.0.1"},
+                                   grace_s=1.0, node=NODE, namespaces={self.ns})
+        self.seq = 0
+
+    def close(self) -> None:
+        from tests.k8s.kubelet import NODE
+
+        self.kubelet.close()
+        self.core.patch_node_status(NODE, {"status": {"capacity": {GPU: "8"},
+                                                      "allocatable": {GPU: "8"}}})
+        realcluster.drop_namespace(self.admin, self.ns)
+        self.admin.close()
+        if self.own_plane:
+            self.plane.close()
+
+    def submit(self, job: str, strategy: str, workers: str, port_base: int) -> str:
+        out = os.path.join(self.work, "out", job)
+        env = dict(os.environ, KUBECONFIG=self.plane.admin_kubeconfig, PYTHONPATH=ROOT,
+                   ELASTICDL_K8S_PORT_BASE=str(port_base),
+                   ELASTICDL_HOME=os.path.join(self.work, "home"))
+        cmd = [sys.executable, "-m", "elasticdl_client.main", "train",
+               "--image_name=registry.local/toy:v1", "--image_pull_policy=IfNotPresent",
+               f"--model_zoo={FIXTURE_ZOO}", "--model_def=toy.count_records.custom_model",
+               f"--training_data={self.data}", f"--output={out}", f"--job_name={job}",
+               f"--namespace={self.ns}", f"--num_workers={workers}",
+               f"--num_epochs={self.epochs}", "--minibatch_size=8",
+               "--num_minibatches_per_task=4", "--worker_resource_request=cpu=0.1,memory=128Mi",
+               "--worker_resource_limit=gpu=1", "--ps_resource_request=cpu=0.1,memory=128Mi",
+               "--master_resource_request=cpu=0.1,memory=128Mi",
+               # each job its own ports (every pod listens on 127.0.0.1): the master pod
+               # and the replicas take the port base from the job's env
+               f"--envs=COUNT_RECORDS={self.records},COUNT_RECORDS_DELAY_S={self.delay_s},"
+               f"ELASTICDL_K8S_PORT_BASE={port_base}",
+               *STRATEGY_FLAGS[strategy]]
+        cli = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
+                             timeout=180)
+        if cli.returncode != 0:
+            raise RuntimeError(f"submit {job}: {cli.stdout}{cli.stderr}")
+        return out
+
+    def master_phase(self, job: str) -> str:
+        pods = self.core.list_namespaced_pod(
+            self.ns, label_selector=f"elasticdl-job-name={job},elasticdl-replica-type=master")
+        return str(pods.items[-1].status.phase) if pods.items else "Pending"
+
+    def wait_end(self, job: str, timeout_s: float = 1800) -> float:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            phase = self.master_phase(job)
+            if phase in ("Succeeded", "Failed"):
+                if phase != "Succeeded":
+                    raise RuntimeError(f"job {job} failed")
+                return time.monotonic()
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job} did not end in {timeout_s} s")
+
+    def check(self, out: str) -> dict[str, Any]:
+        import torch
+
+        with open(os.path.join(out, "job_report.json")) as f:
+            report = json.load(f)
+        state = torch.load(os.path.join(out, "model.pt"), weights_only=True)
+        for name in ("even", "odd"):
+            bad = int((state[name] != self.epochs).sum())
+            if bad:
+                raise AssertionError(f"{out}: {bad} records not trained {self.epochs} times")
+        return report
+
+    def run(self, mode: str, strategy: str) -> dict[str, float]:
+        self.seq += 1
+        a, b = f"{mode[0]}{self.seq}a-{strategy}", f"{mode[0]}{self.seq}b-{strategy}"
+        t0 = time.monotonic()
+        if mode == "gang":
+            out_a = self.submit(a, strategy, "4", 10000)
+            end_a = self.wait_end(a)
+            out_b = self.submit(b, strategy, "4", 12000)
+            end_b = self.wait_end(b)
+        else:
+            spec = f"{self.min_workers}:4"
+            out_a = self.submit(a, strategy, spec, 10000)
+            out_b = self.submit(b, strategy, spec, 12000)
+            end_a, end_b = self.wait_end(a), self.wait_end(b)
+        for out in (out_a, out_b):
+            self.check(out)
+        done = [end_a - t0, end_b - t0]
+        return {"makespan_s": max(done), "mean_completion_s": statistics.mean(done)}
+
+
+def run(a: argparse.Namespace, plane: Optional[realcluster.ControlPlane] = None
+        ) -> dict[str, list[dict[str, Any]]]:
+    """Every pair of every strategy (rows printed as they complete)."""
+    work = a.workdir or tempfile.mkdtemp(prefix="elastic-sched-")
+    bench = Bench(work, a.records, a.delay_s, a.epochs, a.min_workers, plane)
+    results: dict[str, list[dict[str, Any]]] = {}
+    try:
+        for strategy in a.strategies.split(","):
+            for i in range(a.pairs):
+                order = ("gang", "elastic") if i % 2 == 0 else ("elastic", "gang")
+                pair = {mode: bench.run(mode, strategy) for mode in order}
+                row = {"strategy": strategy, "pair": i, "order": "/".join(order),
+                       **{f"{m}_{k}": round(v, 1) for m in pair for k, v in pair[m].items()},
+                       "makespan_ratio": round(pair["elastic"]["makespan_s"] /
+                                               pair["gang"]["makespan_s"], 3),
+                       "completion_ratio": round(pair["elastic"]["mean_completion_s"] /
+                                                 pair["gang"]["mean_completion_s"], 3)}
+                results.setdefault(strategy, []).append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        bench.close()
+    for strategy, rows in results.items():
+        print(f"{strategy}: median elastic/gang makespan "
+              f"{statistics.median(r['makespan_ratio'] for r in rows):.3f}, mean completion "
+              f"{statistics.median(r['completion_ratio'] for r in rows):.3f} "
+              f"({len(rows)} pair(s), {a.records} records x {a.epochs} epoch(s), "
+              f"{a.delay_s} s/minibatch)", flush=True)
+    return results
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--strategies", default="ps,allreduce")
+    ap.add_argument("--records", type=int, default=2048)
+    ap.add_argument("--delay_s", type=float, default=0.25,
+                    help="simulated GPU seconds per minibatch")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--min_workers", type=int, default=1)
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--smoke", action="store_true", help="one tiny pair, PS only (CI)")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.pairs, a.strategies, a.records, a.delay_s = 1, "ps", 64, 0.01
+    return a
+
+
+def main() -> int:
+    run(parse_args())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
