@@ -115,6 +115,7 @@ class TaskManager:
         self._todo: deque[Task] = deque()
         self._eval_todo: deque[Task] = deque()
         self._doing: dict[int, Doing] = {}
+        self._oldest_start: Optional[tuple[dict[int, Doing], float]] = None
         self._workers_seen: set[int] = set()
         self._completed: set[int] = set()
         self._attempts: dict[int, int] = {}
@@ -207,7 +208,10 @@ class TaskManager:
                 return WAIT_TASK if not self._finished_locked() else NO_MORE_TASKS
             prev = self._doing.get(task.task_id)
             past = prev.past | {holder(prev.worker_id)} if prev else frozenset()
-            self._doing[task.task_id] = Doing(task, worker_id, self._clock(), past)
+            started = self._clock()
+            self._doing[task.task_id] = Doing(task, worker_id, started, past)
+            if self._oldest_start is not None and started < self._oldest_start[1]:
+                self._oldest_start = (self._doing, started)   # the clock went back
             self._workers_seen.add(worker_id)
             if request_id:
                 self._last_get[worker_id] = (request_id, task)
@@ -392,14 +396,23 @@ class TaskManager:
     def _reassign_stragglers(self) -> None:
         timeout = self.timeouts.timeout()
         now = self._clock()
+        # skipped while no held task can be overdue: (table, a lower bound of the start
+        # of every task held there), so a get costs O(1), not O(tasks held)
+        bound = self._oldest_start
+        if bound is not None and bound[0] is self._doing and now - bound[1] <= timeout:
+            return
+        oldest = now
         for doing in list(self._doing.values()):
-            if now - doing.started > timeout and doing.worker_id >= 0:
+            if doing.worker_id >= 0 and now - doing.started <= timeout:
+                oldest = min(oldest, doing.started)
+            elif doing.worker_id >= 0:
                 logger.warning("task %d held by worker %d for %.0f s (> %.0f s); reassigned",
                                doing.task.task_id, doing.worker_id, now - doing.started,
                                timeout)
                 # keep the straggler's claim alive but let another worker take it
                 doing.worker_id = -1 - doing.worker_id
                 self._requeue(doing.task)
+        self._oldest_start = (self._doing, oldest)
 
     # --------------------------------------------------------------- state
     def _finished_locked(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Iterable
+from typing import Optional
 
 
 class TaskTimeouts:
@@ -26,10 +27,12 @@ class TaskTimeouts:
         self.min_task_timeout_s = min_task_timeout_s
         self.initial_task_timeout_s = initial_task_timeout_s
         self.durations: deque[float] = deque(maxlen=history)
+        self._median: Optional[float] = None   # of durations, until the next record
 
     def record(self, duration: float) -> None:
         """A task was done ``duration`` seconds after it was handed out."""
         self.durations.append(duration)
+        self._median = None
 
     def timeout(self) -> float:
         """Seconds a task may be held before it is handed to another worker."""
@@ -37,7 +40,10 @@ class TaskTimeouts:
             return self.task_timeout_s
         if len(self.durations) < 3:
             return max(self.initial_task_timeout_s, 3 * max(self.durations, default=0.0))
-        return max(self.min_task_timeout_s, 3 * statistics.median(self.durations))
+        if self._median is None:
+            self._median = statistics.median(self.durations)
+        return max(self.min_task_timeout_s, 3 * self._median)
 
     def restore(self, durations: Iterable[float]) -> None:
         self.durations = deque(durations, maxlen=self.durations.maxlen)
+        self._median = None
