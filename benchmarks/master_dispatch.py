@@ -99,8 +99,8 @@ async def _worker(stub: Any, pb: Any, worker_id: int, lease: bool, task_s: float
             worker_id=worker_id, reports=reports), timeout=60)
 
 
-async def _workers(addr: str, ids: list[int], lease: bool, task_s: float,
-                   window: tuple[float, float], stop_at: float) -> list[float]:
+async def _workers(addr: str, ids: list[int], lease: bool, task_s: float, seconds: float,
+                   ready: Any, go: Any, start_at: Any) -> list[float]:
     import grpc
 
     from elasticdl.proto import elasticdl_pb2 as pb
@@ -108,11 +108,16 @@ async def _workers(addr: str, ids: list[int], lease: bool, task_s: float,
 
     channels = [grpc.aio.insecure_channel(addr) for _ in ids]
     stubs = [pb_grpc.MasterStub(c) for c in channels]
-    await asyncio.gather(*(s.echo(pb.Empty(), timeout=60) for s in stubs))
+    await asyncio.gather(*(s.echo(pb.Empty(), timeout=300) for s in stubs))
+    ready.put(len(ids))
+    while not go.is_set():   # every client process connected: the master says when
+        await asyncio.sleep(0.01)
+    start = start_at.value
+    window = (start + WARMUP_S + task_s, start + WARMUP_S + task_s + seconds)
     lat: list[float] = []
     # start spread over the first task's duration, as workers of a running job are
     await asyncio.gather(*(_staggered(i, len(ids), task_s, _worker(
-        s, pb, w, lease, task_s, window, stop_at, lat)) for i, (s, w) in
+        s, pb, w, lease, task_s, window, window[1] + 0.5, lat)) for i, (s, w) in
         enumerate(zip(stubs, ids))))
     for c in channels:
         await c.close()
@@ -124,11 +129,10 @@ async def _staggered(i: int, n: int, task_s: float, coro: Any) -> None:
     await coro
 
 
-def _client(addr: str, ids: list[int], lease: bool, task_s: float,
-            window: tuple[float, float], stop_at: float, out: Any) -> None:
-    cpu0 = time.process_time()
-    lat = asyncio.run(_workers(addr, ids, lease, task_s, window, stop_at))
-    out.put((lat, time.process_time() - cpu0))
+def _client(addr: str, ids: list[int], lease: bool, task_s: float, seconds: float,
+            ready: Any, go: Any, start_at: Any, out: Any) -> None:
+    lat = asyncio.run(_workers(addr, ids, lease, task_s, seconds, ready, go, start_at))
+    out.put((lat, time.process_time()))
 
 
 # ------------------------------------------------------------------- the master
@@ -180,17 +184,18 @@ def measure(master: Master, num_workers: int, seconds: float, lease: bool, task_
             procs: int) -> dict[str, Any]:
     """One round: ``num_workers`` workers for ``seconds`` (after a warm-up)."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    spawn_s = 3.0 + num_workers / 400   # processes start, channels connect
-    start = time.time() + spawn_s
-    window = (start + WARMUP_S + task_s, start + WARMUP_S + task_s + seconds)
-    stop_at = window[1] + 0.5
+    out, ready, go, start_at = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     ids = list(range(num_workers))
-    parts = [ids[i::procs] for i in range(procs)]
-    ps = [ctx.Process(target=_client, args=(master.addr, p, lease, task_s, window, stop_at,
-                                            out)) for p in parts if p]
+    parts = [p for p in (ids[i::procs] for i in range(procs)) if p]
+    ps = [ctx.Process(target=_client, args=(master.addr, p, lease, task_s, seconds, ready,
+                                            go, start_at, out)) for p in parts]
     for p in ps:
         p.start()
+    for _ in ps:   # every worker connected (a loaded machine takes its time)
+        ready.get(timeout=600)
+    start_at.value = start = time.time() + 0.2
+    go.set()
+    window = (start + WARMUP_S + task_s, start + WARMUP_S + task_s + seconds)
     while time.time() < window[0]:
         time.sleep(0.01)
     done0, cpu0, wall0 = master.done(), time.process_time(), time.time()
@@ -198,18 +203,20 @@ def measure(master: Master, num_workers: int, seconds: float, lease: bool, task_
     while time.time() < window[1]:
         time.sleep(0.01)
     done1, cpu1, wall1 = master.done(), time.process_time(), time.time()
-    results = [out.get(timeout=120 + seconds) for _ in ps]
+    results = [out.get(timeout=600 + seconds) for _ in ps]
     for p in ps:
         p.join(timeout=60)
     lat = sorted(x for r in results for x in r[0])
-    client_cpu = sum(r[1] for r in results)
+    client_cpu = sum(r[1] for r in results)   # the whole run of each client process
     span = wall1 - wall0
 
     def pct(q: float) -> float:
         return 1000 * lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
 
-    return {"tasks_per_s": (done1 - done0) / span, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+    rate = (done1 - done0) / span
+    return {"tasks_per_s": rate, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
             "calls": len(lat), "master_cpu": (cpu1 - cpu0) / span,
+            "master_cpu_us_per_task": 1e6 * (cpu1 - cpu0) / max(done1 - done0, 1),
             "clients_cpu_s": client_cpu, "load": max(load0, os.getloadavg()[0])}
 
 
@@ -329,7 +336,8 @@ def main() -> None:
             runs[path].append(res)
             print(f"round {r} {path:6s}: {res['tasks_per_s']:7.0f} tasks/s, get p50 "
                   f"{res['p50_ms']:6.1f} ms p99 {res['p99_ms']:7.1f} ms ({res['calls']} "
-                  f"calls), master CPU {res['master_cpu']:.2f} cores, clients "
+                  f"calls), master CPU {res['master_cpu']:.2f} cores "
+                  f"({res['master_cpu_us_per_task']:.0f} us/task), clients "
                   f"{res['clients_cpu_s']:.1f} CPU-s, load {res['load']:.1f}", flush=True)
     summary: dict[str, Any] = {"workers": a.workers, "task_ms": a.task_ms,
                                "offered_tasks_per_s": round(a.workers * 1000 / a.task_ms)
@@ -338,10 +346,12 @@ def main() -> None:
                                "cpus": os.cpu_count()}
     for path, rs in runs.items():
         med = {k: statistics.median(x[k] for x in rs) for k in
-               ("tasks_per_s", "p50_ms", "p99_ms", "master_cpu", "load")}
+               ("tasks_per_s", "p50_ms", "p99_ms", "master_cpu", "master_cpu_us_per_task",
+                "load")}
         print(f"median {path:6s}: {med['tasks_per_s']:.0f} tasks/s, get p50 "
               f"{med['p50_ms']:.1f} ms, p99 {med['p99_ms']:.1f} ms, master CPU "
-              f"{med['master_cpu']:.2f} cores, load {med['load']:.1f}")
+              f"{med['master_cpu']:.2f} cores ({med['master_cpu_us_per_task']:.0f} us per "
+              f"task), load {med['load']:.1f}")
         summary[path] = {k: round(v, 2) for k, v in med.items()}
     main_path = "lease" if "lease" in runs else paths[0]
     summary["dispatch_tasks_per_s"] = round(summary[main_path]["tasks_per_s"])
