@@ -63,9 +63,10 @@ DEFAULT_LEASE_S = next(f.default for f in dataclasses.fields(JobSpec) if f.name 
 
 
 # ------------------------------------------------------------ simulated workers
-async def _worker(stub: Any, pb: Any, worker_id: int, lease: bool, task_s: float,
+async def _worker(stub: Any, pb: Any, worker_id: int, lease: float, task_s: float,
                   window: tuple[float, float], stop_at: float, lat: list[float]) -> None:
-    size = max(1, min(DEFAULT_MAX_LEASE, int(DEFAULT_LEASE_S / task_s))) if task_s > 0 \
+    # what LeasedTasks converges to for tasks of task_s
+    size = max(1, min(DEFAULT_MAX_LEASE, int(lease / task_s))) if task_s > 0 \
         else DEFAULT_MAX_LEASE
     reports: list[Any] = []
     n = 0
@@ -99,7 +100,7 @@ async def _worker(stub: Any, pb: Any, worker_id: int, lease: bool, task_s: float
             worker_id=worker_id, reports=reports), timeout=60)
 
 
-async def _workers(addr: str, ids: list[int], lease: bool, task_s: float, seconds: float,
+async def _workers(addr: str, ids: list[int], lease: float, task_s: float, seconds: float,
                    ready: Any, go: Any, start_at: Any) -> list[float]:
     import grpc
 
@@ -129,7 +130,7 @@ async def _staggered(i: int, n: int, task_s: float, coro: Any) -> None:
     await coro
 
 
-def _client(addr: str, ids: list[int], lease: bool, task_s: float, seconds: float,
+def _client(addr: str, ids: list[int], lease: float, task_s: float, seconds: float,
             ready: Any, go: Any, start_at: Any, out: Any) -> None:
     lat = asyncio.run(_workers(addr, ids, lease, task_s, seconds, ready, go, start_at))
     out.put((lat, time.process_time()))
@@ -180,9 +181,10 @@ class Master:
         self.tmp.cleanup()
 
 
-def measure(master: Master, num_workers: int, seconds: float, lease: bool, task_s: float,
+def measure(master: Master, num_workers: int, seconds: float, lease: float, task_s: float,
             procs: int) -> dict[str, Any]:
-    """One round: ``num_workers`` workers for ``seconds`` (after a warm-up)."""
+    """One round: ``num_workers`` workers for ``seconds`` (after a warm-up); ``lease``:
+    seconds of work a worker leases per call (0: the single-task path)."""
     ctx = mp.get_context("spawn")
     out, ready, go, start_at = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     ids = list(range(num_workers))
@@ -222,15 +224,16 @@ def measure(master: Master, num_workers: int, seconds: float, lease: bool, task_
 
 def run_dispatch(num_workers: int, seconds: float, journal: bool = True,
                  metrics: bool = True, lease: bool = True, task_ms: float = 250.0,
-                 procs: int = 4) -> dict[str, Any]:
+                 procs: int = 4, lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
     """One measurement of a fresh master (see the module): ``tasks_per_s``,
     ``p50_ms``, ``p99_ms`` (of the call that gets tasks), ``master_cpu``
-    (cores), ``load``."""
+    (cores), ``master_cpu_us_per_task``, ``load``. ``lease``: the lease path
+    (``lease_s`` of work per call), else the single-task one."""
     task_s = task_ms / 1000
     offered = num_workers / task_s if task_s > 0 else 20_000
     master = Master(int(offered * (seconds + 30)) + 10_000, journal, metrics)
     try:
-        return measure(master, num_workers, seconds, lease, task_s, procs)
+        return measure(master, num_workers, seconds, lease_s if lease else 0.0, task_s, procs)
     finally:
         master.close()
 
@@ -317,6 +320,8 @@ def main() -> None:
     ap.add_argument("--no-journal", dest="journal", action="store_false")
     ap.add_argument("--no-metrics", dest="metrics", action="store_false")
     ap.add_argument("--paths", default="lease,single")
+    ap.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S,
+                    help="seconds of work leased per call (--task_lease_s)")
     ap.add_argument("--smoke", action="store_true", help="a few seconds, 50 workers")
     # --mode echo
     ap.add_argument("--clients", type=int, default=4)
@@ -332,7 +337,7 @@ def main() -> None:
     for r in range(a.rounds):
         for path in paths:
             res = run_dispatch(a.workers, a.seconds, a.journal, a.metrics, path == "lease",
-                               a.task_ms, a.procs)
+                               a.task_ms, a.procs, a.lease_s)
             runs[path].append(res)
             print(f"round {r} {path:6s}: {res['tasks_per_s']:7.0f} tasks/s, get p50 "
                   f"{res['p50_ms']:6.1f} ms p99 {res['p99_ms']:7.1f} ms ({res['calls']} "
@@ -340,6 +345,7 @@ def main() -> None:
                   f"({res['master_cpu_us_per_task']:.0f} us/task), clients "
                   f"{res['clients_cpu_s']:.1f} CPU-s, load {res['load']:.1f}", flush=True)
     summary: dict[str, Any] = {"workers": a.workers, "task_ms": a.task_ms,
+                               "lease_s": a.lease_s,
                                "offered_tasks_per_s": round(a.workers * 1000 / a.task_ms)
                                if a.task_ms else None,
                                "journal": a.journal, "metrics": a.metrics,
