@@ -231,3 +231,51 @@ def test_lease_buffer_sends_a_failure_and_old_results_at_once():
         now[0] += 2.0
         slow.report_task(t)
     assert slow.lease_size() == 1
+
+
+def test_straggler_check_is_skipped_only_while_nothing_can_be_overdue():
+    """get skips the scan of held tasks while the oldest hand-out is recent; it
+    decides exactly as a full scan every time (compared step by step), also after
+    a restore replaced the table of held tasks."""
+    import random
+
+    from elasticdl.master import task_state
+
+    rng = random.Random(7)
+    now = [0.0]
+
+    def make() -> TaskManager:
+        return TaskManager([("t", 0, 400)], records_per_task=1, task_timeout_s=5.0,
+                           clock=lambda: now[0])
+
+    def scan_always(tm: TaskManager) -> TaskManager:
+        def scan() -> None:
+            tm._oldest_start = None
+            TaskManager._reassign_stragglers(tm)
+        tm._reassign_stragglers = scan  # type: ignore[method-assign]
+        return tm
+
+    fast, full = make(), scan_always(make())
+    held: list[tuple[int, int]] = []
+    reassigned = 0
+    for step in range(800):
+        now[0] += rng.random() * 0.6
+        if rng.random() < 0.5 or not held:
+            w = rng.randrange(5)
+            a, b = fast.get(w), full.get(w)
+            assert a == b, step
+            if a.type == TaskType.TRAINING:
+                held.append((a.task_id, w))
+        else:
+            task_id, w = held.pop(rng.randrange(len(held)))
+            fast.report(task_id, w, True)
+            full.report(task_id, w, True)
+        assert {k: d.worker_id for k, d in fast._doing.items()} == \
+            {k: d.worker_id for k, d in full._doing.items()}, step
+        reassigned = max(reassigned, sum(d.worker_id < 0 for d in fast._doing.values()))
+        if step == 400:   # both restored (the same state, held tasks started 4 s ago)
+            state = task_state.dump(fast)
+            fast, full = make(), scan_always(make())
+            task_state.restore(fast, state, now[0] - 4.0)
+            task_state.restore(full, state, now[0] - 4.0)
+    assert reassigned > 0   # stragglers were found, by both
