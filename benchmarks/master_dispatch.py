@@ -238,6 +238,74 @@ def run_dispatch(num_workers: int, seconds: float, journal: bool = True,
         master.close()
 
 
+# ------------------------------------------------------------ CPU per task, no gRPC
+class _Context:
+    """What the servicer reads of a gRPC context (no replica identity)."""
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def abort(self, code: Any, details: str) -> None:
+        raise RuntimeError(f"{code}: {details}")
+
+
+def cpu_per_task(num_workers: int, tasks: int, journal: bool, metrics: bool,
+                 lease: int) -> float:
+    """Master CPU (all its threads) per task handed out and reported through the
+    real servicer's handlers, called in turn for ``num_workers`` workers (no gRPC,
+    no concurrency): the figure a loaded machine distorts least. ``lease``: tasks
+    per get_tasks call, results carried by the next one (0: get_task +
+    report_task_result per task)."""
+    from elasticdl.proto import elasticdl_pb2 as pb
+
+    master = Master(tasks + 2 * num_workers * max(lease, 1) + 10, journal, metrics)
+    servicer, ctx = MasterServicer(master.core), _Context()
+    held: dict[int, list[Any]] = {w: [] for w in range(num_workers)}
+
+    def result(task: Any, w: int) -> Any:
+        return pb.ReportTaskResultRequest(task_id=task.task_id, worker_id=w, loss=0.5,
+                                          learning_rate=0.1, model_version=0)
+
+    def step(w: int) -> int:
+        if lease:
+            reports = [result(t, w) for t in held[w]]
+            held[w] = list(servicer.get_tasks(pb.GetTasksRequest(
+                worker_id=w, max_tasks=lease, reports=reports), ctx).tasks)
+            return len(reports)
+        for t in held[w]:
+            servicer.report_task_result(result(t, w), ctx)
+        held[w] = [servicer.get_task(pb.GetTaskRequest(worker_id=w), ctx)]
+        return 1
+
+    try:
+        for w in range(num_workers):
+            step(w)
+        done, i = 0, 0
+        cpu0 = time.process_time()
+        while done < tasks:
+            done += step(i % num_workers)
+            i += 1
+        return 1e6 * (time.process_time() - cpu0) / done
+    finally:
+        master.server.stop(0)
+        master.close()
+
+
+def inproc_main(a: argparse.Namespace) -> None:
+    rows = {}
+    for journal in (False, True):
+        for metrics in (False, True):
+            for lease in (0, 16):
+                us = statistics.median(cpu_per_task(a.workers, a.inproc_tasks, journal,
+                                                    metrics, lease) for _ in range(a.rounds))
+                key = f"journal={int(journal)} metrics={int(metrics)} " + \
+                    (f"lease={lease}" if lease else "single")
+                rows[key] = round(us, 1)
+                print(f"{key:34s} {us:6.0f} us master CPU per task (~{1e6 / us:.0f} "
+                      "tasks/s per core)", flush=True)
+    print(json.dumps({"cpu_us_per_task": rows, "load": os.getloadavg()[0]}))
+
+
 # ------------------------------------------------------- the closed-loop baseline
 def echo_client(addr: str, worker_id: int, mode: str, seconds: float, start, out) -> None:
     import grpc
@@ -310,7 +378,8 @@ def echo_main(a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("workers", "echo"), default="workers")
+    ap.add_argument("--mode", choices=("workers", "echo", "inproc"), default="workers")
+    ap.add_argument("--inproc-tasks", type=int, default=20_000)
     ap.add_argument("--workers", type=int, default=1000)
     ap.add_argument("--task-ms", type=float, default=250.0,
                     help="a task's simulated work (0: none, as fast as the master goes)")
@@ -329,6 +398,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.mode == "echo":
         echo_main(a)
+        return
+    if a.mode == "inproc":
+        inproc_main(a)
         return
     if a.smoke:
         a.workers, a.seconds, a.rounds, a.procs, a.task_ms = 50, 2.0, 1, 2, 50.0
