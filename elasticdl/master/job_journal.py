@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import enum
+import gc
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
 from elasticdl.master import task_state
 from elasticdl.master.journal import Journal, JournalError
@@ -47,12 +51,15 @@ class Journaled:
         self.restored_extra: dict[str, Any] = {}
         self.group_commit = False
         self._replaying = False
+        # how long snapshots held the core's lock (the last one, the longest; wall
+        # time, and the CPU time of the snapshotting thread meanwhile)
+        self.snapshot_lock_s = self.max_snapshot_lock_s = self.max_snapshot_lock_cpu_s = 0.0
         self._frozen: Optional[float] = None
         self._base_clock: Callable[[], float] = task_manager._clock
         task_manager._clock = self._now
 
     if TYPE_CHECKING:  # the public calls a replay runs (JobCore has them)
-        def state_dict(self) -> dict[str, Any]:
+        def state_dict(self, defer: bool = False) -> dict[str, Any]:
             ...
 
         def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -81,7 +88,11 @@ class Journaled:
         def recover_tasks(self, worker_id: int) -> list[Task]:
             ...
 
-        def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
+        def rollback(self, applied: dict[int, int], new_version: int,
+                     closed: Optional[IntervalSet] = None) -> list[int]:
+            ...
+
+        def settle(self, checkpoint_version: int, held: IntervalSet) -> int:
             ...
 
         def begin_rollback(self) -> None:
@@ -115,10 +126,12 @@ class Journaled:
             self._frozen = None
 
     def _log(self, op: str, **fields: Any) -> None:
+        """Journal transition ``op`` (an :class:`Op` value; its replay is in
+        :data:`HANDLERS`)."""
         if self._journal is not None and not self._replaying:
             # on disk before the call returns: fsynced here (callers that ack
             # over the wire may group-commit instead: see durable())
-            self._journal.append({"op": op, **fields}, sync=not self.group_commit)
+            self._journal.append({"op": Op(op).value, **fields}, sync=not self.group_commit)
 
     def durable(self) -> None:
         """Every transition so far is on disk (the servicer calls it before each
@@ -140,31 +153,49 @@ class Journaled:
     def snapshot(self) -> None:
         """Write the whole state to the journal's snapshot (then its older
         segments go). Call after changes made outside the journaled calls (replica
-        bookkeeping, the report) and now and then to keep replays short."""
+        bookkeeping, the report) and now and then to keep replays short.
+
+        Only the capture holds the core's lock: the state is O(live) (closed
+        work is intervals and counters) and copied into fresh dicts, so
+        serialising and writing it happen outside the lock."""
         journal = self._journal
         if journal is None:
             return
         with journal.snapshot_lock:
+            collecting = gc.isenabled()
             with self._lock:
-                state, extra = self.state_dict(), self._volatile_state()
-                seq = journal.rotate()
-            journal.write_snapshot(seq, state, extra)
+                gc.disable()   # no collection of the whole heap while the lock is held
+                try:
+                    began, began_cpu = time.perf_counter(), time.thread_time()
+                    state, extra = self.state_dict(defer=True), self._volatile_state(True)
+                    seq = journal.rotate()
+                    held, cpu = time.perf_counter() - began, time.thread_time() - began_cpu
+                finally:
+                    if collecting:
+                        gc.enable()
+            self.snapshot_lock_s = held
+            self.max_snapshot_lock_s = max(self.max_snapshot_lock_s, held)
+            self.max_snapshot_lock_cpu_s = max(self.max_snapshot_lock_cpu_s, cpu)
+            journal.write_snapshot(seq, task_state.resolve(state), task_state.resolve(extra))
 
-    def _volatile_state(self) -> dict[str, Any]:
+    def _volatile_state(self, defer: bool = False) -> dict[str, Any]:
         """What :meth:`state_dict` leaves out but a replay needs to decide alike:
         when each held task went out, each worker's last get_task request."""
         tm = self.tm
         with tm._lock:
-            return {"started": {str(k): d.started for k, d in tm._doing.items()},
-                    "last_get": {str(w): [r, task_state.task_to_json(t)]
-                                 for w, (r, t) in tm._last_get.items()},
-                    **{name: a.state_dict() for name, a in self.attachments.items()}}
+            started = [(k, d.started) for k, d in tm._doing.items()]
+            last_get = list(tm._last_get.items())
+            state = {"started": task_state.Deferred(lambda: {str(k): t for k, t in started}),
+                     "last_get": task_state.Deferred(lambda: {
+                         str(w): [r, task_state.task_to_json(t)] for w, (r, t) in last_get}),
+                     **{name: a.state_dict() for name, a in self.attachments.items()}}
+        return state if defer else task_state.resolve(state)
 
     def restore(self, journal: Journal) -> int:
         """Continue from ``journal`` (its snapshot, then its records replayed) and
         journal to it from now on; the number of records replayed. Raises
         JournalError when a replay does not decide as the journaled call did."""
-        snap, records = journal.load()
+        snap, records = journal.load_once()
         with self._lock:
             if snap is not None:
                 self.load_state_dict(snap["state"])
@@ -191,41 +222,65 @@ class Journaled:
         return len(records)
 
     def _apply(self, rec: dict[str, Any]) -> None:
-        op = rec["op"]
+        try:
+            op = Op(rec["op"])
+        except ValueError:
+            raise JournalError(f"journal record {rec.get('seq')}: unknown op "
+                               f"{rec['op']!r}") from None
         with self._at(rec.get("t")):
-            if op == "get":
-                tt = rec["type"]
-                task = self.get(rec["w"], None if tt is None else TaskType(tt), rec["r"])
-                got = task_state.task_to_json(task)
-                if got != rec["task"]:
-                    raise JournalError(f"journal record {rec['seq']}: replayed get_task gave "
-                                       f"task {got}, the journal says {rec['task']}")
-            elif op == "report":
-                self.report_task(rec["task"], rec["w"], rec["ok"], rec["error"], rec["tb"],
-                                 rec["fatal"], rec["counters"], rec["version"],
-                                 rec.get("loss"), rec.get("lr"))
-            elif op == "metrics":
-                self.report_evaluation(rec["task"], rec["version"],
-                                       [tuple(m) for m in rec["metrics"]],  # type: ignore
-                                       base64.b64decode(rec.get("states", "")))
-            elif op == "version":
-                self.on_version(rec["w"], rec["version"])
-            elif op == "begin":
-                self.begin()
-            elif op == "recover":
-                self.recover_tasks(rec["w"])
-            elif op == "rollback":
-                self.rollback({int(k): v for k, v in rec["applied"].items()},
-                              rec["version"])
-            elif op == "begin_rollback":
-                self.begin_rollback()
-            elif op == "end_rollback":
-                self.end_rollback()
-            elif op == "start_at":
-                self.start_at_version(rec["version"])
-            elif op == "export":
-                self.claim_export(rec["w"])
-            elif op == "worker_reported":
-                self.worker_reported(rec["w"], rec["error"], rec["tb"])
-            else:
-                raise JournalError(f"journal record {rec['seq']}: unknown op {op!r}")
+            HANDLERS[op](self, rec)
+
+
+class Op(str, enum.Enum):
+    """The journal's record kinds: one per journaled JobCore transition. A new
+    transition adds a member here and its replay in :data:`HANDLERS`."""
+
+    GET = "get"
+    REPORT = "report"
+    METRICS = "metrics"
+    VERSION = "version"
+    BEGIN = "begin"
+    RECOVER = "recover"
+    ROLLBACK = "rollback"
+    SETTLE = "settle"
+    BEGIN_ROLLBACK = "begin_rollback"   # journals written before the rollback protocol
+    END_ROLLBACK = "end_rollback"
+    START_AT = "start_at"
+    EXPORT = "export"
+    WORKER_REPORTED = "worker_reported"
+
+
+def _replay_get(core: Any, rec: dict[str, Any]) -> None:
+    tt = rec["type"]
+    task = core.get(rec["w"], None if tt is None else TaskType(tt), rec["r"])
+    got = task_state.task_to_json(task)
+    if got != rec["task"]:
+        raise JournalError(f"journal record {rec['seq']}: replayed get_task gave "
+                           f"task {got}, the journal says {rec['task']}")
+
+
+Handler = Callable[[Any, dict[str, Any]], None]
+
+HANDLERS: dict[Op, Handler] = {
+    Op.GET: _replay_get,
+    Op.REPORT: lambda core, rec: core.report_task(
+        rec["task"], rec["w"], rec["ok"], rec["error"], rec["tb"], rec["fatal"],
+        rec["counters"], rec["version"], rec.get("loss"), rec.get("lr")),
+    Op.METRICS: lambda core, rec: core.report_evaluation(
+        rec["task"], rec["version"], [tuple(m) for m in rec["metrics"]],
+        base64.b64decode(rec.get("states", ""))),
+    Op.VERSION: lambda core, rec: core.on_version(rec["w"], rec["version"]),
+    Op.BEGIN: lambda core, rec: core.begin(),
+    Op.RECOVER: lambda core, rec: core.recover_tasks(rec["w"]),
+    Op.ROLLBACK: lambda core, rec: core.rollback(
+        {int(k): v for k, v in rec["applied"].items()}, rec["version"],
+        None if rec.get("closed") is None else IntervalSet.from_flat(rec["closed"])),
+    Op.SETTLE: lambda core, rec: core.settle(rec["version"],
+                                             IntervalSet.from_flat(rec["held"])),
+    Op.BEGIN_ROLLBACK: lambda core, rec: core.begin_rollback(),
+    Op.END_ROLLBACK: lambda core, rec: core.end_rollback(),
+    Op.START_AT: lambda core, rec: core.start_at_version(rec["version"]),
+    Op.EXPORT: lambda core, rec: core.claim_export(rec["w"]),
+    Op.WORKER_REPORTED: lambda core, rec: core.worker_reported(rec["w"], rec["error"],
+                                                               rec["tb"]),
+}

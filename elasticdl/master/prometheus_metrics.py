@@ -72,35 +72,22 @@ class ReplicaCounts(JobListener):
 
 def task_counts(tm: Any) -> dict[tuple[str, str], int]:
     """``(type, state) -> tasks`` of a task manager: todo, doing, done by type
-    (a read-only look at its tables, as :mod:`task_state` takes). It costs
-    O(tasks held + evaluation tasks queued), not O(tasks queued): a scrape holds
-    the task manager's lock, which every get_task needs."""
+    (a read-only look at its tables, as :mod:`task_state` takes)."""
     names = {TaskType.TRAINING: "training", TaskType.EVALUATION: "evaluation",
              TaskType.PREDICTION: "prediction"}
     out = {(n, s): 0 for n in names.values() for s in ("todo", "doing", "done")}
     with tm._lock:
-        for task in tm._eval_todo:
-            if task.type in names:
-                out[(names[task.type], "todo")] += 1
-        held_training = 0   # training tasks held by their current holder (not queued)
+        for typ, n in tm.queued().items():
+            if typ in names:
+                out[(names[typ], "todo")] += n
         for doing in tm._doing.values():
             if doing.task.type in names:
                 out[(names[doing.task.type], "doing")] += 1
-                if doing.task.type == TaskType.TRAINING and doing.worker_id >= 0:
-                    held_training += 1
-        # an epoch's open tasks are queued or held; the rest of the queue is prediction
-        # (give or take a straggler's copy its first holder finished meanwhile)
-        queued_training = max(sum(tm._epoch_open_tasks.values()) - held_training, 0)
-        out[("training", "todo")] = queued_training
-        if tm.prediction_records:
-            out[("prediction", "todo")] = max(len(tm._todo) - queued_training, 0)
-        training = sum(led.tasks_completed for led in tm.ledger.values())
-        prediction = tm.prediction_ledger.tasks_completed
-        out[("training", "done")] = training
-        out[("prediction", "done")] = prediction
-        out[("evaluation", "done")] = max(len(tm._completed) - training - prediction, 0)
+        out[("training", "done")] = sum(led.tasks_completed for led in tm.ledger.values())
+        out[("prediction", "done")] = tm.prediction_ledger.tasks_completed
+        out[("evaluation", "done")] = tm.evaluation_tasks_completed
         # training tasks of epochs not created yet are still to do
-        future = max(tm.num_epochs - tm._epochs_created, 0) if tm._train_pieces else 0
+        future = max(tm.num_epochs - tm._epochs_created, 0)
         out[("training", "todo")] += future * len(tm._train_pieces)
     return out
 

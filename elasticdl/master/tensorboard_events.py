@@ -144,7 +144,7 @@ class EventFile:
         records, self._buffer = self._buffer, []
         if not records:
             return
-        parts = []
+        parts: list[bytes] = []
         for data, crc in zip(records, masked_crc32c_many(records)):
             header = struct.pack("<Q", len(data))
             hcrc = self._header_crcs.get(len(data))
