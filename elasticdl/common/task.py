@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 class TaskType(enum.IntEnum):
@@ -34,6 +35,10 @@ class Task:
     # EVALUATION_FINALIZE only: the serialised metric states of each evaluation
     # task of ``model_version`` (attached when the task is handed out, never stored)
     metric_states: tuple[bytes, ...] = field(default=(), compare=False, repr=False)
+    # allreduce TRAINING tasks: the master's closed training tasks as (generation,
+    # flat [lo, hi) intervals), attached when handed out, never stored
+    closed: Optional[tuple[int, tuple[int, ...]]] = field(default=None, compare=False,
+                                                          repr=False)
 
     @property
     def num_records(self) -> int:

@@ -18,11 +18,12 @@ import grpc
 
 from elasticdl.common import auth
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
-from elasticdl.common.task import Task, TaskType
+from elasticdl.common.task import WAIT_TASK, Task, TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
 from elasticdl.master.evaluation import MetricStateError
 from elasticdl.master.job import JobCore, VersionError
 from elasticdl.master.leases import MAX_LEASE, LeaseBook
+from elasticdl.master.ps_settle import ClosedSnapshot
 from elasticdl.master.rendezvous import MemberConflict, RendezvousHandler
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
@@ -117,6 +118,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         core.group_commit = True  # journal records fsynced in groups, before each reply
         self.rendezvous = rendezvous
         self.require_identity = require_identity
+        self._closed = ClosedSnapshot(core)   # sent to allreduce members with tasks
         self._snapshotted_plan = -1
         self.leases = LeaseBook(core)
 
@@ -141,11 +143,30 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     def _task_msg(self, task: Task, worker_id: int) -> pb.Task:
         msg = task_to_proto(task)
+        if task.type == TaskType.TRAINING and self.rendezvous is not None:
+            # allreduce members drop closed tasks from their trained-record sets
+            msg.closed_generation, flat = self._closed.get()
+            msg.closed.extend(flat)
+            msg.has_closed = True
         if task.type == TaskType.EVALUATION_FINALIZE:
             msg.metric_states.extend(self.core.evaluation_states(task.model_version))
-        if task.type == TaskType.NONE and self.core.claim_export(worker_id):
-            msg.extended_config["export_model"] = "true"
+        if task.type == TaskType.NONE:
+            if self.core.claim_export(worker_id) or self.core.exporter() == worker_id:
+                msg.extended_config["export_model"] = "true"
+            elif self.core.export_pending():
+                # training is done, the final model not written yet: stay, in case the
+                # exporter dies and this worker takes the export over
+                msg = task_to_proto(WAIT_TASK)
         return msg
+
+    @_validated
+    def report_export(self, request: pb.ReportExportRequest, context: Any) -> pb.Empty:
+        worker_id = _worker(request.worker_id)
+        path = _text("path", request.path)
+        if not self.core.export_written(worker_id, path):
+            logger.warning("worker %d reported an export it does not hold (replaced as "
+                           "exporter?): ignored", worker_id)
+        return pb.Empty()
 
     @_validated
     def get_task(self, request: pb.GetTaskRequest, context: Any) -> pb.Task:
