@@ -40,6 +40,10 @@ def _check_refused(refused: Sequence[pb.ReportRefusal]) -> None:
             for r in refused))
 
 
+def _unimplemented(e: grpc.RpcError) -> bool:
+    return hasattr(e, "code") and e.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
 class MasterClient(TaskSource):
     def __init__(self, master_addr: str, worker_id: int, call_timeout_s: float = 30.0,
                  unavailable_timeout_s: float = 60.0):
@@ -52,6 +56,7 @@ class MasterClient(TaskSource):
         self._stub = pb_grpc.MasterStub(self._channel)
         self.export_model = False
         self._request_id = 0
+        self._leases = True   # False once the master answered UNIMPLEMENTED (older one)
         # the worker's model version, sent with every task result (set once the
         # trainer exists)
         self.version: Optional[Callable[[], int]] = None
@@ -129,9 +134,19 @@ class MasterClient(TaskSource):
             ConnectionError: the master cannot be reached.
         """
         wanted: Any = int(task_type) if task_type is not None else pb.NONE
-        reply = self._call(self._stub.get_tasks, pb.GetTasksRequest(
-            worker_id=self.worker_id, task_type=wanted, max_tasks=max_tasks,
-            reports=list(reports)))
+        if not self._leases:
+            self.report_tasks(reports)
+            return [self.get_task(task_type)]
+        try:
+            reply = self._call(self._stub.get_tasks, pb.GetTasksRequest(
+                worker_id=self.worker_id, task_type=wanted, max_tasks=max_tasks,
+                reports=list(reports)))
+        except grpc.RpcError as e:
+            if not _unimplemented(e):
+                raise
+            logger.info("the master serves no leases: one task per call")
+            self._leases = False
+            return self.get_tasks(task_type, max_tasks, reports)
         _check_refused(reply.refused)
         if any(m.extended_config.get("export_model") == "true" for m in reply.tasks):
             self.export_model = True
@@ -143,9 +158,21 @@ class MasterClient(TaskSource):
         Raises:
             ReportRefused: the master refused some of them (the rest are applied).
         """
-        reply = self._call(self._stub.report_task_results, pb.ReportTaskResultsRequest(
-            worker_id=self.worker_id, reports=list(reports)))
-        _check_refused(reply.refused)
+        if not reports:
+            return
+        if self._leases:
+            try:
+                reply = self._call(self._stub.report_task_results,
+                                   pb.ReportTaskResultsRequest(worker_id=self.worker_id,
+                                                               reports=list(reports)))
+                _check_refused(reply.refused)
+                return
+            except grpc.RpcError as e:
+                if not _unimplemented(e):
+                    raise
+                self._leases = False
+        for r in reports:   # a master without batches (an older one)
+            self._call(self._stub.report_task_result, r)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric],
                           states: bytes = b"") -> None:
