@@ -5,11 +5,13 @@ Prometheus endpoint attached (scraped every second meanwhile) and one without;
 both masters in this process, rounds alternated, medians.
 
 Run: python benchmarks/observability_overhead.py [--clients 4] [--seconds 3] [--rounds 5]
+[--smoke] (last line: a JSON object with the ratio)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import threading
@@ -72,10 +74,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tasks", type=int, default=400_000)
-    ap.add_argument("--smoke", action="store_true", help="seconds: 2k tasks, 1 short round")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 2 clients, 1 round")
     a = ap.parse_args()
     if a.smoke:
-        a.clients, a.seconds, a.rounds, a.tasks = 2, 0.5, 1, 2_000
+        a.clients, a.seconds, a.rounds, a.tasks = 2, 1.0, 1, 20_000
     plain_addr, plain, _ = master(a.tasks, False)
     obs_addr, observed, obs = master(a.tasks, True)
     stop = threading.Event()
@@ -99,9 +101,12 @@ def main() -> None:
         observed.stop(0)
         dropped = obs.writer.dropped
         obs.close()
+    ratio = statistics.median(on) / statistics.median(off)
     print(f"median: without {statistics.median(off):.0f}, with {statistics.median(on):.0f} "
-          f"round trips/s, ratio {statistics.median(on) / statistics.median(off):.2f}x; "
-          f"TensorBoard scalars dropped: {dropped}")
+          f"round trips/s, ratio {ratio:.2f}x; TensorBoard scalars dropped: {dropped}")
+    print(json.dumps({"without": round(statistics.median(off)),
+                      "with": round(statistics.median(on)), "ratio": round(ratio, 3),
+                      "dropped": dropped}))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,10 @@ class JobSpec:
                                   "not script gets a warning, never a failed job", "training")
     task_timeout_s: float = _f(0.0, "Reassign a task held longer than this (0: 3x the "
                                "median task time, at least 60 s)", "distribution", min=0)
+    task_lease_s: float = _f(1.0, "Workers whose tasks are short lease about this many "
+                             "seconds of tasks per call to the master (at most 16) and send "
+                             "their results with the next call (0: one task per call)",
+                             "distribution", min=0)
     master_reconnect_timeout_s: float = _f(300.0, "Seconds workers and PS keep reconnecting "
                                            "to a master that is gone (restarting) before "
                                            "they exit", "distribution", min=1)

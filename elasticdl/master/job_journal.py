@@ -139,6 +139,12 @@ class Journaled:
         if self._journal is not None:
             self._journal.sync()
 
+    def deferred_writes(self) -> contextlib.AbstractContextManager[None]:
+        """Within it, this thread's journal records are written at :meth:`durable`
+        (one write per RPC, not per record); the caller calls it before replying."""
+        journal = self._journal
+        return journal.deferred() if journal is not None else contextlib.nullcontext()
+
     def attach_journal(self, journal: Journal) -> None:
         """Journal every transition from now on (restore first, if continuing)."""
         with self._lock:

@@ -26,6 +26,7 @@ journal nobody appends to any more.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -35,6 +36,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import IO, Any, Optional
 
 logger = logging.getLogger(__name__)
@@ -140,6 +142,7 @@ class Journal:
         self._rotated: list[IO[str]] = []   # segments rotate() left, closed by write_snapshot
         self._sync_lock = threading.Lock()
         self._synced = 0                # records known to be on disk
+        self._local = threading.local()  # .deferred: this thread's appends wait for sync
         self.seq = 0                    # the last record's sequence number
         self.records_since_snapshot = 0
         snap, records = self.load()
@@ -187,10 +190,11 @@ class Journal:
                 f.truncate(data.rfind(b"\n") + 1)
 
     def append(self, record: dict[str, Any], sync: bool = True) -> int:
-        """Write one record (flushed to the OS); its sequence number. ``sync``:
-        fsync it now; else :meth:`sync` must run before it is acknowledged (group
-        commit: callers append under their lock, then sync outside it, and one
-        fsync covers every record written meanwhile)."""
+        """Write one record (flushed to the OS, unless this thread is in
+        :meth:`deferred`); its sequence number. ``sync``: fsync it now; else
+        :meth:`sync` must run before it is acknowledged (group commit: callers
+        append under their lock, then sync outside it, and one write and one fsync
+        cover every record written meanwhile)."""
         with self._io_lock:
             self._loaded = None
             if self._file is None:
@@ -198,23 +202,41 @@ class Journal:
             self.seq += 1
             line = json.dumps({"seq": self.seq, **record}, separators=(",", ":"))
             self._file.write(line + "\n")
-            self._file.flush()
+            if sync or not getattr(self._local, "deferred", False):
+                self._file.flush()
             self.records_since_snapshot += 1
             seq = self.seq
         if sync:
             self.sync()
         return seq
 
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """This thread's records stay in the write buffer until :meth:`sync` (a
+        gRPC handler that syncs before it replies): a batch of records costs one
+        write. Records other threads append are flushed as before."""
+        self._local.deferred = True
+        try:
+            yield
+        finally:
+            self._local.deferred = False
+
     def sync(self) -> None:
         """Every record appended so far is on disk when this returns."""
         if not self.fsync:
+            with self._io_lock:
+                for x in self._rotated + ([self._file] if self._file else []):
+                    x.flush()
             return
         with self._sync_lock:
             with self._io_lock:
                 target, f = self.seq, self._file
                 if target <= self._synced:
                     return
-                fds = [os.dup(x.fileno()) for x in self._rotated + ([f] if f else [])]
+                files = self._rotated + ([f] if f else [])
+                for x in files:
+                    x.flush()   # deferred records (see deferred)
+                fds = [os.dup(x.fileno()) for x in files]
             try:
                 for fd in fds:
                     os.fsync(fd)

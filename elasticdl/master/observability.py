@@ -51,31 +51,39 @@ class JobListener:
 
 
 class RateMeter:
-    """Records per second over a sliding window of ``window_s`` seconds."""
+    """Records per second over a sliding window of ``window_s`` seconds, counted in
+    buckets of a thirtieth of the window (an add costs the same at any rate)."""
 
     def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
+        self._bucket_s = window_s / 30
         self._clock = clock
         self._lock = threading.Lock()
-        self._events: deque[tuple[float, int]] = deque()
+        self._buckets: deque[list[float]] = deque()   # [bucket start, records]
         self._start = clock()
+
+    def _expire(self, now: float) -> None:
+        while self._buckets and self._buckets[0][0] < now - self.window_s:
+            self._buckets.popleft()
 
     def add(self, records: int) -> None:
         with self._lock:
             now = self._clock()
-            self._events.append((now, records))
-            while self._events and self._events[0][0] < now - self.window_s:
-                self._events.popleft()
+            last = self._buckets[-1] if self._buckets else None
+            if last is not None and now - last[0] < self._bucket_s:
+                last[1] += records
+            else:
+                self._buckets.append([now, records])
+                self._expire(now)
 
     def rate(self) -> float:
         """Records per second over the window (over the time since the meter
         started while that is shorter than the window)."""
         with self._lock:
             now = self._clock()
-            while self._events and self._events[0][0] < now - self.window_s:
-                self._events.popleft()
+            self._expire(now)
             span = min(self.window_s, now - self._start)
-            total = sum(r for _, r in self._events)
+            total = sum(r for _, r in self._buckets)
             return total / span if span > 0 else 0.0
 
 

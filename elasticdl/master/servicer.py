@@ -18,10 +18,11 @@ import grpc
 
 from elasticdl.common import auth
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
-from elasticdl.common.task import WAIT_TASK, TaskType
+from elasticdl.common.task import WAIT_TASK, Task, TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
 from elasticdl.master.evaluation import MetricStateError
 from elasticdl.master.job import JobCore, VersionError
+from elasticdl.master.leases import MAX_LEASE, LeaseBook
 from elasticdl.master.ps_settle import ClosedSnapshot
 from elasticdl.master.rendezvous import MemberConflict, RendezvousHandler
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -88,7 +89,8 @@ def _validated(method):
             if isinstance(request, Malformed):
                 raise _Invalid(request.error)
             self._check_caller(request, context)
-            reply = method(self, request, context)
+            with self.core.deferred_writes():
+                reply = method(self, request, context)
             self.core.durable()  # every transition of this call on disk before the reply
             return reply
         except (_Invalid, VersionError) as e:
@@ -118,6 +120,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         self.require_identity = require_identity
         self._closed = ClosedSnapshot(core)   # sent to allreduce members with tasks
         self._snapshotted_plan = -1
+        self.leases = LeaseBook(core)
 
     def _check_caller(self, request: Any, context: Any) -> None:
         """A call about worker N must come from worker N's channel."""
@@ -132,16 +135,13 @@ class MasterServicer(pb_grpc.MasterServicer):
         if replica != f"worker-{worker_id}":
             raise _Denied(f"{replica} may not act as worker {worker_id}")
 
-    @_validated
-    def get_task(self, request: pb.GetTaskRequest, context: Any) -> pb.Task:
-        worker_id = _worker(request.worker_id)
-        if request.task_type not in (pb.NONE, pb.TRAINING, pb.EVALUATION, pb.PREDICTION):
-            raise _Invalid(f"cannot ask for task type {request.task_type}")
-        wanted = None if request.task_type == pb.NONE else TaskType(request.task_type)
-        scaling = self.core.attachments.get("scaling")
-        if scaling is not None and scaling.is_retiring(worker_id):
-            return task_to_proto(WAIT_TASK)  # retired by a resize: no new work
-        task = self.core.get(worker_id, wanted, request_id=request.request_id)
+    @staticmethod
+    def _wanted(task_type: int) -> Optional[TaskType]:
+        if task_type not in (pb.NONE, pb.TRAINING, pb.EVALUATION, pb.PREDICTION):
+            raise _Invalid(f"cannot ask for task type {task_type}")
+        return None if task_type == pb.NONE else TaskType(task_type)
+
+    def _task_msg(self, task: Task, worker_id: int) -> pb.Task:
         msg = task_to_proto(task)
         if task.type == TaskType.TRAINING and self.rendezvous is not None:
             # allreduce members drop closed tasks from their trained-record sets
@@ -169,8 +169,28 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.Empty()
 
     @_validated
-    def report_task_result(self, request: pb.ReportTaskResultRequest, context: Any) -> pb.Empty:
+    def get_task(self, request: pb.GetTaskRequest, context: Any) -> pb.Task:
         worker_id = _worker(request.worker_id)
+        wanted = self._wanted(request.task_type)
+        if self._retiring(worker_id):
+            return task_to_proto(WAIT_TASK)  # retired by a resize: no new work
+        task = self.core.get(worker_id, wanted, request_id=request.request_id)
+        return self._task_msg(task, worker_id)
+
+    def _retiring(self, worker_id: int) -> bool:
+        scaling = self.core.attachments.get("scaling")
+        return scaling is not None and scaling.is_retiring(worker_id)
+
+    @_validated
+    def report_task_result(self, request: pb.ReportTaskResultRequest, context: Any) -> pb.Empty:
+        self._report(_worker(request.worker_id), request)
+        return pb.Empty()
+
+    def _report(self, worker_id: int, request: pb.ReportTaskResultRequest) -> None:
+        """Validate one task result and hand it to the core (journaled). Raises
+        _Invalid / VersionError / _Denied (nothing recorded)."""
+        if request.worker_id != worker_id:
+            raise _Denied(f"worker {worker_id} may not report for worker {request.worker_id}")
         self._known_task(request.task_id)
         _text("err_message", request.err_message)
         _text("err_traceback", request.err_traceback)
@@ -195,7 +215,41 @@ class MasterServicer(pb_grpc.MasterServicer):
         self.core.report_task(request.task_id, worker_id, ok, request.err_message,
                               request.err_traceback, request.fatal, counters, version,
                               loss=loss, learning_rate=lr)
-        return pb.Empty()
+
+    def _reports(self, worker_id: int, reports: Any) -> list[pb.ReportRefusal]:
+        """Apply a batch of task results in order; the ones refused (the rest are
+        applied, so a batch is never half-acknowledged by an error)."""
+        _count("reports", len(reports))
+        refused = []
+        for r in reports:
+            try:
+                self._report(worker_id, r)
+            except (_Invalid, VersionError) as e:
+                refused.append(pb.ReportRefusal(task_id=r.task_id, reason=short(str(e)),
+                                                invalid=True))
+            except _Denied as e:
+                logger.warning("report of task %d refused: %s", r.task_id, short(str(e), 300))
+                refused.append(pb.ReportRefusal(task_id=r.task_id, reason=short(str(e))))
+        return refused
+
+    @_validated
+    def report_task_results(self, request: pb.ReportTaskResultsRequest,
+                            context: Any) -> pb.ReportTaskResultsResponse:
+        refused = self._reports(_worker(request.worker_id), request.reports)
+        return pb.ReportTaskResultsResponse(refused=refused)
+
+    @_validated
+    def get_tasks(self, request: pb.GetTasksRequest, context: Any) -> pb.TaskLease:
+        worker_id = _worker(request.worker_id)
+        wanted = self._wanted(request.task_type)
+        if not 1 <= request.max_tasks <= MAX_LEASE:
+            raise _Invalid(f"max_tasks must be in [1, {MAX_LEASE}], got {request.max_tasks}")
+        refused = self._reports(worker_id, request.reports)
+        if self._retiring(worker_id):   # retired by a resize: no new work
+            return pb.TaskLease(tasks=[task_to_proto(WAIT_TASK)], refused=refused)
+        tasks = self.leases.lease(worker_id, wanted, request.max_tasks)
+        return pb.TaskLease(tasks=[self._task_msg(t, worker_id) for t in tasks],
+                            refused=refused)
 
     @_validated
     def report_evaluation_metrics(self, request: pb.ReportEvaluationMetricsRequest,

@@ -29,6 +29,21 @@ T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+class ReportRefused(RuntimeError):
+    """The master refused task results of a batch (the message says which and why)."""
+
+
+def _check_refused(refused: Sequence[pb.ReportRefusal]) -> None:
+    if refused:
+        raise ReportRefused("the master refused task result(s): " + "; ".join(
+            f"task {r.task_id}: {'invalid' if r.invalid else 'denied'}: {r.reason}"
+            for r in refused))
+
+
+def _unimplemented(e: grpc.RpcError) -> bool:
+    return hasattr(e, "code") and e.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
 class MasterClient(TaskSource):
     def __init__(self, master_addr: str, worker_id: int, call_timeout_s: float = 30.0,
                  unavailable_timeout_s: float = 60.0):
@@ -41,6 +56,7 @@ class MasterClient(TaskSource):
         self._stub = pb_grpc.MasterStub(self._channel)
         self.export_model = False
         self._request_id = 0
+        self._leases = True   # False once the master answered UNIMPLEMENTED (older one)
         # the worker's model version, sent with every task result (set once the
         # trainer exists)
         self.version: Optional[Callable[[], int]] = None
@@ -81,10 +97,11 @@ class MasterClient(TaskSource):
             self.export_model = True
         return task_from_proto(msg)
 
-    def report_task(self, task: Task, error: str = "", traceback: str = "",
-                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None,
-                    loss: Optional[float] = None, learning_rate: Optional[float] = None
-                    ) -> None:
+    def report_request(self, task: Task, error: str = "", traceback: str = "",
+                       fatal: bool = False, counters: Optional[Mapping[str, int]] = None,
+                       loss: Optional[float] = None, learning_rate: Optional[float] = None
+                       ) -> pb.ReportTaskResultRequest:
+        """A task's result as sent, with the worker's model version now."""
         req = pb.ReportTaskResultRequest(
             task_id=task.task_id, worker_id=self.worker_id, err_message=error[:16000],
             err_traceback=traceback[-20000:], fatal=fatal,
@@ -95,7 +112,67 @@ class MasterClient(TaskSource):
             req.loss = float(loss)
         if learning_rate is not None:
             req.learning_rate = float(learning_rate)
-        self._call(self._stub.report_task_result, req)
+        return req
+
+    def report_task(self, task: Task, error: str = "", traceback: str = "",
+                    fatal: bool = False, counters: Optional[Mapping[str, int]] = None,
+                    loss: Optional[float] = None, learning_rate: Optional[float] = None
+                    ) -> None:
+        self._call(self._stub.report_task_result,
+                   self.report_request(task, error, traceback, fatal, counters, loss,
+                                       learning_rate))
+
+    def get_tasks(self, task_type: Optional[TaskType], max_tasks: int,
+                  reports: Sequence[pb.ReportTaskResultRequest] = ()) -> list[Task]:
+        """A lease of up to ``max_tasks`` tasks (or one WAIT / NONE), after the
+        master applied and journaled ``reports`` (:meth:`report_request`). Call it
+        only while holding no task (see :mod:`elasticdl.master.leases`); a retry
+        gets the same lease.
+
+        Raises:
+            ReportRefused: the master refused some of ``reports``.
+            ConnectionError: the master cannot be reached.
+        """
+        wanted: Any = int(task_type) if task_type is not None else pb.NONE
+        if not self._leases:
+            self.report_tasks(reports)
+            return [self.get_task(task_type)]
+        try:
+            reply = self._call(self._stub.get_tasks, pb.GetTasksRequest(
+                worker_id=self.worker_id, task_type=wanted, max_tasks=max_tasks,
+                reports=list(reports)))
+        except grpc.RpcError as e:
+            if not _unimplemented(e):
+                raise
+            logger.info("the master serves no leases: one task per call")
+            self._leases = False
+            return self.get_tasks(task_type, max_tasks, reports)
+        _check_refused(reply.refused)
+        if any(m.extended_config.get("export_model") == "true" for m in reply.tasks):
+            self.export_model = True
+        return [task_from_proto(m) for m in reply.tasks]
+
+    def report_tasks(self, reports: Sequence[pb.ReportTaskResultRequest]) -> None:
+        """Several task results in one call (applied and journaled in order).
+
+        Raises:
+            ReportRefused: the master refused some of them (the rest are applied).
+        """
+        if not reports:
+            return
+        if self._leases:
+            try:
+                reply = self._call(self._stub.report_task_results,
+                                   pb.ReportTaskResultsRequest(worker_id=self.worker_id,
+                                                               reports=list(reports)))
+                _check_refused(reply.refused)
+                return
+            except grpc.RpcError as e:
+                if not _unimplemented(e):
+                    raise
+                self._leases = False
+        for r in reports:   # a master without batches (an older one)
+            self._call(self._stub.report_task_result, r)
 
     def report_evaluation(self, task: Task, metrics: Sequence[Metric],
                           states: bytes = b"") -> None:

@@ -180,7 +180,8 @@ class TaskLoopRuntime(WorkerRuntime):
                         prediction_sink=sink,
                         skip_nonfinite_steps=self.job_spec.skip_nonfinite_steps,
                         after_train_step=after,
-                        eval_minibatch_size=self.job_spec.eval_minibatch_size)
+                        eval_minibatch_size=self.job_spec.eval_minibatch_size,
+                        lease_s=self.job_spec.task_lease_s)
         return loop.run()
 
 

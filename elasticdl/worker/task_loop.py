@@ -28,7 +28,7 @@ from elasticdl.worker.minibatches import (  # noqa: F401 - FeedError, feed_recor
     TaskRecords,
     feed_records,
 )
-from elasticdl.worker.poller import DEFAULT_MAX_WAIT_S, TaskPoller
+from elasticdl.worker.poller import DEFAULT_MAX_WAIT_S, LeasedTasks, TaskPoller
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_source import Metric, TaskSource
 from elasticdl.worker.trainer import NonFiniteError, Trainer, batch_size_of, to_device
@@ -63,6 +63,10 @@ class TaskLoop:
             how long in total a worker may be told to wait before giving up.
         eval_minibatch_size: records per minibatch of evaluation and prediction
             tasks (0: ``minibatch_size``).
+        lease_s: with a source that leases (the master), ask for about this many
+            seconds of tasks per call and send results with the next call
+            (:class:`LeasedTasks`, ``--task_lease_s``); 0: one task per call, each
+            result at once.
     """
 
     def __init__(self, source: TaskSource, trainer: Trainer, spec: ModelSpec,
@@ -71,8 +75,11 @@ class TaskLoop:
                  after_train_step: Sequence[StepCallback] = (),
                  after_task: Sequence[Callable[[Task], None]] = (),
                  wait_s: float = 0.2, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-                 skip_nonfinite_steps: bool = False, eval_minibatch_size: int = 0):
+                 skip_nonfinite_steps: bool = False, eval_minibatch_size: int = 0,
+                 lease_s: float = 0.0):
         self.source = source
+        self._reporter: TaskSource = source   # where run_task reports (the lease buffer)
+        self.lease_s = lease_s
         self.trainer = trainer
         self.spec = spec
         self.readers = readers
@@ -98,16 +105,31 @@ class TaskLoop:
             TimeoutError: told to wait for ``max_wait_s`` in a row.
             DataError / Exception: a task failed (reported first, see the module).
         """
-        poller = TaskPoller(self.source, self.wait_s, self.max_wait_s)
-        while True:
-            task = poller.next_task()
-            if task.type == TaskType.NONE:
-                return self.stats
-            if self.stats.tasks == 0:
-                logger.info("worker %d: first task %d (%s, records %d-%d of %s)",
-                            self.worker_id, task.task_id, MODES.get(task.type, task.type),
-                            task.start, task.end, task.shard_name)
-            self.run_task(task)
+        source: TaskSource = self.source
+        leased = None
+        if self.lease_s > 0 and LeasedTasks.supported(source):
+            source = leased = LeasedTasks(source, self.lease_s)
+        poller = TaskPoller(source, self.wait_s, self.max_wait_s)
+        self._reporter = source
+        try:
+            while True:
+                task = poller.next_task()
+                if task.type == TaskType.NONE:
+                    return self.stats
+                if self.stats.tasks == 0:
+                    logger.info("worker %d: first task %d (%s, records %d-%d of %s)",
+                                self.worker_id, task.task_id, MODES.get(task.type, task.type),
+                                task.start, task.end, task.shard_name)
+                self.run_task(task)
+        except BaseException:
+            if leased is not None:  # results of the tasks done, before the worker ends
+                try:
+                    leased.flush()
+                except Exception as e:  # noqa: BLE001 - the error being raised comes first
+                    logger.warning("could not send the waiting task results: %s", e)
+            raise
+        finally:
+            self._reporter = self.source
 
     def run_task(self, task: Task) -> None:
         self._skipped_in_task = self._records_skipped = 0
@@ -130,17 +152,17 @@ class TaskLoop:
                 raise ValueError(f"unexpected task type {task.type!r}")
         except DataError as e:
             logger.error("task %d: bad data: %s", task.task_id, e)
-            self.source.report_task(task, str(e), traceback.format_exc(), fatal=True)
+            self._reporter.report_task(task, str(e), traceback.format_exc(), fatal=True)
             raise
         except NonFiniteError as e:
             # the step was not applied: the model is intact, so the worker goes on;
             # the master re-queues the task and fails the job after
             # --max_task_retries with this as the root cause
             logger.error("task %d failed: %s", task.task_id, e)
-            self.source.report_task(task, f"NonFiniteError: {e}", traceback.format_exc())
+            self._reporter.report_task(task, f"NonFiniteError: {e}", traceback.format_exc())
             return
         except Exception as e:  # reported with its traceback, then re-raised
-            self.source.report_task(task, f"{type(e).__name__}: {e}", traceback.format_exc())
+            self._reporter.report_task(task, f"{type(e).__name__}: {e}", traceback.format_exc())
             raise
         if counters and records is not None:
             counters["records_read"] = records.num_records  # a reader may return fewer
@@ -149,7 +171,7 @@ class TaskLoop:
             counters["records_skipped"] = self._records_skipped
         loss = float(self._loss_sum) / self._loss_records if self._loss_records else None
         lr = self.trainer.last_lr if task.type == TaskType.TRAINING else None
-        self.source.report_task(task, counters=counters or None, loss=loss, learning_rate=lr)
+        self._reporter.report_task(task, counters=counters or None, loss=loss, learning_rate=lr)
         self.stats.tasks += 1
         for cb in self.after_task:
             cb(task)
