@@ -230,6 +230,11 @@ SECTIONS = {
     "core": (core_section, ("get_ms", "report_ms", "snapshot_cpu_ms", "snapshot_bytes",
                             "snapshot_lock_cpu_ms", "restore_cpu_s")),
 }
+# the PS ledger and the allreduce trained set: benchmarks/scale_ps.py (also runs alone)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scale_ps import SECTIONS as PS_SECTIONS  # noqa: E402
+
+SECTIONS.update(PS_SECTIONS)
 
 
 def run_child(section: str, size: int, args: argparse.Namespace) -> dict[str, Any]:
