@@ -49,6 +49,7 @@ class RecordingMaster(pb_grpc.MasterServicer):
         self.versions: list[int] = []
         self.failures: list[str] = []
         self.exporters: list[int] = []
+        self.exported: list[tuple[int, str]] = []
 
     def get_task(self, request, context):
         task = self.tm.get(request.worker_id, None, request_id=request.request_id)
@@ -76,6 +77,11 @@ class RecordingMaster(pb_grpc.MasterServicer):
     def report_failure(self, request, context):
         with self.lock:
             self.failures.append(request.err_message)
+        return pb.Empty()
+
+    def report_export(self, request, context):   # the export protocol's WRITTEN step
+        with self.lock:
+            self.exported.append((request.worker_id, request.path))
         return pb.Empty()
 
 
@@ -148,6 +154,7 @@ def test_worker_runs_the_registered_runtime(toy, fake_ps_runtime):
     # the final version reached the master (the runtime's, after run)
     assert hooks.versions and hooks.versions[-1] == steps
     assert hooks.exporters == [0]
+    assert [w for w, _ in hooks.exported] == [0]   # the exporter reported it wrote the model
 
 
 def test_a_failing_runtime_is_reported_and_closed(toy, fake_ps_runtime):
