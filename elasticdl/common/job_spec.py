@@ -130,6 +130,13 @@ class JobSpec:
     skip_nonfinite_steps: bool = _f(False, "Skip (and count in the report) a step whose "
                                     "loss or gradient is NaN/Inf instead of failing its task",
                                     "training")
+    # --- metric-driven LR schedules and stateful sequence training (docs/training.md)
+    lr_plateau: str = _f("", "The module's ReduceLROnPlateau rule and monitored metric, as "
+                         "JSON (set by the elasticdl command when it checks the model)",
+                         "training", cli=False)
+    sequential_tasks: bool = _f(False, "Train the tasks in data order (no shuffling), one "
+                                "worker's tasks in a row: for stateful sequence models "
+                                "(truncated BPTT; see docs/training.md)", "training")
     task_timeout_s: float = _f(0.0, "Reassign a task held longer than this (0: 3x the "
                                "median task time, at least 60 s)", "distribution", min=0)
     master_reconnect_timeout_s: float = _f(300.0, "Seconds workers and PS keep reconnecting "

@@ -34,6 +34,9 @@ class Task:
     # EVALUATION_FINALIZE only: the serialised metric states of each evaluation
     # task of ``model_version`` (attached when the task is handed out, never stored)
     metric_states: tuple[bytes, ...] = field(default=(), compare=False, repr=False)
+    # TRAINING, on the wire only: reductions of a metric-driven LR schedule decided
+    # when the task went out (elasticdl.master.lr_plateau)
+    lr_reductions: int = field(default=0, compare=False, repr=False)
 
     @property
     def num_records(self) -> int:

@@ -22,9 +22,10 @@ def task_to_proto(task: Task) -> pb.Task:
     return pb.Task(task_id=task.task_id, type=int(task.type),  # type: ignore[arg-type]
                    shard=pb.Shard(name=task.shard_name, start=task.start, end=task.end),
                    model_version=task.model_version, epoch=task.epoch,
-                   metric_states=list(task.metric_states))
+                   metric_states=list(task.metric_states), lr_reductions=task.lr_reductions)
 
 
 def task_from_proto(msg: pb.Task) -> Task:
     return Task(msg.task_id, TaskType(msg.type), msg.shard.name, msg.shard.start,
-                msg.shard.end, msg.epoch, msg.model_version, tuple(msg.metric_states))
+                msg.shard.end, msg.epoch, msg.model_version, tuple(msg.metric_states),
+                int(msg.lr_reductions))

@@ -138,6 +138,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         wanted = None if request.task_type == pb.NONE else TaskType(request.task_type)
         task = self.core.get(worker_id, wanted, request_id=request.request_id)
         msg = task_to_proto(task)
+        if task.type == TaskType.TRAINING:  # fixed while a training task is out
+            msg.lr_reductions = self.core.lr_reductions()
         if task.type == TaskType.EVALUATION_FINALIZE:
             msg.metric_states.extend(self.core.evaluation_states(task.model_version))
         if task.type == TaskType.NONE and self.core.claim_export(worker_id):

@@ -154,6 +154,7 @@ class AllreduceTrainer(Trainer):
         epoch = self.runner.step_epoch
         if epoch >= 0:
             self.extras.advance_epoch(epoch)
+        self.extras.catch_up_reductions(self.runner.step_lr_reductions)
         apply = True
         scaler = self.extras.scaler
         if scaler is not None:

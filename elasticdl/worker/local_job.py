@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from elasticdl.api.metric_schedule import metric_rule, with_metric_rule
 from elasticdl.api.model_spec import ModelSpec, load_from_job_spec
 from elasticdl.checkpoint import api as ckpt
 from elasticdl.common.datasets import create_readers
@@ -42,8 +43,11 @@ class LocalJob:
     """Builds the collaborators of a Local job and runs it."""
 
     def __init__(self, spec: JobSpec, model_spec: Optional[ModelSpec] = None):
-        self.spec = spec
         self.model_spec = model_spec or load_from_job_spec(spec)
+        # a metric-driven LR schedule fails here, before any training, when the job
+        # cannot step it; the core's mirror of its rule reports the reductions
+        spec = with_metric_rule(spec, metric_rule(self.model_spec, spec))
+        self.spec = spec
         self.readers = create_readers(spec, self.model_spec.custom_data_reader)
         self.core = JobCore.from_spec(spec, self.readers)
         self.task_manager = self.core.tm
@@ -65,6 +69,8 @@ class LocalJob:
         self._records_done_in_task: dict[int, int] = {}
         self.progress: Optional[Progress] = None
         self._last_saved = 0
+        self._stepper = _MetricStepper(self.trainer.extras, self.core)
+        self.core.add_listener(self._stepper)
 
     # -------------------------------------------------------------- hooks
     def _after_train_step(self, task: Task, done: int, loss: torch.Tensor) -> None:
@@ -90,6 +96,8 @@ class LocalJob:
 
     def _after_task(self, task: Task) -> None:
         self._records_done_in_task.pop(task.task_id, None)
+        if self._stepper.error is not None:
+            raise self._stepper.error
 
     def save_checkpoint(self, partial: Optional[dict[int, int]] = None) -> str:
         state = self.trainer.state_dict()
@@ -166,6 +174,44 @@ class LocalJob:
         path = self.report.write(self.out_dir)
         logger.info("job %s succeeded in %.1f s; report: %s", spec.job_name, wall, path)
         return self.report.to_dict()
+
+
+class _MetricStepper:
+    """Local: steps the real scheduler with the monitored metric of each evaluation
+    (in the training thread: the core completes evaluations in its calls)."""
+
+    def __init__(self, extras: Any, core: JobCore):
+        self.extras = extras
+        self.core = core
+        self.error: Optional[BaseException] = None   # raised in the training loop
+
+    def on_evaluation(self, version: int, metrics: dict[str, float]) -> None:
+        schedule = self.extras.schedule
+        if schedule is None or schedule.interval != "evaluation":
+            return
+        if schedule.monitor not in metrics:
+            logger.error("evaluation of model version %d has no metric %r: the learning-rate "
+                         "schedule is not stepped", version, schedule.monitor)
+            return
+        try:
+            self.extras.step_metric(metrics[schedule.monitor])
+        except Exception as e:  # noqa: BLE001 - re-raised by the training loop
+            self.error = e
+            raise
+        mirror = self.core.metric_schedule
+        lrs = [float(g["lr"]) for g in schedule.scheduler.optimizer.param_groups]
+        if mirror is not None and mirror.state.lrs and mirror.state.lrs != lrs:
+            logger.warning("the master's ReduceLROnPlateau mirror has rates %s, the "
+                           "scheduler %s", mirror.state.lrs, lrs)
+        logger.info("%s stepped with %s=%.6g at model version %d: learning rate %s",
+                    type(schedule.scheduler).__name__, schedule.monitor,
+                    metrics[schedule.monitor], version,
+                    [g["lr"] for g in schedule.scheduler.optimizer.param_groups])
+
+    def __getattr__(self, name: str) -> Any:   # the other JobListener events: nothing
+        if name.startswith("on_"):
+            return lambda **fields: None
+        raise AttributeError(name)
 
 
 class TaskFailedError(RuntimeError):

@@ -78,6 +78,7 @@ class PSTrainer(Trainer):
         self.push_retry_timeout_s = push_retry_timeout_s
         self.identity: Identity = (0, 0, 0)  # of the minibatch being trained
         self.epoch = 0                        # of the task being trained
+        self.lr_reductions = 0                # its metric-driven LR reductions (master's)
         self.clip_grad_norm = float(job_spec.clip_grad_norm)
         self.amp = job_spec.amp  # autocast in the shared compute_loss (checked by PSRuntime)
         # fp16 autocast needs a loss scale; the optimizer is on the PS, so the
@@ -242,6 +243,7 @@ class PSTrainer(Trainer):
         """Minibatches of ``task`` every PS already applied (an earlier holder of
         the task pushed them): the task resumes after them."""
         self.epoch = task.epoch
+        self.lr_reductions = int(getattr(task, "lr_reductions", 0))
         done, _ = self.client.applied_minibatches(task.task_id)
         if done:
             logger.info("worker %d: task %d resumes; minibatches %s already applied",
@@ -313,7 +315,7 @@ class PSTrainer(Trainer):
         self.model.zero_grad(set_to_none=True)
         norm = GradNorm(float64=self.scaler is not None) \
             if self.clip_grad_norm > 0 or self.scaler is not None else None
-        session = PushSession(self, targets, self.epoch, norm)
+        session = PushSession(self, targets, self.epoch, norm, self.lr_reductions)
         self._session = session
         try:
             loss = self.compute_loss(features, labels)

@@ -225,6 +225,10 @@ class PSRuntime(TaskLoopRuntime):
         check_amp(ctx.job_spec.amp, ctx.resolved_device())
         trainer = PSTrainer(ctx.model_spec, list(ctx.ps_addrs), ctx.job_spec, ctx.worker_id,
                             ctx.resolved_device())
+        if ctx.job_spec.job_type == JobType.TRAIN:
+            from elasticdl.api.metric_schedule import check_replica
+
+            check_replica(ctx.model_spec, ctx.job_spec, trainer.model)
         return cls(trainer, ctx.job_spec, ctx.worker_id)
 
     def export(self, directory: str) -> list[str]:
@@ -259,6 +263,10 @@ class AllreduceRuntime(WorkerRuntime):
         device = ctx.resolved_device()
         member = AllreduceTrainer(ctx.model_spec, spec, ctx.worker_id, device, ctx.comm,
                                   ctx.host)
+        if spec.job_type == JobType.TRAIN:
+            from elasticdl.api.metric_schedule import check_replica
+
+            check_replica(ctx.model_spec, spec, member.model)
         runtime = cls(member)
         if spec.checkpoint_dir_for_init:  # model, optimizer, version; not the data position
             runtime.load_state_dict(ckpt.load(spec.checkpoint_dir_for_init, str(device)))

@@ -135,7 +135,7 @@ class OptimizerExtras(ScheduleClock):
             torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"epoch": self.epoch}
+        out: dict[str, Any] = {"epoch": self.epoch, "lr_reductions": self.reductions}
         if self.schedule is not None:
             out["lr_scheduler"] = self.schedule.scheduler.state_dict()
         if self.scaler is not None:
@@ -144,6 +144,7 @@ class OptimizerExtras(ScheduleClock):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state.get("epoch", 0))
+        self.reductions = int(state.get("lr_reductions", 0))
         if self.schedule is not None and "lr_scheduler" in state:
             self.schedule.scheduler.load_state_dict(state["lr_scheduler"])
         if self.scaler is not None and "grad_scaler" in state:
