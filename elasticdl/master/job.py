@@ -93,6 +93,8 @@ class JobCore(Journaled):
         self._listeners: list[Any] = []
         # a metric-driven LR schedule (ReduceLROnPlateau), stepped at each evaluation
         self.metric_schedule: Optional[MetricSchedule] = None
+        # called with the core after each refresh_report (the job history writer)
+        self.refresh_hooks: list[Any] = []
         self._init_journal(task_manager)
         task_manager.evaluation_done_callbacks.append(self._on_evaluation_done)
         if manage_evaluations:
@@ -397,6 +399,8 @@ class JobCore(Journaled):
             report.extra["prediction"] = tm.prediction_report()
         report.extra["model_version"] = self.version
         report.extra["nonfinite_steps_skipped"] = tm.counters.get("nonfinite_steps_skipped", 0)
+        for hook in self.refresh_hooks:
+            hook(self)
         return report
 
     # ---------------------------------------------------------------- state

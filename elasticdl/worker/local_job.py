@@ -28,7 +28,7 @@ from elasticdl.common.job_dirs import job_dir_for
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
-from elasticdl.master import observability
+from elasticdl.master import job_history, observability
 from elasticdl.master.job import JobCore
 from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 from elasticdl.worker.prediction import PredictionSink
@@ -100,6 +100,7 @@ class LocalJob:
             raise self._stepper.error
 
     def save_checkpoint(self, partial: Optional[dict[int, int]] = None) -> str:
+        self.core.refresh_report()   # the job history at this version (job_history)
         state = self.trainer.state_dict()
         state["data_position"] = self.task_manager.state_dict(partial)
         self._last_saved = self.trainer.model_version
@@ -127,6 +128,8 @@ class LocalJob:
         spec, tm = self.spec, self.task_manager
         if spec.checkpoint_dir_for_init:
             self._restore()
+        # a resumed job's report covers the whole job; --checkpoint_dir records it
+        job_history.attach(self.core, spec)
         self.core.begin()
         sink = None
         if spec.job_type == JobType.PREDICT:

@@ -135,6 +135,12 @@ class WorkerRuntime(ABC):
             ConnectionError: the parameters live elsewhere (PS) and cannot be read.
         """
 
+    def save_final_checkpoint(self) -> Optional[str]:
+        """With ``--checkpoint_dir``: a checkpoint of the final model (training is
+        over), whatever ``--checkpoint_steps`` left; the version directory, or None
+        where the strategy has none to write (the exporting worker calls it)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release connections and process groups; idempotent; never raises."""
@@ -235,6 +241,10 @@ class PSRuntime(TaskLoopRuntime):
         # the PS hold the newest parameters: pull them first
         return self.trainer.export_model(directory)
 
+    def save_final_checkpoint(self) -> Optional[str]:
+        # every PS writes its shard (and its trained records) of the final version
+        return self.trainer.save_checkpoint()
+
     def close(self) -> None:
         self.trainer.close()
 
@@ -286,6 +296,9 @@ class AllreduceRuntime(WorkerRuntime):
 
     def export(self, directory: str) -> list[str]:
         return ckpt.export_model(self.member.model, directory)
+
+    def save_final_checkpoint(self) -> Optional[str]:
+        return self.member.save_final_checkpoint()
 
     def close(self) -> None:
         self.member.close()
