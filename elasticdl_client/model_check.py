@@ -116,6 +116,9 @@ def check_model(spec: JobSpec) -> JobSpec:
                            "table); elasticdl.api.layers.Embedding is a drop-in whose rows "
                            "live on the PS", where, module.num_embeddings,
                            module.embedding_dim)
+    if spec.sequential_tasks and getattr(model_spec.module, "init_state", None) is None:
+        raise ModelSpecError(f"--sequential_tasks: {model_spec.module_path} defines no "
+                             "init_state(features) (the model state it carries)")
     from elasticdl.api.metric_schedule import metric_rule, with_metric_rule
 
     with tables_on_ps() if on_ps else contextlib.nullcontext():

@@ -134,9 +134,10 @@ class JobSpec:
     lr_plateau: str = _f("", "The module's ReduceLROnPlateau rule and monitored metric, as "
                          "JSON (set by the elasticdl command when it checks the model)",
                          "training", cli=False)
-    sequential_tasks: bool = _f(False, "Train the tasks in data order (no shuffling), one "
-                                "worker's tasks in a row: for stateful sequence models "
-                                "(truncated BPTT; see docs/training.md)", "training")
+    sequential_tasks: bool = _f(False, "Tasks in data order (refuses --shuffle and "
+                                "AllreduceStrategy), for a module with init_state: a model "
+                                "state carried across minibatches (truncated BPTT; see "
+                                "docs/training.md)", "training")
     task_timeout_s: float = _f(0.0, "Reassign a task held longer than this (0: 3x the "
                                "median task time, at least 60 s)", "distribution", min=0)
     master_reconnect_timeout_s: float = _f(300.0, "Seconds workers and PS keep reconnecting "
@@ -245,6 +246,11 @@ class JobSpec:
                                f"is required to {self.job_type} (the model to use)")
         if self.job_type == JobType.PREDICT and not self.output:
             raise JobSpecError("output", "is required to predict (where outputs go)")
+        if self.sequential_tasks and self.shuffle:
+            raise JobSpecError("sequential_tasks", "keeps tasks in data order: drop --shuffle")
+        if self.sequential_tasks and self.distribution_strategy == Strategy.ALLREDUCE:
+            raise JobSpecError("sequential_tasks", "AllreduceStrategy does not carry a model "
+                               "state; use Local or ParameterServerStrategy")
         strategy = entry_for(self.distribution_strategy)
         if self.job_type == JobType.TRAIN and strategy.in_process_training and \
                 self.num_workers > 1:

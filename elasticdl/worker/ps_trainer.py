@@ -46,6 +46,7 @@ from elasticdl.worker.ps_amp import GradNorm, LossScaler, push_scale
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
 from elasticdl.worker.ps_model_push import push_model
 from elasticdl.worker.ps_push import PushSession
+from elasticdl.worker.sequence_state import SequenceState
 from elasticdl.worker.trainer import NonFiniteError, Trainer
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class PSTrainer(Trainer):
         with tables_on_ps():
             self.model = model_spec.build_model().to(device)
         self.model.train()
+        self.sequence = SequenceState.of_spec(model_spec)
         self.init_timeout_s = init_timeout_s
         self.tables: dict[str, TableSpec] = {}
         # the weight of each materialised table as the model code left it: pushed to

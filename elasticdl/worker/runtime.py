@@ -270,6 +270,10 @@ class AllreduceRuntime(WorkerRuntime):
         if ctx.comm is None:
             raise ValueError("the allreduce runtime needs the master's rendezvous (comm)")
         spec = ctx.job_spec
+        if getattr(ctx.model_spec.module, "init_state", None) is not None:
+            raise ModelSpecError(f"{ctx.model_spec.module_path} defines init_state (a model "
+                                 "state carried across minibatches): AllreduceStrategy does "
+                                 "not carry it; use Local or ParameterServerStrategy")
         device = ctx.resolved_device()
         member = AllreduceTrainer(ctx.model_spec, spec, ctx.worker_id, device, ctx.comm,
                                   ctx.host)

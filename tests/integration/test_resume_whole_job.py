@@ -92,37 +92,38 @@ def test_local_finished_job_resumed_changes_nothing(small_digits, tmp_path):
     assert len(again["earlier_runs"]) == 1 and again["earlier_runs"][0]["records"] == 3 * 192
 
 
-def test_local_killed_job_resumed_reports_every_epoch(digits_data, tmp_path):
+def test_local_killed_job_resumed_reports_every_epoch(small_digits, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     flags = ["--num_epochs=3", "--minibatch_size=32", "--num_minibatches_per_task=1",
-             "--checkpoint_steps=10"]
+             "--checkpoint_steps=4"]
     out_a = str(tmp_path / "a")
-    proc = start_cli(_args(digits_data, out_a, "killed-a", ckpt, *flags),
+    proc = start_cli(_args(small_digits, out_a, "killed-a", ckpt, *flags),
                      str(tmp_path / "home-a"), str(tmp_path / "a.log"))
-    try:   # 45 versions per epoch: version 50 is past epoch 0's end and its evaluation
-        wait_for(lambda: any(v >= 50 for v in complete_versions(ckpt)), 300,
+    try:   # 6 versions per epoch: version 8 is past epoch 0's end and its evaluation
+        wait_for(lambda: any(v >= 8 for v in complete_versions(ckpt)), 250,
                  "a checkpoint past epoch 0", interval_s=0.02)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         kill_job_tree(proc, out_a)
     resumed_from = max(complete_versions(ckpt))
-    assert resumed_from < 135, "the job finished before it was killed"
-    report = _run(_args(digits_data, str(tmp_path / "b"), "killed-b", ckpt, *flags,
+    assert resumed_from < 18, "the job finished before it was killed"
+    report = _run(_args(small_digits, str(tmp_path / "b"), "killed-b", ckpt, *flags,
                         f"--checkpoint_dir_for_init={ckpt}"), tmp_path, "b")
     assert report["status"] == "succeeded", report.get("failure")
-    assert [e["records_completed"] for e in report["epochs"]] == [1437] * 3
+    assert [e["records_completed"] for e in report["epochs"]] == [192] * 3
     epochs = sorted(e["epoch"] for e in report["evaluations"] if "epoch_end" in e["reasons"])
     assert epochs == [0, 1, 2], report["evaluations"]
-    assert report["evaluations"][0]["model_version"] == 45          # from the first run
+    assert report["evaluations"][0]["model_version"] == 6           # from the first run
     assert report["resumed_from_version"] == resumed_from
     assert [t["epoch"] for t in report["training"]] == [0, 1, 2]
     resumed = report["timings"]["training_records_resumed"]
-    assert 0 < resumed < 3 * 1437
-    assert report["timings"]["training_records_this_run"] == 3 * 1437 - resumed
-    assert report["final_metrics"]["accuracy"] > 0.8
+    assert resumed == 32 * resumed_from
+    assert report["timings"]["training_records_this_run"] == 3 * 192 - resumed
+    assert len(report["earlier_runs"]) == 1
 
 
+@pytest.mark.timeout(600)   # two distributed jobs (2 workers, 2 PS) on a shared machine
 def test_ps_job_killed_after_its_final_checkpoint_resumes_to_the_same_model(small_digits,
                                                                              tmp_path):
     ckpt = str(tmp_path / "ckpt")
