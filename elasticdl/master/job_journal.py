@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import enum
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -115,10 +116,12 @@ class Journaled:
             self._frozen = None
 
     def _log(self, op: str, **fields: Any) -> None:
+        """Journal transition ``op`` (an :class:`Op` value; its replay is in
+        :data:`HANDLERS`)."""
         if self._journal is not None and not self._replaying:
             # on disk before the call returns: fsynced here (callers that ack
             # over the wire may group-commit instead: see durable())
-            self._journal.append({"op": op, **fields}, sync=not self.group_commit)
+            self._journal.append({"op": Op(op).value, **fields}, sync=not self.group_commit)
 
     def durable(self) -> None:
         """Every transition so far is on disk (the servicer calls it before each
@@ -185,41 +188,61 @@ class Journaled:
         return len(records)
 
     def _apply(self, rec: dict[str, Any]) -> None:
-        op = rec["op"]
+        try:
+            op = Op(rec["op"])
+        except ValueError:
+            raise JournalError(f"journal record {rec.get('seq')}: unknown op "
+                               f"{rec['op']!r}") from None
         with self._at(rec.get("t")):
-            if op == "get":
-                tt = rec["type"]
-                task = self.get(rec["w"], None if tt is None else TaskType(tt), rec["r"])
-                got = task_state.task_to_json(task)
-                if got != rec["task"]:
-                    raise JournalError(f"journal record {rec['seq']}: replayed get_task gave "
-                                       f"task {got}, the journal says {rec['task']}")
-            elif op == "report":
-                self.report_task(rec["task"], rec["w"], rec["ok"], rec["error"], rec["tb"],
-                                 rec["fatal"], rec["counters"], rec["version"],
-                                 rec.get("loss"), rec.get("lr"))
-            elif op == "metrics":
-                self.report_evaluation(rec["task"], rec["version"],
-                                       [tuple(m) for m in rec["metrics"]],  # type: ignore
-                                       base64.b64decode(rec.get("states", "")))
-            elif op == "version":
-                self.on_version(rec["w"], rec["version"])
-            elif op == "begin":
-                self.begin()
-            elif op == "recover":
-                self.recover_tasks(rec["w"])
-            elif op == "rollback":
-                self.rollback({int(k): v for k, v in rec["applied"].items()},
-                              rec["version"])
-            elif op == "begin_rollback":
-                self.begin_rollback()
-            elif op == "end_rollback":
-                self.end_rollback()
-            elif op == "start_at":
-                self.start_at_version(rec["version"])
-            elif op == "export":
-                self.claim_export(rec["w"])
-            elif op == "worker_reported":
-                self.worker_reported(rec["w"], rec["error"], rec["tb"])
-            else:
-                raise JournalError(f"journal record {rec['seq']}: unknown op {op!r}")
+            HANDLERS[op](self, rec)
+
+
+class Op(str, enum.Enum):
+    """The journal's record kinds: one per journaled JobCore transition. A new
+    transition adds a member here and its replay in :data:`HANDLERS`."""
+
+    GET = "get"
+    REPORT = "report"
+    METRICS = "metrics"
+    VERSION = "version"
+    BEGIN = "begin"
+    RECOVER = "recover"
+    ROLLBACK = "rollback"
+    BEGIN_ROLLBACK = "begin_rollback"   # journals written before the rollback protocol
+    END_ROLLBACK = "end_rollback"
+    START_AT = "start_at"
+    EXPORT = "export"
+    WORKER_REPORTED = "worker_reported"
+
+
+def _replay_get(core: Any, rec: dict[str, Any]) -> None:
+    tt = rec["type"]
+    task = core.get(rec["w"], None if tt is None else TaskType(tt), rec["r"])
+    got = task_state.task_to_json(task)
+    if got != rec["task"]:
+        raise JournalError(f"journal record {rec['seq']}: replayed get_task gave "
+                           f"task {got}, the journal says {rec['task']}")
+
+
+Handler = Callable[[Any, dict[str, Any]], None]
+
+HANDLERS: dict[Op, Handler] = {
+    Op.GET: _replay_get,
+    Op.REPORT: lambda core, rec: core.report_task(
+        rec["task"], rec["w"], rec["ok"], rec["error"], rec["tb"], rec["fatal"],
+        rec["counters"], rec["version"], rec.get("loss"), rec.get("lr")),
+    Op.METRICS: lambda core, rec: core.report_evaluation(
+        rec["task"], rec["version"], [tuple(m) for m in rec["metrics"]],
+        base64.b64decode(rec.get("states", ""))),
+    Op.VERSION: lambda core, rec: core.on_version(rec["w"], rec["version"]),
+    Op.BEGIN: lambda core, rec: core.begin(),
+    Op.RECOVER: lambda core, rec: core.recover_tasks(rec["w"]),
+    Op.ROLLBACK: lambda core, rec: core.rollback(
+        {int(k): v for k, v in rec["applied"].items()}, rec["version"]),
+    Op.BEGIN_ROLLBACK: lambda core, rec: core.begin_rollback(),
+    Op.END_ROLLBACK: lambda core, rec: core.end_rollback(),
+    Op.START_AT: lambda core, rec: core.start_at_version(rec["version"]),
+    Op.EXPORT: lambda core, rec: core.claim_export(rec["w"]),
+    Op.WORKER_REPORTED: lambda core, rec: core.worker_reported(rec["w"], rec["error"],
+                                                               rec["tb"]),
+}
