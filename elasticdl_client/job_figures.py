@@ -132,7 +132,8 @@ def from_report(report: dict[str, Any]) -> list[str]:
     training = [t for t in report.get("training", []) if t.get("mean_loss") is not None]
     if training:
         t = training[-1]
-        lrs = t.get("learning_rates") or [None]
+        lrs = [(t.get("learning_rate") or {}).get("last")] if t.get("learning_rate") else \
+            t.get("learning_rates") or [None]
         rate = report.get("timings", {}).get("training_records_per_s")
         lines.append(f"  training: loss {_num(t['mean_loss'])} (epoch {t['epoch']} mean), "
                      f"learning rate {_num(lrs[-1])}, {_num(rate, '{:.1f}')} records/s "

@@ -5,9 +5,16 @@ that a job resumed from it (``--checkpoint_dir_for_init``) trains every record
 of the interrupted epoch exactly once. Two files make that possible:
 
 * ``<checkpoint_dir>/tasks.jsonl``: the master's *task table*. Task ids are
-  per run (the master starts them at a time-based value), so the master
-  appends every training task it creates, ``{"t": id, "s": shard, "a": start,
-  "b": end, "e": epoch}``, before handing it out. A resumed run starts its
+  per run (the master starts them at a time-based value) and name their task
+  (:mod:`elasticdl.master.task_blocks`): the table starts with a ``{"pieces":
+  {"shards": [...], "rpt": records_per_task}}`` line (how the training shards
+  are cut) and the master appends one line per *block* of ids it creates,
+  before handing any of it out: ``{"blk": base, "n": count, "e": epoch,
+  "seed": shuffle seed or null, "src": "train"}`` for an epoch, or with
+  ``"src": [[shard, start, end, epoch], ...]`` for ranges no rule derives (the
+  pending ranges of a resumed run): one line per epoch, not per task. (Tables
+  of older versions have one ``{"t": id, "s": shard, "a": start, "b": end,
+  "e": epoch}`` line per task; they are still read.) A resumed run starts its
   table with a ``{"base": ...}`` line: the data position it resumed from
   (epochs created, per-epoch counts of the records already in the model).
   Appends are single ``write`` calls of one line, so a killed master leaves at
@@ -15,12 +22,15 @@ of the interrupted epoch exactly once. Two files make that possible:
 * ``<checkpoint_dir>/version-N/data_position.json``: a single writer that has
   the task manager at hand (Local) writes its state directly.
 * ``<checkpoint_dir>/version-N/trained-<writer>.json``: what the model of
-  version N contains, as ``[task_id, offset, records]`` triples (``offset``
-  records into the task). Parameter servers write one per PS from their
-  applied-identity ledgers (a minibatch counts only when every PS applied
-  it); allreduce rank 0 writes ``trained-group.json`` with what every member
-  trained up to N (exchanged with every step's meta). Written before the
-  version's ``DONE`` marker.
+  version N contains: ``{"trained": [[task_id, offset, records], ...]}``
+  (``offset`` records into the task), or the compact form ``{"generation": g,
+  "closed": [lo, hi, ...], "entries": [[task_id, offset, records], ...]}``:
+  every task in the ``closed`` intervals whole, ``entries`` only for tasks not
+  closed. Parameter servers write one per PS from their applied-identity
+  ledgers (a minibatch counts only when every PS applied it); allreduce rank 0
+  writes ``trained-group.json`` with what every member trained up to N
+  (exchanged with every step's meta). Written before the version's ``DONE``
+  marker.
 
 :func:`resume_state` combines the newest complete checkpoint with the table of
 its directory into the state :meth:`TaskManager.load_state_dict` takes:
@@ -38,7 +48,9 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 from elasticdl.checkpoint.paths import CheckpointError, resolve, version_of
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
+from elasticdl.master.task_blocks import Block, PieceSource, gaps
 
 logger = logging.getLogger(__name__)
 
@@ -67,27 +79,85 @@ def write_trained(version_dir: str, writer: str,
     return path
 
 
-def read_trained(version_dir: str) -> Optional[Trained]:
-    """What the model of a version directory contains; None when it records nothing
-    (a checkpoint written without a data position). Several writers (one per PS):
-    a record counts only when every one of them has it."""
+def write_trained_compact(version_dir: str, writer: str, generation: int,
+                          closed: IntervalSet, entries: Iterable[tuple[int, int, int]]) -> str:
+    """Write the compact form for ``writer`` (atomic): the tasks in ``closed``
+    whole, ``entries`` (``[task_id, offset, records]``) for the others."""
+    os.makedirs(version_dir, exist_ok=True)
+    path = trained_path(version_dir, writer)
+    rows = sorted({(int(t), int(o)): int(r) for t, o, r in entries
+                   if r > 0 and int(t) not in closed}.items())
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"generation": int(generation), "closed": closed.to_flat(),
+                   "entries": [[t, o, r] for (t, o), r in rows]}, f, separators=(",", ":"))
+    os.replace(tmp, path)
+    return path
+
+
+class TrainedSet:
+    """What a checkpoint's model holds: every task in ``closed`` whole and, per
+    other task, ``{offset: records}`` (common to every writer)."""
+
+    def __init__(self, closed: IntervalSet, entries: Trained):
+        self.closed = closed
+        self.entries = entries
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TrainedSet) and self.closed == other.closed and \
+            self.entries == other.entries
+
+
+def _read_writer(path: str) -> tuple[IntervalSet, dict[int, dict[int, int]]]:
+    with open(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+            if "trained" in doc:
+                closed, rows = IntervalSet(), doc["trained"]
+            else:
+                closed, rows = IntervalSet.from_flat(doc["closed"]), doc["entries"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: not a trained-records file ({e})") from e
+    entries: dict[int, dict[int, int]] = {}
+    for t, o, r in rows:
+        entries.setdefault(int(t), {})[int(o)] = int(r)
+    return closed, entries
+
+
+def read_trained_set(version_dir: str) -> Optional[TrainedSet]:
+    """What the model of a version directory contains (either form of every
+    writer's file); None when it records nothing. Several writers (one per PS):
+    a task is whole when every writer has it closed, else a record counts only
+    when every writer that has not closed it has it."""
     names = sorted(n for n in os.listdir(version_dir) if _TRAINED.match(n))
     if not names:
         return None
-    common: Optional[dict[tuple[int, int], int]] = None
-    for name in names:
-        with open(os.path.join(version_dir, name), encoding="utf-8") as f:
-            try:
-                rows = json.load(f)["trained"]
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"{version_dir}/{name}: not a trained-records file "
-                                      f"({e})") from e
-        mine = {(int(t), int(o)): int(r) for t, o, r in rows}
-        common = mine if common is None else {k: v for k, v in common.items() if k in mine}
+    parts = [_read_writer(os.path.join(version_dir, n)) for n in names]
+    closed = parts[0][0]
+    for c, _ in parts[1:]:
+        closed = closed.intersection(c)
     out: Trained = {}
-    for (task, offset), records in (common or {}).items():
-        out.setdefault(task, {})[offset] = records
-    return out
+    for task in set().union(*(e.keys() for _, e in parts)):
+        if task in closed:
+            continue
+        common: Optional[dict[int, int]] = None
+        for c, e in parts:
+            if task in c:
+                continue   # whole on that writer: no constraint
+            mine = e.get(task, {})
+            common = dict(mine) if common is None else \
+                {o: r for o, r in common.items() if o in mine}
+        if common:
+            out[task] = common
+    return TrainedSet(closed, out)
+
+
+def read_trained(version_dir: str) -> Optional[Trained]:
+    """The per-task records of a version directory's trained files (tasks a
+    compact file holds whole are in :func:`read_trained_set`'s ``closed`` only);
+    None when it records nothing."""
+    found = read_trained_set(version_dir)
+    return None if found is None else found.entries
 
 
 def write_position(version_dir: str, state: dict[str, Any]) -> str:
@@ -115,38 +185,45 @@ def read_position(version_dir: str) -> Optional[dict[str, Any]]:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             return dict(json.load(f))
-    trained = read_trained(version_dir)
+    trained = read_trained_set(version_dir)
     if trained is None:
         return None
-    base, tasks = read_table(os.path.dirname(os.path.normpath(version_dir)))
-    return position(base, tasks, trained)
+    base, blocks, sources = read_table_blocks(os.path.dirname(os.path.normpath(version_dir)))
+    return position(base, blocks, trained, sources)
 
 
 # ---------------------------------------------------------------- task table
 class TaskTable:
-    """The master's append-only table of training tasks (module docs).
+    """The master's append-only table of training task blocks (module docs).
 
     Creating one starts a fresh table in ``checkpoint_dir`` (replacing an older
-    one atomically) whose first line is ``base`` when the run resumed.
+    one atomically) whose first lines are ``base`` when the run resumed and
+    ``pieces`` (how the training shards are cut, :class:`PieceSource`).
     """
 
-    def __init__(self, checkpoint_dir: str, base: Optional[dict[str, Any]] = None):
+    def __init__(self, checkpoint_dir: str, base: Optional[dict[str, Any]] = None,
+                 pieces: Optional[PieceSource] = None):
         os.makedirs(checkpoint_dir, exist_ok=True)
         self.path = os.path.join(checkpoint_dir, TABLE)
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             if base is not None:
                 f.write(json.dumps({"base": base}, separators=(",", ":")) + "\n")
+            if pieces is not None:
+                f.write(json.dumps({"pieces": pieces.to_json()}, separators=(",", ":")) + "\n")
         os.replace(tmp, self.path)
         # unbuffered: each line reaches the file in one write before the task is handed out
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 
-    def record(self, task: Task) -> None:
-        """Append a training task (other types are not part of the data position)."""
-        if task.type != TaskType.TRAINING:
+    def record(self, block: Block) -> None:
+        """Append a block of training tasks (other types are not part of the data
+        position)."""
+        if block.type != TaskType.TRAINING:
             return
-        line = json.dumps({"t": task.task_id, "s": task.shard_name, "a": task.start,
-                           "b": task.end, "e": task.epoch}, separators=(",", ":")) + "\n"
+        src = block.source if isinstance(block.source, str) else \
+            [list(p) for p in block.source]
+        line = json.dumps({"blk": block.base, "n": block.count, "e": block.epoch,
+                           "seed": block.seed, "src": src}, separators=(",", ":")) + "\n"
         os.write(self._fd, line.encode("utf-8"))
 
     def close(self) -> None:
@@ -155,18 +232,22 @@ class TaskTable:
             self._fd = -1
 
 
-def read_table(checkpoint_dir: str) -> tuple[Optional[dict[str, Any]], list[Task]]:
-    """The base position and the training tasks of ``checkpoint_dir``'s table.
+def read_table_blocks(checkpoint_dir: str) -> tuple[Optional[dict[str, Any]], list[Block],
+                                                    dict[str, Any]]:
+    """The base position, the training task blocks and the piece sources of
+    ``checkpoint_dir``'s table (a per-task line of an older table is a block of
+    one explicit task).
 
     Raises:
-        CheckpointError: there is no table.
+        CheckpointError: there is no table, or a damaged one.
     """
     path = os.path.join(checkpoint_dir, TABLE)
     if not os.path.exists(path):
         raise CheckpointError(f"{checkpoint_dir} has no task table ({TABLE}): it was not "
                               "written by a distributed job of this version")
     base: Optional[dict[str, Any]] = None
-    tasks: list[Task] = []
+    blocks: list[Block] = []
+    sources: dict[str, Any] = {}
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     for i, line in enumerate(lines):
@@ -179,12 +260,38 @@ def read_table(checkpoint_dir: str) -> tuple[Optional[dict[str, Any]], list[Task
                 logger.warning("%s: torn last line skipped", path)
                 continue
             raise CheckpointError(f"{path}:{i + 1}: not JSON") from None
-        if "base" in row:
-            base = row["base"]
-        else:
-            tasks.append(Task(int(row["t"]), TaskType.TRAINING, str(row["s"]), int(row["a"]),
-                              int(row["b"]), int(row["e"])))
-    return base, tasks
+        try:
+            if "base" in row:
+                base = row["base"]
+            elif "pieces" in row:
+                sources["train"] = PieceSource.from_json(row["pieces"])
+            elif "blk" in row:
+                src = row["src"] if isinstance(row["src"], str) else [
+                    (str(n), int(a), int(b), int(e)) for n, a, b, e in row["src"]]
+                if isinstance(src, str) and src not in sources:
+                    raise CheckpointError(f"{path}:{i + 1}: a block of {src!r} pieces "
+                                          "before the table's pieces line")
+                blocks.append(Block(int(row["blk"]), int(row["n"]), TaskType.TRAINING, src,
+                                    int(row["e"]), -1,
+                                    None if row["seed"] is None else int(row["seed"])))
+            else:
+                blocks.append(Block(int(row["t"]), 1, TaskType.TRAINING,
+                                    [(str(row["s"]), int(row["a"]), int(row["b"]),
+                                      int(row["e"]))], -1))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}:{i + 1}: not a task table line ({e})") from e
+    return base, blocks, sources
+
+
+def read_table(checkpoint_dir: str) -> tuple[Optional[dict[str, Any]], list[Task]]:
+    """The base position and every training task of ``checkpoint_dir``'s table
+    (O(tasks): for tests and tools; resuming reads the blocks).
+
+    Raises:
+        CheckpointError: there is no table.
+    """
+    base, blocks, sources = read_table_blocks(checkpoint_dir)
+    return base, [b.task(p, sources) for b in blocks for p in range(b.count)]
 
 
 # ------------------------------------------------------------------- resume
@@ -202,10 +309,17 @@ def untrained_ranges(task: Task, trained: dict[int, int]) -> list[tuple[int, int
     return [(a, b) for a, b in out if a < b]
 
 
-def position(base: Optional[dict[str, Any]], tasks: list[Task],
-             trained: Trained) -> dict[str, Any]:
+def _empty_led() -> dict[str, int]:
+    return {"records_completed": 0, "records_applied": 0, "records_redone": 0,
+            "tasks_completed": 0}
+
+
+def position(base: Optional[dict[str, Any]], blocks: list[Block], trained: TrainedSet,
+             sources: dict[str, Any]) -> dict[str, Any]:
     """The :meth:`TaskManager.load_state_dict` state: ``base`` plus, per task of
-    the table, its trained records counted and its untrained ranges pending."""
+    the table's blocks, its trained records counted and its untrained ranges
+    pending. Costs O(tasks not closed), not O(tasks): the closed ones of a block
+    count as its records less those of the others."""
     base = base or {}
     ledger: dict[int, dict[str, int]] = {
         int(e): {"records_completed": int(v.get("records_completed", 0)),
@@ -215,20 +329,33 @@ def position(base: Optional[dict[str, Any]], tasks: list[Task],
         for e, v in base.get("ledger", {}).items()}
     epochs = int(base.get("epochs_created", 0))
     pending: list[list[Any]] = []
-    for task in tasks:
-        epochs = max(epochs, task.epoch + 1)
-        led = ledger.setdefault(task.epoch, {"records_completed": 0, "records_applied": 0,
-                                             "records_redone": 0, "tasks_completed": 0})
-        left = untrained_ranges(task, trained.get(task.task_id, {}))
-        done = task.num_records - sum(b - a for a, b in left)
-        led["records_completed"] += done
-        led["records_applied"] += done
-        if not left:
-            led["tasks_completed"] += 1
-        pending.extend([task.shard_name, a, b, task.epoch] for a, b in left)
+    for block in blocks:
+        # the block's whole records and tasks per epoch, less those not closed below
+        whole: dict[int, list[int]] = {}
+        if isinstance(block.source, str):
+            whole[block.epoch] = [sources[block.source].records, block.count]
+        else:
+            for _, a, b, e in block.source:
+                w = whole.setdefault(e, [0, 0])
+                w[0] += b - a
+                w[1] += 1
+        for lo, hi in gaps(trained.closed, block.base, block.base + block.count):
+            for task_id in range(lo, hi):
+                task = block.task(task_id - block.base, sources)
+                left = untrained_ranges(task, trained.entries.get(task_id, {}))
+                untrained = sum(b - a for a, b in left)
+                w = whole[task.epoch]
+                w[0] -= untrained
+                w[1] -= 1 if left else 0
+                pending.extend([task.shard_name, a, b, task.epoch] for a, b in left)
+        for e, (records, tasks) in whole.items():
+            epochs = max(epochs, e + 1)
+            led = ledger.setdefault(e, _empty_led())
+            led["records_completed"] += records
+            led["records_applied"] += records
+            led["tasks_completed"] += tasks
     for e in range(epochs):
-        ledger.setdefault(e, {"records_completed": 0, "records_applied": 0,
-                              "records_redone": 0, "tasks_completed": 0})
+        ledger.setdefault(e, _empty_led())
     return {"epochs_created": epochs, "pending": pending, "ledger": ledger}
 
 
@@ -248,7 +375,7 @@ def resume_state(init_path: str) -> Optional[dict[str, Any]]:
                        "from the first epoch", vdir)
         return None
     state = position({"epochs_created": found["epochs_created"], "ledger": found["ledger"]},
-                     [], {})
+                     [], TrainedSet(IntervalSet(), {}), {})
     state["pending"] = [list(p) for p in found["pending"]]
     state["from_version"] = version_of(vdir)
     done = {e: v["records_completed"] for e, v in sorted(state["ledger"].items())}
@@ -271,8 +398,10 @@ def attach(task_manager: Any, checkpoint_dir: str, init_path: str = "") -> Optio
         base = None if state is None else {"epochs_created": state["epochs_created"],
                                            "ledger": state["ledger"],
                                            "from": os.path.abspath(init_path)}
-        table = TaskTable(checkpoint_dir, base)
-        task_manager.task_created_callbacks.append(table.record)
+        pieces = getattr(task_manager, "_train_pieces", None)
+        table = TaskTable(checkpoint_dir, base,
+                          pieces if isinstance(pieces, PieceSource) else None)
+        task_manager.block_created_callbacks.append(table.record)
     if state is not None:
         task_manager.load_state_dict(state)
     return table

@@ -37,7 +37,8 @@ class JobReport:
     final_metrics: dict[str, float] = field(default_factory=dict)
     failure: Optional[dict[str, Any]] = None
     # per epoch (as a string key, JSON-able): loss sum and records of the training
-    # tasks that reported one, and every learning rate their steps were applied with
+    # tasks that reported one, and a bounded summary of the learning rates their
+    # steps were applied with ({first, last, min, max, count} in report order)
     training: dict[str, dict[str, Any]] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -71,25 +72,36 @@ class JobReport:
     def add_training(self, epoch: int, records: int, loss: Optional[float],
                      learning_rate: Optional[float]) -> None:
         """One finished training task of ``epoch``: its mean loss over ``records`` and
-        the learning rate its last step was applied with (either may be unknown)."""
+        the learning rate its last step was applied with (either may be unknown).
+        O(1): the rates are kept as a summary, never as a list."""
         e = self.training.setdefault(str(epoch), {"loss_sum": 0.0, "records": 0,
-                                                  "learning_rates": []})
+                                                  "lr": None})
         if loss is not None and records > 0:
             e["loss_sum"] += float(loss) * records
             e["records"] += int(records)
-        if learning_rate is not None and float(learning_rate) not in e["learning_rates"]:
-            e["learning_rates"].append(float(learning_rate))
-            e["learning_rates"].sort()
+        if learning_rate is not None:
+            lr = float(learning_rate)
+            s = e.get("lr")
+            if s is None:
+                e["lr"] = {"first": lr, "last": lr, "min": lr, "max": lr, "count": 1}
+            else:
+                s["last"] = lr
+                s["min"], s["max"] = min(s["min"], lr), max(s["max"], lr)
+                s["count"] += 1
 
     def training_summary(self) -> list[dict[str, Any]]:
-        """Per epoch: mean training loss and the learning rates seen (report field
-        ``training``)."""
+        """Per epoch: mean training loss, the learning rates seen as ``learning_rates``
+        (the distinct values of min and max: one value when the rate was constant
+        over the epoch) and ``learning_rate`` (``{first, last, min, max, count}``
+        over the epoch's task reports, or None) (report field ``training``)."""
         out = []
         for key in sorted(self.training, key=int):
             e = self.training[key]
+            s = e.get("lr")
             out.append({"epoch": int(key),
                         "mean_loss": e["loss_sum"] / e["records"] if e["records"] else None,
-                        "learning_rates": list(e["learning_rates"])})
+                        "learning_rates": [] if s is None else sorted({s["min"], s["max"]}),
+                        "learning_rate": None if s is None else dict(s)})
         return out
 
     def add_relaunch(self, replica: str, new_replica: str, reason: str,
@@ -138,6 +150,12 @@ class JobReport:
         for k in self._STATE:
             if k in state:  # journals written before a field existed
                 setattr(self, k, json.loads(json.dumps(state[k])))
+        for e in self.training.values():   # a list of rates (older journals): summarised
+            rates = e.pop("learning_rates", None)
+            if rates:
+                e["lr"] = {"first": rates[0], "last": rates[-1], "min": min(rates),
+                           "max": max(rates), "count": len(rates)}
+            e.setdefault("lr", None)
 
     def write(self, directory: str) -> str:
         os.makedirs(directory, exist_ok=True)

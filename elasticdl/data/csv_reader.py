@@ -15,14 +15,21 @@ Conventions shared by both readers:
 
 CSV records are lists of ``str`` fields parsed with the :mod:`csv` module. A quoted field cannot
 contain a newline (a record never spans lines); such a record is reported as malformed.
+
+Index persistence: with a cache directory (``index_cache_dir``, else the ``ELASTICDL_INDEX_CACHE``
+environment variable, which the master sets to ``<job_dir>/data_index``) each file's index is
+saved there as ``.npy``, keyed by the file's absolute path, size and modification time, and
+memory-mapped back instead of re-reading the file: a restarted master serves at once.
 """
 
 from __future__ import annotations
 
 import codecs
 import csv
+import hashlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +44,9 @@ __all__ = ["BLOCK_SIZE", "CSVDataReader", "LineIndex", "TextDataReader", "build_
 
 BLOCK_SIZE = 4 << 20
 """Bytes read per block when indexing a file."""
+
+INDEX_CACHE_ENV = "ELASTICDL_INDEX_CACHE"
+"""Environment variable naming the directory where line indexes are kept (see module docs)."""
 
 _NEWLINE = ord("\n")
 _UTF8_BOM = codecs.BOM_UTF8
@@ -84,6 +94,17 @@ def build_line_index(path: str, block_size: int = BLOCK_SIZE, skip_bom: bool = T
     return offsets[: count + 1]
 
 
+def _save_index(cached: str, offsets: np.ndarray) -> None:
+    """Keep an index for the next reader (atomic; a cache: failing to write it only warns)."""
+    tmp = f"{cached}.{os.getpid()}.tmp.npy"
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        np.save(tmp, offsets)
+        os.replace(tmp, cached)
+    except OSError as err:
+        logger.warning("cannot keep the line index in %s: %s", cached, err)
+
+
 def _read_span(path: str, begin: int, stop: int) -> bytes:
     """Return bytes ``[begin, stop)`` of ``path``, raising DataError if they are not all there."""
     try:
@@ -118,8 +139,14 @@ class _LineFileReader(FileDataReader[LineIndex]):
     """Shared machinery: lazy per-file line index and range reads of decoded lines."""
 
     def __init__(
-        self, files: Sequence[str], *, encoding: str = "utf-8", block_size: int = BLOCK_SIZE
+        self,
+        files: Sequence[str],
+        *,
+        encoding: str = "utf-8",
+        block_size: int = BLOCK_SIZE,
+        index_cache_dir: str | None = None,
     ) -> None:
+        self._index_cache_dir = index_cache_dir
         try:
             codec = codecs.lookup(encoding).name
         except LookupError:
@@ -138,9 +165,32 @@ class _LineFileReader(FileDataReader[LineIndex]):
         """Codec used to decode the files."""
         return self._encoding
 
+    def _index_cache(self, path: str) -> str | None:
+        """Where ``path``'s index is kept (None: no cache directory)."""
+        directory = self._index_cache_dir or os.environ.get(INDEX_CACHE_ENV, "")
+        if not directory:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            raise DataError(f"{path}: cannot read: {err}") from err
+        key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{self._encoding == 'utf-8'}"
+        return os.path.join(directory, hashlib.sha1(key.encode()).hexdigest() + ".npy")
+
     def _index_lines(self, path: str) -> np.ndarray:
         began = time.perf_counter()
+        cached = self._index_cache(path)
+        if cached is not None and os.path.exists(cached):
+            try:
+                offsets = np.load(cached, mmap_mode="r")
+                logger.debug("index of %s reused from %s", path, cached)
+                return offsets
+            except (OSError, ValueError) as err:
+                logger.warning("index cache %s unreadable (%s): indexing %s again", cached, err,
+                               path)
         offsets = build_line_index(path, self._block_size, skip_bom=self._encoding == "utf-8")
+        if cached is not None:
+            _save_index(cached, offsets)
         logger.debug(
             "indexed %s: %d lines, %d bytes in %.3fs",
             path,
@@ -191,6 +241,7 @@ class CSVDataReader(_LineFileReader):
             have the same header.
         encoding: an ASCII-compatible codec.
         block_size: bytes read per block when indexing.
+        index_cache_dir: keep each file's index here (see module docs).
 
     Every record of a file must have as many fields as the header or, without header, as the
     first record of that file; otherwise reading it raises :class:`MalformedRecordError`.
@@ -204,10 +255,12 @@ class CSVDataReader(_LineFileReader):
         header: bool = False,
         encoding: str = "utf-8",
         block_size: int = BLOCK_SIZE,
+        index_cache_dir: str | None = None,
     ) -> None:
         if sep is not None and (len(sep) != 1 or sep in "\r\n"):
             raise ValueError(f"sep must be one character other than a newline, got {sep!r}")
-        super().__init__(files, encoding=encoding, block_size=block_size)
+        super().__init__(files, encoding=encoding, block_size=block_size,
+                         index_cache_dir=index_cache_dir)
         self._sep = sep
         self._header = header
         self._columns: tuple[str, ...] | None = None

@@ -76,7 +76,7 @@ class _AppendedTable(TaskTable):
 def reopen_task_table(core: JobCore, spec: Any) -> None:
     """Tasks the restored core creates go on into the run's task table."""
     if spec.job_type == JobType.TRAIN and spec.checkpoint_dir:
-        core.tm.task_created_callbacks.append(_AppendedTable(spec.checkpoint_dir).record)
+        core.tm.block_created_callbacks.append(_AppendedTable(spec.checkpoint_dir).record)
 
 
 def last_journaled(job_dir: str) -> float:

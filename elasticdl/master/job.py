@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from elasticdl.common.enums import JobType, Strategy
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.job_report import JobReport, exported_model_version
 from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
@@ -118,12 +119,15 @@ class JobCore(Journaled):
         """The one place a job's task manager, schedule and report are built."""
         from elasticdl.common.datasets import shards_for
 
-        # wall-clock time: held tasks' start times stay meaningful across a master restart
+        # wall-clock time: held tasks' start times stay meaningful across a master restart;
+        # only a PS job that writes checkpoints can roll back (re-open closed tasks)
+        rollbacks = spec.distribution_strategy == Strategy.PS and \
+            bool(spec.checkpoint_dir)
         tm = TaskManager(records_per_task=spec.records_per_task, num_epochs=spec.num_epochs,
                          shuffle=spec.shuffle, seed=spec.seed,
                          max_task_retries=spec.max_task_retries,
                          task_timeout_s=spec.task_timeout_s, first_task_id=first_task_id,
-                         clock=time.time,
+                         clock=time.time, settle_on_close=not rollbacks,
                          **shards_for(dict(readers), spec))
         report = report_for(spec, tm)
         core = cls(tm, report, Schedule.from_spec(spec), minibatch_size=spec.minibatch_size,
@@ -266,14 +270,17 @@ class JobCore(Journaled):
             self._log("recover", t=t, w=worker_id)
             return lost
 
-    def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
-        """The PS rolled back to a checkpoint; versions continue at ``new_version``."""
+    def rollback(self, applied: dict[int, int], new_version: int,
+                 closed: Optional[IntervalSet] = None) -> list[int]:
+        """The PS rolled back to a checkpoint; versions continue at ``new_version``.
+        ``applied``: per task, the records every restored PS holds; ``closed``:
+        tasks every restored PS holds whole (its compacted ledgers)."""
         with self._lock:
-            lost = self.tm.rollback(applied, new_version)
+            lost = self.tm.rollback(applied, new_version, closed)
             self.version = max(self.version, new_version)
             self._rollbacks_pending = max(self._rollbacks_pending - 1, 0)
             self._log("rollback", applied={str(k): v for k, v in applied.items()},
-                      version=new_version)
+                      version=new_version, closed=None if closed is None else closed.to_flat())
             return lost
 
     def lr_reductions(self) -> int:
@@ -281,6 +288,24 @@ class JobCore(Journaled):
         with self._lock:
             ms = self.metric_schedule
             return ms.reductions() if ms is not None else 0
+
+    def closed_tasks(self) -> tuple[int, IntervalSet]:
+        """``(generation, closed)``: the generation is the rollback version (a PS
+        that rolled back to a higher one ignores this set); ``closed`` a copy of
+        the ids of every task counted done (training tasks the PS folds; the ids
+        of evaluation and prediction tasks hold no PS work)."""
+        with self._lock:
+            return self.tm.rollback_version, self.tm.completed.copy()
+
+    def settle(self, checkpoint_version: int, held: IntervalSet) -> int:
+        """Checkpoint ``checkpoint_version`` is complete on every PS and holds the
+        tasks ``held`` whole on each: closed tasks among them can no longer be
+        re-opened by a rollback, so their per-task detail goes. Returns how many
+        settled."""
+        with self._lock:
+            n = self.tm.settle(checkpoint_version, held)
+            self._log("settle", version=checkpoint_version, held=held.to_flat())
+            return n
 
     def held_task(self, task_id: int) -> tuple[Optional[Task], frozenset[int]]:
         return self.tm.held_task(task_id)
@@ -404,11 +429,13 @@ class JobCore(Journaled):
         return report
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """The whole job state as a JSON-able dict."""
+    def state_dict(self, defer: bool = False) -> dict[str, Any]:
+        """The whole job state as a JSON-able dict (``defer``: its per-task lists
+        as :class:`task_state.Deferred`, made by :func:`task_state.resolve`
+        outside the lock)."""
         with self._lock:
             return {
-                "tasks": task_state.dump(self.tm),
+                "tasks": task_state.dump(self.tm, defer),
                 "replicas": self.replicas.state_dict(),
                 "report": self.report.state_dict(),
                 "aggregator": self.aggregator.state_dict(),

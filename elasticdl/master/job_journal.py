@@ -12,11 +12,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import enum
+import gc
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
 from elasticdl.master import task_state
 from elasticdl.master.journal import Journal, JournalError
@@ -48,12 +51,15 @@ class Journaled:
         self.restored_extra: dict[str, Any] = {}
         self.group_commit = False
         self._replaying = False
+        # how long snapshots held the core's lock (the last one, the longest; wall
+        # time, and the CPU time of the snapshotting thread meanwhile)
+        self.snapshot_lock_s = self.max_snapshot_lock_s = self.max_snapshot_lock_cpu_s = 0.0
         self._frozen: Optional[float] = None
         self._base_clock: Callable[[], float] = task_manager._clock
         task_manager._clock = self._now
 
     if TYPE_CHECKING:  # the public calls a replay runs (JobCore has them)
-        def state_dict(self) -> dict[str, Any]:
+        def state_dict(self, defer: bool = False) -> dict[str, Any]:
             ...
 
         def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -82,7 +88,11 @@ class Journaled:
         def recover_tasks(self, worker_id: int) -> list[Task]:
             ...
 
-        def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
+        def rollback(self, applied: dict[int, int], new_version: int,
+                     closed: Optional[IntervalSet] = None) -> list[int]:
+            ...
+
+        def settle(self, checkpoint_version: int, held: IntervalSet) -> int:
             ...
 
         def begin_rollback(self) -> None:
@@ -137,31 +147,49 @@ class Journaled:
     def snapshot(self) -> None:
         """Write the whole state to the journal's snapshot (then its older
         segments go). Call after changes made outside the journaled calls (replica
-        bookkeeping, the report) and now and then to keep replays short."""
+        bookkeeping, the report) and now and then to keep replays short.
+
+        Only the capture holds the core's lock: the state is O(live) (closed
+        work is intervals and counters) and copied into fresh dicts, so
+        serialising and writing it happen outside the lock."""
         journal = self._journal
         if journal is None:
             return
         with journal.snapshot_lock:
+            collecting = gc.isenabled()
             with self._lock:
-                state, extra = self.state_dict(), self._volatile_state()
-                seq = journal.rotate()
-            journal.write_snapshot(seq, state, extra)
+                gc.disable()   # no collection of the whole heap while the lock is held
+                try:
+                    began, began_cpu = time.perf_counter(), time.thread_time()
+                    state, extra = self.state_dict(defer=True), self._volatile_state(True)
+                    seq = journal.rotate()
+                    held, cpu = time.perf_counter() - began, time.thread_time() - began_cpu
+                finally:
+                    if collecting:
+                        gc.enable()
+            self.snapshot_lock_s = held
+            self.max_snapshot_lock_s = max(self.max_snapshot_lock_s, held)
+            self.max_snapshot_lock_cpu_s = max(self.max_snapshot_lock_cpu_s, cpu)
+            journal.write_snapshot(seq, task_state.resolve(state), task_state.resolve(extra))
 
-    def _volatile_state(self) -> dict[str, Any]:
+    def _volatile_state(self, defer: bool = False) -> dict[str, Any]:
         """What :meth:`state_dict` leaves out but a replay needs to decide alike:
         when each held task went out, each worker's last get_task request."""
         tm = self.tm
         with tm._lock:
-            return {"started": {str(k): d.started for k, d in tm._doing.items()},
-                    "last_get": {str(w): [r, task_state.task_to_json(t)]
-                                 for w, (r, t) in tm._last_get.items()},
-                    **{name: a.state_dict() for name, a in self.attachments.items()}}
+            started = [(k, d.started) for k, d in tm._doing.items()]
+            last_get = list(tm._last_get.items())
+            state = {"started": task_state.Deferred(lambda: {str(k): t for k, t in started}),
+                     "last_get": task_state.Deferred(lambda: {
+                         str(w): [r, task_state.task_to_json(t)] for w, (r, t) in last_get}),
+                     **{name: a.state_dict() for name, a in self.attachments.items()}}
+        return state if defer else task_state.resolve(state)
 
     def restore(self, journal: Journal) -> int:
         """Continue from ``journal`` (its snapshot, then its records replayed) and
         journal to it from now on; the number of records replayed. Raises
         JournalError when a replay does not decide as the journaled call did."""
-        snap, records = journal.load()
+        snap, records = journal.load_once()
         with self._lock:
             if snap is not None:
                 self.load_state_dict(snap["state"])
@@ -208,6 +236,7 @@ class Op(str, enum.Enum):
     BEGIN = "begin"
     RECOVER = "recover"
     ROLLBACK = "rollback"
+    SETTLE = "settle"
     BEGIN_ROLLBACK = "begin_rollback"   # journals written before the rollback protocol
     END_ROLLBACK = "end_rollback"
     START_AT = "start_at"
@@ -238,7 +267,10 @@ HANDLERS: dict[Op, Handler] = {
     Op.BEGIN: lambda core, rec: core.begin(),
     Op.RECOVER: lambda core, rec: core.recover_tasks(rec["w"]),
     Op.ROLLBACK: lambda core, rec: core.rollback(
-        {int(k): v for k, v in rec["applied"].items()}, rec["version"]),
+        {int(k): v for k, v in rec["applied"].items()}, rec["version"],
+        None if rec.get("closed") is None else IntervalSet.from_flat(rec["closed"])),
+    Op.SETTLE: lambda core, rec: core.settle(rec["version"],
+                                             IntervalSet.from_flat(rec["held"])),
     Op.BEGIN_ROLLBACK: lambda core, rec: core.begin_rollback(),
     Op.END_ROLLBACK: lambda core, rec: core.end_rollback(),
     Op.START_AT: lambda core, rec: core.start_at_version(rec["version"]),

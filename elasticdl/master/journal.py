@@ -44,6 +44,7 @@ LOCK_FILE = "journal.lock"                # in the job directory (JournalOwner)
 RESTARTS_FILE = "master_restarts.json"    # the launcher's notes of each master death
 SNAPSHOT = "snapshot.json"
 _SEGMENT = re.compile(r"^journal-(\d{12})\.jsonl$")
+_SEQ = re.compile(r'^\{"seq":(\d+),')
 
 
 class JournalError(RuntimeError):
@@ -136,6 +137,7 @@ class Journal:
         self._io_lock = threading.Lock()
         self.snapshot_lock = threading.Lock()   # one snapshot written at a time
         self._file: Optional[IO[str]] = None
+        self._rotated: list[IO[str]] = []   # segments rotate() left, closed by write_snapshot
         self._sync_lock = threading.Lock()
         self._synced = 0                # records known to be on disk
         self.seq = 0                    # the last record's sequence number
@@ -146,6 +148,15 @@ class Journal:
             self.seq = int(snap["seq"])
         if records:
             self.seq = int(records[-1]["seq"])
+        # what was read here, for a restore before anything is appended (read once)
+        self._loaded: Optional[tuple[Optional[dict[str, Any]], list[dict[str, Any]]]] = (
+            snap, records)
+
+    def load_once(self) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
+        """:meth:`load`, reusing what the constructor read if nothing was
+        appended since (a restore reads the journal once)."""
+        loaded, self._loaded = self._loaded, None
+        return loaded if loaded is not None else self.load()
 
     # ------------------------------------------------------------ writing
     def _segments(self) -> list[tuple[int, str]]:
@@ -181,6 +192,7 @@ class Journal:
         commit: callers append under their lock, then sync outside it, and one
         fsync covers every record written meanwhile)."""
         with self._io_lock:
+            self._loaded = None
             if self._file is None:
                 self._file = self._open_segment()
             self.seq += 1
@@ -202,37 +214,46 @@ class Journal:
                 target, f = self.seq, self._file
                 if target <= self._synced:
                     return
-                fd = os.dup(f.fileno()) if f is not None else -1
+                fds = [os.dup(x.fileno()) for x in self._rotated + ([f] if f else [])]
             try:
-                if fd >= 0:
+                for fd in fds:
                     os.fsync(fd)
             finally:
-                if fd >= 0:
+                for fd in fds:
                     os.close(fd)
             self._synced = target
 
     def rotate(self) -> int:
         """Start a new segment; the sequence number the snapshot being taken has.
-        Call it together with the state capture (under the core's lock)."""
+        Call it together with the state capture (under the core's lock): it only
+        sets the current segment aside (no disk wait); :meth:`write_snapshot`
+        fsyncs and closes it, and :meth:`sync` covers it meanwhile."""
         with self._io_lock:
+            self._loaded = None
             if self._file is not None:
-                if self.fsync:
-                    os.fsync(self._file.fileno())
-                self._file.close()
+                self._rotated.append(self._file)
                 self._file = None
-            self._synced = max(self._synced, self.seq)
             self.records_since_snapshot = 0
             return self.seq
+
+    def _close_rotated(self) -> None:
+        self.sync()   # the set-aside segments too
+        with self._io_lock:
+            rotated, self._rotated = self._rotated, []
+        for f in rotated:
+            f.close()
 
     def write_snapshot(self, seq: int, state: dict[str, Any], extra: dict[str, Any]) -> None:
         """Atomically replace the snapshot with ``state`` as of record ``seq``,
         then remove the segments it covers. The caller holds :attr:`snapshot_lock`
         from :meth:`rotate` to here (snapshots land in the order taken)."""
+        self._close_rotated()
         path = os.path.join(self.directory, SNAPSHOT)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"seq": seq, "state": state, "extra": extra}, f,
-                      separators=(",", ":"))
+            # dumps, not dump: the C encoder (dump streams through the Python one)
+            f.write(json.dumps({"seq": seq, "state": state, "extra": extra},
+                               separators=(",", ":")))
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
@@ -247,6 +268,9 @@ class Journal:
 
     def close(self) -> None:
         with self._io_lock:
+            for f in self._rotated:
+                f.close()
+            self._rotated = []
             if self._file is not None:
                 self._file.close()
                 self._file = None
@@ -273,6 +297,9 @@ class Journal:
                 lines = f.read().split("\n")
             for n, line in enumerate(lines):
                 if not line:
+                    continue
+                m = _SEQ.match(line)   # a record the snapshot covers: not parsed
+                if m is not None and int(m.group(1)) <= after and n < len(lines) - 1:
                     continue
                 try:
                     rec = json.loads(line)

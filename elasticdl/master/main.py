@@ -31,6 +31,7 @@ from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
+from elasticdl.data.csv_reader import INDEX_CACHE_ENV
 from elasticdl.master import failover, job_history, observability
 from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
@@ -129,6 +130,8 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     job_secrets = auth.ensure_job_secrets(args.job_dir, spec.grpc_tls)
     os.environ.update(job_secrets.env())
     journal, restoring = failover.open_journal(args.job_dir, args.restore)
+    # line indexes of CSV/text data kept in the job directory: a restarted master reuses them
+    os.environ.setdefault(INDEX_CACHE_ENV, os.path.join(args.job_dir, "data_index"))
     core = build_core(spec, restoring)
     report = core.report
     if restoring:

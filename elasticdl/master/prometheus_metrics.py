@@ -77,19 +77,17 @@ def task_counts(tm: Any) -> dict[tuple[str, str], int]:
              TaskType.PREDICTION: "prediction"}
     out = {(n, s): 0 for n in names.values() for s in ("todo", "doing", "done")}
     with tm._lock:
-        for task in list(tm._todo) + list(tm._eval_todo):
-            if task.type in names:
-                out[(names[task.type], "todo")] += 1
+        for typ, n in tm.queued().items():
+            if typ in names:
+                out[(names[typ], "todo")] += n
         for doing in tm._doing.values():
             if doing.task.type in names:
                 out[(names[doing.task.type], "doing")] += 1
-        training = sum(led.tasks_completed for led in tm.ledger.values())
-        prediction = tm.prediction_ledger.tasks_completed
-        out[("training", "done")] = training
-        out[("prediction", "done")] = prediction
-        out[("evaluation", "done")] = max(len(tm._completed) - training - prediction, 0)
+        out[("training", "done")] = sum(led.tasks_completed for led in tm.ledger.values())
+        out[("prediction", "done")] = tm.prediction_ledger.tasks_completed
+        out[("evaluation", "done")] = tm.evaluation_tasks_completed
         # training tasks of epochs not created yet are still to do
-        future = max(tm.num_epochs - tm._epochs_created, 0) if tm._train_pieces else 0
+        future = max(tm.num_epochs - tm._epochs_created, 0)
         out[("training", "todo")] += future * len(tm._train_pieces)
     return out
 

@@ -22,20 +22,31 @@ Ledger rules (they make ``job_report.json`` trustworthy):
   the dataset size, each record applied exactly once. After a PS rollback
   (:meth:`rollback`) tasks whose records are no longer all applied are
   re-queued.
+
+Bookkeeping is sized by the live state (docs/scale.md): an epoch is a block of
+consecutive task ids (:mod:`task_blocks`) handed out position by position, so
+no epoch is materialised; finished tasks are the ``completed`` interval set
+and per-epoch counters. Per-task detail (the task, the records it counted) is
+kept only for *closed but unsettled* training tasks, the ones a PS rollback can
+still re-open; :meth:`settle` drops it once a checkpoint on every PS holds them
+(or at once with ``settle_on_close``: a job that can never roll back).
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import NO_MORE_TASKS, WAIT_TASK, Task, TaskFailure, TaskType
+from elasticdl.master.task_blocks import Block, PieceSource
+from elasticdl.master.task_queue import TaskQueues
 from elasticdl.master.task_state import (  # noqa: F401 - EpochLedger, make_tasks re-exported
+    EVAL_TYPES,
     SUMMED_COUNTERS,
     Doing,
     EpochLedger,
@@ -52,7 +63,7 @@ from elasticdl.master.task_timeouts import TaskTimeouts
 logger = logging.getLogger(__name__)
 
 
-class TaskManager:
+class TaskManager(TaskQueues):
     """Hands out training, evaluation and prediction tasks and keeps the ledger.
 
     Args:
@@ -60,7 +71,8 @@ class TaskManager:
             count)`` triples, e.g. from ``DataReader.create_shards()``.
         records_per_task: ``minibatch_size * num_minibatches_per_task``.
         num_epochs: passes over the training shards.
-        shuffle: shuffle task order within each epoch (seeded by ``seed + epoch``).
+        shuffle: shuffle task order within each epoch (a permutation seeded by
+            ``seed + epoch``).
         max_task_retries: attempts of one task before the job fails.
         task_timeout_s / min_task_timeout_s / initial_task_timeout_s: when a
             held task goes to another worker (see :class:`TaskTimeouts`).
@@ -68,6 +80,8 @@ class TaskManager:
             value: a PS ledger from an earlier run never matches a new task).
         epoch_barrier: an epoch's tasks are handed out only once the previous
             epoch is done (its epoch-end evaluation sees exactly that epoch).
+        settle_on_close: no rollback can re-open a task (no PS checkpoints):
+            keep no per-task detail of closed tasks at all.
 
     ``hold_training`` (set by the job core while an evaluation is due or runs)
     stops handing out training tasks; held ones finish as usual.
@@ -89,16 +103,22 @@ class TaskManager:
         initial_task_timeout_s: float = 600.0,
         first_task_id: int = 0,
         epoch_barrier: bool = False,
+        settle_on_close: bool = False,
     ):
         if records_per_task < 1:
             raise ValueError(f"records_per_task must be >= 1, got {records_per_task}")
         self._lock = threading.RLock()
         self._clock = clock
-        # called with every task created, before it can be handed out (data position table)
-        self.task_created_callbacks: list[Callable[[Task], None]] = []
+        # called with every block of tasks created, before any of it is handed out
+        # (the data position's task table)
+        self.block_created_callbacks: list[Callable[[Block], None]] = []
         self._records_per_task = records_per_task
-        self._train_pieces = make_tasks(training_shards, records_per_task)
-        self._eval_pieces = make_tasks(evaluation_shards, records_per_task)
+        self._train_pieces: Sequence[tuple[str, int, int]] = PieceSource(
+            training_shards, records_per_task)
+        self._eval_pieces: Sequence[tuple[str, int, int]] = PieceSource(
+            evaluation_shards, records_per_task)
+        self._predict_pieces: Sequence[tuple[str, int, int]] = PieceSource(
+            prediction_shards, records_per_task)
         self.training_records = sum(int(s[2]) for s in training_shards)
         self.evaluation_records = sum(int(s[2]) for s in evaluation_shards)
         self.prediction_records = sum(int(s[2]) for s in prediction_shards)
@@ -107,52 +127,47 @@ class TaskManager:
         self._seed = seed
         self.max_task_retries = max_task_retries
         self.timeouts = TaskTimeouts(task_timeout_s, min_task_timeout_s, initial_task_timeout_s)
+        self.settle_on_close = settle_on_close
         self._next_id = first_task_id
         self._last_get: dict[int, tuple[int, Task]] = {}  # worker -> (request id, task)
-        self._applied_by_task: dict[int, int] = {}  # records_applied counted per task
         self.rollback_version = -1
-        self._done_tasks: dict[int, Task] = {}
-        self._todo: deque[Task] = deque()
-        self._eval_todo: deque[Task] = deque()
+        self.settled_version = -1          # the checkpoint version settled last
+        self._blocks: list[Block] = []     # blocks with positions not handed out yet
+        self._requeued: deque[Task] = deque()       # training / prediction, first out
+        self._eval_requeued: deque[Task] = deque()
         self._doing: dict[int, Doing] = {}
         self._workers_seen: set[int] = set()
-        self._completed: set[int] = set()
-        self._attempts: dict[int, int] = {}
+        self.completed = IntervalSet()     # ids of every task counted done
+        # closed training tasks a rollback may still re-open: id -> (task, applied)
+        self._unsettled: dict[int, tuple[Task, int]] = {}
+        self._attempts: dict[int, int] = {}   # failures of tasks not done yet
         self._epochs_created = 0
         self._epoch_open_tasks: dict[int, int] = {}
         self.ledger: dict[int, EpochLedger] = {}
         self.prediction_ledger = EpochLedger()
         self.evaluation_records_completed = 0
-        self._eval_jobs: dict[int, EvalJob] = {}
+        self.evaluation_tasks_completed = 0
+        self._eval_jobs: dict[int, EvalJob] = {}    # evaluations in progress
+        self._evaluated = IntervalSet()             # model versions evaluated
         self.failure: Optional[TaskFailure] = None
         self.counters: dict[str, int] = {}   # e.g. nonfinite_steps_skipped, summed over tasks
         self.epoch_barrier = epoch_barrier
         self.hold_training = False
         self.epoch_end_callbacks: list[Callable[[int], None]] = []
         self.evaluation_done_callbacks: list[Callable[[int], Any]] = []
-        for name, start, end in make_tasks(prediction_shards, records_per_task):
-            self._todo.append(self._new_task(TaskType.PREDICTION, name, start, end))
+        if len(self._predict_pieces):
+            self._new_block(len(self._predict_pieces), TaskType.PREDICTION, "predict", -1)
 
     # ------------------------------------------------------------ creation
-    def _new_task(self, typ: TaskType, name: str, start: int, end: int, epoch: int = 0,
-                  model_version: int = -1) -> Task:
-        task = Task(self._next_id, typ, name, start, end, epoch, model_version)
-        self._next_id += 1
-        for cb in self.task_created_callbacks:
-            cb(task)
-        return task
-
     def _create_epoch(self) -> None:
         epoch = self._epochs_created
-        pieces = list(self._train_pieces)
-        if self._shuffle:
-            random.Random(self._seed + epoch).shuffle(pieces)
-        for name, start, end in pieces:
-            self._todo.append(self._new_task(TaskType.TRAINING, name, start, end, epoch))
-        self._epoch_open_tasks[epoch] = len(pieces)
+        n = len(self._train_pieces)
+        self._new_block(n, TaskType.TRAINING, "train", epoch,
+                        seed=self._seed + epoch if self._shuffle else None)
+        self._epoch_open_tasks[epoch] = n
         self.ledger.setdefault(epoch, EpochLedger())
         self._epochs_created += 1
-        logger.info("epoch %d: %d training tasks", epoch, len(pieces))
+        logger.info("epoch %d: %d training tasks", epoch, n)
 
     def create_evaluation_tasks(self, model_version: int) -> bool:
         """Queue one evaluation pass over the validation shards for this version.
@@ -161,25 +176,24 @@ class TaskManager:
         that version is already being evaluated.
         """
         with self._lock:
-            if not self._eval_pieces or model_version in self._eval_jobs:
+            if not len(self._eval_pieces) or model_version in self._eval_jobs or \
+                    model_version in self._evaluated:
                 return False
-            job = EvalJob(model_version)
-            for name, start, end in self._eval_pieces:
-                task = self._new_task(TaskType.EVALUATION, name, start, end, -1, model_version)
-                job.remaining.add(task.task_id)
-                self._eval_todo.append(task)
-            self._eval_jobs[model_version] = job
-            logger.info("evaluation of model version %d: %d tasks", model_version,
-                        len(job.remaining))
+            n = len(self._eval_pieces)
+            self._new_block(n, TaskType.EVALUATION, "eval", -1, model_version)
+            self._eval_jobs[model_version] = EvalJob(model_version, n)
+            logger.info("evaluation of model version %d: %d tasks", model_version, n)
             return True
 
     def create_finalize_task(self, model_version: int) -> None:
         """Queue the task that merges the version's stateful metric states; the
         version's evaluation is done once it is."""
         with self._lock:
-            task = self._new_task(TaskType.EVALUATION_FINALIZE, "", 0, 0, -1, model_version)
-            self._eval_jobs[model_version].remaining.add(task.task_id)
-            self._eval_todo.append(task)
+            self._new_block(1, TaskType.EVALUATION_FINALIZE, [("", 0, 0, -1)], -1,
+                            model_version)
+            # the version's tasks are done (the job closed): reopened for this one
+            self._evaluated.remove(model_version)
+            self._eval_jobs.setdefault(model_version, EvalJob(model_version)).remaining += 1
 
     # ------------------------------------------------------------ dispatch
     def get(self, worker_id: int, task_type: Optional[TaskType] = None,
@@ -205,7 +219,8 @@ class TaskManager:
             task = self._pop(task_type)
             if task is None:
                 return WAIT_TASK if not self._finished_locked() else NO_MORE_TASKS
-            prev = self._doing.get(task.task_id)
+            # re-inserted: held tasks stay in the order they went out (stragglers first)
+            prev = self._doing.pop(task.task_id, None)
             past = prev.past | {holder(prev.worker_id)} if prev else frozenset()
             self._doing[task.task_id] = Doing(task, worker_id, self._clock(), past)
             self._workers_seen.add(worker_id)
@@ -232,33 +247,6 @@ class TaskManager:
         with self._lock:
             return worker_id in self._workers_seen
 
-    def _pop(self, task_type: Optional[TaskType]) -> Optional[Task]:
-        while True:
-            task = None
-            if self._eval_todo and task_type in (None, TaskType.EVALUATION):
-                task = self._eval_todo.popleft()
-            elif task_type != TaskType.EVALUATION:
-                if not self._todo and self._epochs_created < self.num_epochs and \
-                        self._train_pieces and not self.hold_training and \
-                        not (self.epoch_barrier and self._epoch_open()):
-                    self._create_epoch()
-                task = self._pop_todo()
-            # a reassigned straggler's task may have been finished by its first holder
-            if task is None or task.task_id not in self._completed:
-                return task
-
-    def _pop_todo(self) -> Optional[Task]:
-        """The first queued task that may go out now: while ``hold_training`` only
-        prediction tasks and a timed-out straggler's training task (the barrier
-        waits for that work, not for the hung holder)."""
-        if not self.hold_training:
-            return self._todo.popleft() if self._todo else None
-        for i, task in enumerate(self._todo):
-            if task.type != TaskType.TRAINING or task.task_id in self._doing:
-                del self._todo[i]
-                return task
-        return None
-
     def _epoch_open(self) -> bool:
         return any(n > 0 for n in self._epoch_open_tasks.values())
 
@@ -283,7 +271,7 @@ class TaskManager:
         eval_done: Optional[int] = None
         with self._lock:
             doing = self._doing.get(task_id)
-            if task_id in self._completed:
+            if task_id in self.completed:
                 logger.info("task %d reported again by worker %d; counted once", task_id,
                             worker_id)
                 self._doing.pop(task_id, None)
@@ -306,13 +294,15 @@ class TaskManager:
                     self._requeue(task, redone=max(task.num_records - applied, 0))
                 return
             del self._doing[task_id]
-            self._completed.add(task_id)
+            self.completed.add(task_id)
+            self._attempts.pop(task_id, None)
             for name in SUMMED_COUNTERS & counters.keys():
                 self.counters[name] = self.counters.get(name, 0) + int(counters[name])
             self.timeouts.record(self._clock() - doing.started)
             if task.type == TaskType.TRAINING:
                 self.ledger[task.epoch].records_applied += applied
-                self._applied_by_task[task_id] = applied
+                if not self.settle_on_close:
+                    self._unsettled[task_id] = (task, applied)
             epoch_done, eval_done = self._count_done(task)
         if epoch_done is not None:
             for cb in self.epoch_end_callbacks:
@@ -324,14 +314,31 @@ class TaskManager:
     def _short(self, task: Task, applied: int, counters: Mapping[str, int]) -> bool:
         return applied_short(self, task, applied, counters)
 
-    def rollback(self, applied: dict[int, int], new_version: int) -> list[int]:
+    def rollback(self, applied: dict[int, int], new_version: int,
+                 closed: Optional[IntervalSet] = None) -> list[int]:
         """The PS rolled back to a checkpoint whose ledgers hold ``applied`` (task ->
-        records applied on every PS); see :func:`task_state.requeue_unapplied`."""
-        return requeue_unapplied(self, applied, new_version)
+        records applied on every PS) and ``closed`` (tasks every PS holds whole);
+        see :func:`task_state.requeue_unapplied`."""
+        return requeue_unapplied(self, applied, new_version, closed)
+
+    def settle(self, checkpoint_version: int, held: IntervalSet) -> int:
+        """Closed tasks in ``held`` (what checkpoint ``checkpoint_version`` holds
+        whole on every PS) can no longer be re-opened: their detail is dropped.
+        Returns how many settled."""
+        with self._lock:
+            gone = [t for t in self._unsettled if t in held]
+            for t in gone:
+                del self._unsettled[t]
+            self.settled_version = max(self.settled_version, checkpoint_version)
+            return len(gone)
+
+    def unsettled(self) -> int:
+        """Closed training tasks a rollback may still re-open."""
+        with self._lock:
+            return len(self._unsettled)
 
     def _count_done(self, task: Task) -> tuple[Optional[int], Optional[int]]:
         if task.type == TaskType.TRAINING:
-            self._done_tasks[task.task_id] = task
             led = self.ledger[task.epoch]
             led.records_completed += task.num_records
             led.tasks_completed += 1
@@ -339,12 +346,15 @@ class TaskManager:
             if self._epoch_open_tasks[task.epoch] == 0:
                 logger.info("epoch %d done: %d records", task.epoch, led.records_completed)
                 return task.epoch, None
-        elif task.type in (TaskType.EVALUATION, TaskType.EVALUATION_FINALIZE):
+        elif task.type in EVAL_TYPES:
             self.evaluation_records_completed += task.num_records
+            self.evaluation_tasks_completed += 1
             job = self._eval_jobs.get(task.model_version)
             if job is not None:
-                job.remaining.discard(task.task_id)
-                if not job.remaining:
+                job.remaining -= 1
+                if job.remaining <= 0:
+                    del self._eval_jobs[task.model_version]
+                    self._evaluated.add(task.model_version)
                     return None, task.model_version
         elif task.type == TaskType.PREDICTION:
             self.prediction_ledger.records_completed += task.num_records
@@ -365,10 +375,10 @@ class TaskManager:
 
     def _requeue(self, task: Task, redone: Optional[int] = None) -> None:
         self._ledger_for(task).records_redone += task.num_records if redone is None else redone
-        if task.type in (TaskType.EVALUATION, TaskType.EVALUATION_FINALIZE):
-            self._eval_todo.appendleft(task)
+        if task.type in EVAL_TYPES:
+            self._eval_requeued.appendleft(task)
         else:
-            self._todo.appendleft(task)
+            self._requeued.appendleft(task)
 
     def _ledger_for(self, task: Task) -> EpochLedger:
         if task.type == TaskType.TRAINING:
@@ -390,21 +400,26 @@ class TaskManager:
             return lost
 
     def _reassign_stragglers(self) -> None:
+        """Held tasks are in the order they went out: only the timed-out ones at
+        the front (and reassigned ones, which stay there) are looked at."""
         timeout = self.timeouts.timeout()
         now = self._clock()
-        for doing in list(self._doing.values()):
-            if now - doing.started > timeout and doing.worker_id >= 0:
-                logger.warning("task %d held by worker %d for %.0f s (> %.0f s); reassigned",
-                               doing.task.task_id, doing.worker_id, now - doing.started,
-                               timeout)
-                # keep the straggler's claim alive but let another worker take it
-                doing.worker_id = -1 - doing.worker_id
-                self._requeue(doing.task)
+        for doing in self._doing.values():
+            if doing.worker_id < 0:
+                continue
+            if now - doing.started <= timeout:
+                break
+            logger.warning("task %d held by worker %d for %.0f s (> %.0f s); reassigned",
+                           doing.task.task_id, doing.worker_id, now - doing.started, timeout)
+            # keep the straggler's claim alive but let another worker take it
+            doing.worker_id = -1 - doing.worker_id
+            self._requeue(doing.task)
 
     # --------------------------------------------------------------- state
     def _finished_locked(self) -> bool:
-        training_left = self._epochs_created < self.num_epochs and bool(self._train_pieces)
-        return not (self._todo or self._eval_todo or self._doing or training_left)
+        training_left = self._epochs_created < self.num_epochs and bool(len(self._train_pieces))
+        return not (self._has_todo() or self._eval_requeued or self._fresh(True) or
+                    self._doing or training_left)
 
     def finished(self) -> bool:
         """True once every task (all epochs, evaluations, predictions) is done."""
@@ -413,8 +428,10 @@ class TaskManager:
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            return {"todo": len(self._todo), "eval_todo": len(self._eval_todo),
-                    "doing": len(self._doing), "completed": len(self._completed)}
+            q = self.queued()
+            evals = q.get(TaskType.EVALUATION, 0) + q.get(TaskType.EVALUATION_FINALIZE, 0)
+            return {"todo": sum(q.values()) - evals, "eval_todo": evals,
+                    "doing": len(self._doing), "completed": len(self.completed)}
 
     def epochs_report(self) -> list[dict[str, int]]:
         with self._lock:
@@ -422,15 +439,6 @@ class TaskManager:
                      "records_redone": led.records_redone,
                      "records_applied": led.records_applied}
                     for e, led in sorted(self.ledger.items())]
-
-    def training_records_left(self) -> int:
-        """Training records not yet done: queued or held tasks plus epochs to come."""
-        with self._lock:
-            held = [d.task for d in self._doing.values()]
-            queued = sum(t.num_records for t in list(self._todo) + held
-                         if t.type == TaskType.TRAINING)
-            future = self.num_epochs - self._epochs_created if self._train_pieces else 0
-            return queued + self.training_records * future
 
     def prediction_report(self) -> dict[str, int]:
         with self._lock:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskFailure, TaskType
+from elasticdl.master.task_blocks import Block
 
 if TYPE_CHECKING:
     from elasticdl.master.task_manager import TaskManager
@@ -53,8 +55,13 @@ def holder(encoded: int) -> int:
 
 @dataclass
 class EvalJob:
+    """An evaluation in progress: tasks of it not done yet."""
+
     model_version: int
-    remaining: set[int] = field(default_factory=set)
+    remaining: int = 0
+
+
+EVAL_TYPES = (TaskType.EVALUATION, TaskType.EVALUATION_FINALIZE)
 
 
 def make_tasks(shards: Iterable[Sequence[Any]],
@@ -77,36 +84,67 @@ def task_from_json(v: Sequence[Any]) -> Task:
                 int(v[6]))
 
 
-def dump(tm: TaskManager) -> dict[str, Any]:
-    """Everything a restarted master needs to go on exactly where ``tm`` is."""
+class Deferred:
+    """A part of a state copied under the lock and turned into JSON outside it
+    (:func:`resolve`): a snapshot holds the core's lock only for the copy."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+
+
+def resolve(state: Any) -> Any:
+    """``state`` with every :class:`Deferred` (in nested dicts) made."""
+    if isinstance(state, Deferred):
+        return state.make()
+    if isinstance(state, dict):
+        return {k: resolve(v) for k, v in state.items()}
+    return state
+
+
+def dump(tm: TaskManager, defer: bool = False) -> dict[str, Any]:
+    """Everything a restarted master needs to go on exactly where ``tm`` is: the
+    live state only (blocks being handed out, re-queued and held tasks, closed
+    but unsettled tasks), finished work as intervals and counters. ``defer``:
+    the per-task lists are :class:`Deferred` (copied now, serialised later)."""
     with tm._lock:
-        failure = None
-        if tm.failure is not None:
-            f = tm.failure
-            failure = [task_to_json(f.task), f.worker_id, f.attempts, f.error, f.traceback]
-        return {
-            "next_id": tm._next_id,
-            "todo": [task_to_json(t) for t in tm._todo],
-            "eval_todo": [task_to_json(t) for t in tm._eval_todo],
-            "doing": [[task_to_json(d.task), d.worker_id, sorted(d.past)]
-                      for d in tm._doing.values()],
-            "done_tasks": [task_to_json(t) for t in tm._done_tasks.values()],
-            "completed": sorted(tm._completed),
-            "attempts": {str(k): v for k, v in tm._attempts.items()},
-            "applied_by_task": {str(k): v for k, v in tm._applied_by_task.items()},
-            "workers_seen": sorted(tm._workers_seen),
-            "durations": list(tm.timeouts.durations),
-            "epochs_created": tm._epochs_created,
-            "epoch_open_tasks": {str(k): v for k, v in tm._epoch_open_tasks.items()},
-            "ledger": {str(e): vars(led).copy() for e, led in tm.ledger.items()},
-            "prediction_ledger": vars(tm.prediction_ledger).copy(),
-            "evaluation_records_completed": tm.evaluation_records_completed,
-            "eval_jobs": {str(v): sorted(j.remaining) for v, j in tm._eval_jobs.items()},
-            "counters": dict(tm.counters),
-            "rollback_version": tm.rollback_version,
-            "hold_training": tm.hold_training,
-            "failure": failure,
-        }
+        unsettled = list(tm._unsettled.values())
+        doing = [(d.task, d.worker_id, d.past) for d in tm._doing.values()]
+        requeued, eval_requeued = list(tm._requeued), list(tm._eval_requeued)
+        state = _dump_locked(tm, {
+            "unsettled": Deferred(lambda: [[task_to_json(t), a] for t, a in unsettled]),
+            "doing": Deferred(lambda: [[task_to_json(t), w, sorted(p)] for t, w, p in doing]),
+            "requeued": Deferred(lambda: [task_to_json(t) for t in requeued]),
+            "eval_requeued": Deferred(lambda: [task_to_json(t) for t in eval_requeued])})
+    return state if defer else resolve(state)
+
+
+def _dump_locked(tm: TaskManager, lists: dict[str, Deferred]) -> dict[str, Any]:
+    failure = None
+    if tm.failure is not None:
+        f = tm.failure
+        failure = [task_to_json(f.task), f.worker_id, f.attempts, f.error, f.traceback]
+    return {
+        "next_id": tm._next_id,
+        "blocks": [b.to_json() for b in tm._blocks],
+        **lists,
+        "completed": tm.completed.to_flat(),
+        "attempts": {str(k): v for k, v in tm._attempts.items()},
+        "workers_seen": sorted(tm._workers_seen),
+        "durations": list(tm.timeouts.durations),
+        "epochs_created": tm._epochs_created,
+        "epoch_open_tasks": {str(k): v for k, v in tm._epoch_open_tasks.items()},
+        "ledger": {str(e): vars(led).copy() for e, led in tm.ledger.items()},
+        "prediction_ledger": vars(tm.prediction_ledger).copy(),
+        "evaluation_records_completed": tm.evaluation_records_completed,
+        "evaluation_tasks_completed": tm.evaluation_tasks_completed,
+        "eval_jobs": {str(v): j.remaining for v, j in tm._eval_jobs.items()},
+        "evaluated": tm._evaluated.to_flat(),
+        "counters": dict(tm.counters),
+        "rollback_version": tm.rollback_version,
+        "settled_version": tm.settled_version,
+        "hold_training": tm.hold_training,
+        "failure": failure,
+    }
 
 
 def restore(tm: TaskManager, state: dict[str, Any], now: float) -> None:
@@ -114,16 +152,19 @@ def restore(tm: TaskManager, state: dict[str, Any], now: float) -> None:
     gave; held tasks count as handed out at ``now``."""
     with tm._lock:
         tm._next_id = int(state["next_id"])
-        tm._todo = deque(task_from_json(t) for t in state["todo"])
-        tm._eval_todo = deque(task_from_json(t) for t in state["eval_todo"])
+        tm._blocks = [Block.from_json(b) for b in state["blocks"]]
+        tm._requeued = deque(task_from_json(t) for t in state["requeued"])
+        tm._eval_requeued = deque(task_from_json(t) for t in state["eval_requeued"])
         tm._doing = {}
         for t, worker, past in state["doing"]:
             task = task_from_json(t)
             tm._doing[task.task_id] = Doing(task, int(worker), now, frozenset(past))
-        tm._done_tasks = {t.task_id: t for t in map(task_from_json, state["done_tasks"])}
-        tm._completed = set(state["completed"])
+        tm.completed = IntervalSet.from_flat(state["completed"])
+        tm._unsettled = {}
+        for t, applied in state["unsettled"]:
+            task = task_from_json(t)
+            tm._unsettled[task.task_id] = (task, int(applied))
         tm._attempts = {int(k): int(v) for k, v in state["attempts"].items()}
-        tm._applied_by_task = {int(k): int(v) for k, v in state["applied_by_task"].items()}
         tm._workers_seen = set(state["workers_seen"])
         tm.timeouts.restore(state["durations"])
         tm._epochs_created = int(state["epochs_created"])
@@ -131,9 +172,12 @@ def restore(tm: TaskManager, state: dict[str, Any], now: float) -> None:
         tm.ledger = {int(e): EpochLedger(**v) for e, v in state["ledger"].items()}
         tm.prediction_ledger = EpochLedger(**state["prediction_ledger"])
         tm.evaluation_records_completed = int(state["evaluation_records_completed"])
-        tm._eval_jobs = {int(v): EvalJob(int(v), set(r)) for v, r in state["eval_jobs"].items()}
+        tm.evaluation_tasks_completed = int(state["evaluation_tasks_completed"])
+        tm._eval_jobs = {int(v): EvalJob(int(v), int(r)) for v, r in state["eval_jobs"].items()}
+        tm._evaluated = IntervalSet.from_flat(state["evaluated"])
         tm.counters = dict(state["counters"])
         tm.rollback_version = int(state["rollback_version"])
+        tm.settled_version = int(state["settled_version"])
         tm.hold_training = bool(state["hold_training"])
         tm._last_get = {}
         tm.failure = None
@@ -154,8 +198,11 @@ def data_position(tm: TaskManager, partial: Optional[dict[int, int]] = None
     with tm._lock:
         ledger = {e: dict(vars(led)) for e, led in tm.ledger.items()}
         pending = []
-        held = [d.task for d in tm._doing.values()]
-        for task in list(held) + list(tm._todo):
+        queued = [d.task for d in tm._doing.values()] + list(tm._requeued)
+        for block in tm._blocks:
+            if block.type == TaskType.TRAINING:
+                queued += (block.task(p, tm.sources) for p in range(block.next, block.count))
+        for task in queued:
             if task.type != TaskType.TRAINING:
                 continue
             done = partial.get(task.task_id, 0)
@@ -170,22 +217,25 @@ def data_position(tm: TaskManager, partial: Optional[dict[int, int]] = None
 
 def load_data_position(tm: TaskManager, state: dict[str, Any]) -> None:
     """Resume from :func:`data_position`: only the pending tasks are left of
-    the epochs already created; later epochs are created as usual."""
+    the epochs already created (one block of explicit ranges); later epochs are
+    created as usual."""
     with tm._lock:
-        if tm._doing or tm._completed:
+        if tm._doing or tm.completed:
             raise RuntimeError("load_state_dict on a task manager already in use")
-        tm._todo = deque(t for t in tm._todo if t.type != TaskType.TRAINING)
+        tm._requeued = deque(t for t in tm._requeued if t.type != TaskType.TRAINING)
+        tm._blocks = [b for b in tm._blocks if b.type != TaskType.TRAINING]
         tm._epochs_created = int(state["epochs_created"])
         # a data position saved before records_applied existed: what was done was applied
         tm.ledger = {int(e): EpochLedger(**{"records_applied": v["records_completed"],
                                               **v}) for e, v in state["ledger"].items()}
         tm._epoch_open_tasks = {e: 0 for e in tm.ledger}
-        for name, start, end, epoch in state["pending"]:
-            tm._todo.append(tm._new_task(TaskType.TRAINING, name, int(start), int(end),
-                                         int(epoch)))
-            tm._epoch_open_tasks[int(epoch)] = tm._epoch_open_tasks.get(int(epoch), 0) + 1
+        pieces = [(str(n), int(a), int(b), int(e)) for n, a, b, e in state["pending"]]
+        for piece in pieces:
+            tm._epoch_open_tasks[piece[3]] = tm._epoch_open_tasks.get(piece[3], 0) + 1
+        if pieces:
+            tm._new_block(len(pieces), TaskType.TRAINING, pieces, -1)
         logger.info("resumed data position: epoch %d, %d pending task(s)",
-                    max(tm._epochs_created - 1, 0), len(state["pending"]))
+                    max(tm._epochs_created - 1, 0), len(pieces))
 
 
 def applied_short(tm: TaskManager, task: Task, applied: int,
@@ -206,19 +256,21 @@ def applied_short(tm: TaskManager, task: Task, applied: int,
     return False
 
 
-def requeue_unapplied(tm: TaskManager, applied: dict[int, int], new_version: int
-                      ) -> list[int]:
-    """The PS rolled back to a checkpoint whose ledgers hold ``applied``
-    (task -> records applied on every PS): done training tasks not fully in
-    it are re-queued (their records leave the epoch's counts). Returns them."""
+def requeue_unapplied(tm: TaskManager, applied: dict[int, int], new_version: int,
+                      closed: Optional[IntervalSet] = None) -> list[int]:
+    """The PS rolled back to a checkpoint whose ledgers hold ``applied`` (task ->
+    records applied on every PS) and ``closed`` (tasks every PS holds whole):
+    closed but unsettled training tasks not fully in it are re-queued (their
+    records leave the epoch's counts); settled ones are in it by construction.
+    Returns them."""
     with tm._lock:
         tm.rollback_version = new_version
         lost = []
-        for task_id in sorted(tm._completed):
-            counted = tm._applied_by_task.get(task_id)
-            if counted is None or applied.get(task_id, 0) >= counted:
+        for task_id in sorted(tm._unsettled):
+            task, counted = tm._unsettled[task_id]
+            if closed is not None and task_id in closed or \
+                    applied.get(task_id, 0) >= counted:
                 continue
-            task = tm._done_tasks[task_id]
             led = tm.ledger[task.epoch]
             led.records_completed -= task.num_records
             led.records_applied -= counted
@@ -226,8 +278,8 @@ def requeue_unapplied(tm: TaskManager, applied: dict[int, int], new_version: int
             if tm._epoch_open_tasks.get(task.epoch, 0) == 0:
                 logger.warning("epoch %d was complete; reopened by the rollback", task.epoch)
             tm._epoch_open_tasks[task.epoch] = tm._epoch_open_tasks.get(task.epoch, 0) + 1
-            tm._completed.discard(task_id)
-            del tm._applied_by_task[task_id]
+            tm.completed.remove(task_id)
+            del tm._unsettled[task_id]
             tm._requeue(task, redone=counted - applied.get(task_id, 0))
             lost.append(task_id)
         logger.warning("PS rollback (versions continue at %d): %d done task(s) re-queued: %s",

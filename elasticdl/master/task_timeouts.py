@@ -6,7 +6,7 @@ answers one question, the current timeout.
 
 from __future__ import annotations
 
-import statistics
+import bisect
 from collections import deque
 from collections.abc import Iterable
 
@@ -26,10 +26,14 @@ class TaskTimeouts:
         self.min_task_timeout_s = min_task_timeout_s
         self.initial_task_timeout_s = initial_task_timeout_s
         self.durations: deque[float] = deque(maxlen=history)
+        self._sorted: list[float] = []    # the same durations, in order (for the median)
 
     def record(self, duration: float) -> None:
         """A task was done ``duration`` seconds after it was handed out."""
+        if len(self.durations) == self.durations.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self.durations[0])]
         self.durations.append(duration)
+        bisect.insort(self._sorted, duration)
 
     def timeout(self) -> float:
         """Seconds a task may be held before it is handed to another worker."""
@@ -37,7 +41,10 @@ class TaskTimeouts:
             return self.task_timeout_s
         if len(self.durations) < 3:
             return max(self.initial_task_timeout_s, 3 * max(self.durations, default=0.0))
-        return max(self.min_task_timeout_s, 3 * statistics.median(self.durations))
+        s, n = self._sorted, len(self._sorted)
+        median = s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+        return max(self.min_task_timeout_s, 3 * median)
 
     def restore(self, durations: Iterable[float]) -> None:
         self.durations = deque(durations, maxlen=self.durations.maxlen)
+        self._sorted = sorted(self.durations)

@@ -126,10 +126,10 @@ class Target:
         h.update(repr(_plain(state["optimizer"])).encode())
         tm = self.tm
         with tm._lock:
-            h.update(json.dumps([state["version"], tm._next_id, len(tm._todo), len(tm._eval_todo),
+            h.update(json.dumps([state["version"], tm._next_id, tm.counts(),
                                  sorted((i, d.worker_id, sorted(d.past))
                                         for i, d in tm._doing.items()),
-                                 sorted(tm._completed), sorted(tm._attempts.items()),
+                                 tm.completed.to_flat(), sorted(tm._attempts.items()),
                                  repr(tm.failure), sorted(tm._workers_seen),
                                  tm.state_dict()]).encode())
         with self.rdzv._lock:

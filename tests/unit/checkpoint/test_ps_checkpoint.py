@@ -30,7 +30,7 @@ def _spec():
 def _trainer(addrs) -> PSTrainer:
     job = JobSpec(model_zoo=FIXTURE_ZOO, model_def=MODEL_DEF, training_data="unused",
                   distribution_strategy="ParameterServerStrategy", num_ps_pods=len(addrs))
-    client = PSClient(addrs, rpc_timeout_s=10, reconnect_timeout_s=2)
+    client = PSClient(addrs, rpc_timeout_s=60, reconnect_timeout_s=2)  # loaded machines
     return PSTrainer(_spec(), addrs, job, 0, torch.device("cpu"), client=client)
 
 
