@@ -25,6 +25,12 @@ Recovery times come from timestamps the traced model module writes
 Run: python benchmarks/chaos_campaign.py --trials 20 [--modes ps,allreduce] [--seed 1]
 Prints one line per trial and a summary (pass count, percentiles) per mode, and
 writes everything to ``--output`` (default out/chaos_campaign.json).
+
+``--combined``: two or three faults per trial, drawn from {worker, PS, master,
+exporter}, each job resumed once from a random checkpoint, every record's
+training count checked on the exported model (``benchmarks/chaos_combined.py``):
+``--combined --ps_trials 30 --allreduce_trials 20``. ``--smoke``: one short
+trial (the combined campaign's with ``--combined``).
 """
 
 from __future__ import annotations
@@ -223,7 +229,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--min_accuracy", type=float, default=0.9)
     p.add_argument("--data", default=os.path.join(ROOT, "data", "digits"))
     p.add_argument("--output", default=os.path.join(ROOT, "out", "chaos_campaign.json"))
+    p.add_argument("--combined", action="store_true",
+                   help="faults in combination on the record-counting job (issue 21)")
+    p.add_argument("--ps_trials", type=int, default=30)
+    p.add_argument("--allreduce_trials", type=int, default=20)
+    p.add_argument("--records", type=int, default=512, help="--combined: dataset size")
+    p.add_argument("--faults", type=int, default=0,
+                   help="--combined: faults per trial (0: 2 or 3 at random)")
+    p.add_argument("--delay_s", type=float, default=0.02,
+                   help="--combined: per-minibatch delay of the first run (paces faults)")
+    p.add_argument("--smoke", action="store_true", help="one short trial")
     a = p.parse_args(argv)
+    if a.combined:
+        from benchmarks.chaos_combined import campaign
+
+        if a.smoke:
+            a.ps_trials, a.allreduce_trials, a.records, a.faults = 1, 0, 256, 2
+        return campaign(a.ps_trials, a.allreduce_trials, a.seed, 2, a.records, a.timeout_s,
+                        a.delay_s, a.output, a.faults)
+    if a.smoke:
+        a.trials, a.modes, a.epochs = 1, "ps", 1
     rng = random.Random(a.seed)
     data = prepare_data(a.data)
     results: list[dict[str, Any]] = []

@@ -29,6 +29,8 @@ import torch
 
 from elasticdl.checkpoint import data_position
 from elasticdl.checkpoint import single as ckpt
+from elasticdl.common.intervals import IntervalSet
+from elasticdl.ps import ledger as ps_ledger
 from elasticdl.ps.parameters import TableSpec, dense_owner
 from elasticdl.ps.shard import PSShard
 
@@ -57,10 +59,11 @@ def save_shard(shard: PSShard, checkpoint_dir: str, version: Optional[int] = Non
     path = shard_path(vdir, shard.config.ps_id, n)
     mb = shard.config.minibatch_size
     if mb > 0:  # the data position: which records these parameters were trained on
-        data_position.write_trained(
-            vdir, f"ps-{shard.config.ps_id}-of-{n}",
-            ((task, (k - 1) * mb, records) for task, k, records, _ in
-             state["ledger"]["log"].tolist()))
+        led = state["ledger"]
+        data_position.write_trained_compact(
+            vdir, f"ps-{shard.config.ps_id}-of-{n}", int(led.get("generation", -1)),
+            IntervalSet.from_flat(led["closed"].tolist()),
+            ((task, (k - 1) * mb, records) for task, k, records, _ in led["log"].tolist()))
     ckpt.save_file(state, path)
     shard.last_checkpoint_version = max(shard.last_checkpoint_version, version)
     if all(os.path.exists(shard_path(vdir, i, n)) for i in range(n)):
@@ -168,13 +171,24 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
 
 
 def _common_ledger(shards: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """What every old shard's ledger holds (closed on all, or held by each)."""
     logs = [s["ledger"] for s in shards if s.get("ledger") is not None]
     if len(logs) != len(shards):
         return None
-    common = set.intersection(*({(int(r[0]), int(r[1])) for r in log["log"].tolist()}
-                                for log in logs))
-    rows = [r for r in logs[0]["log"].tolist() if (r[0], r[1]) in common]
-    return {"log": torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)}
+    parts = []
+    versions: dict[tuple[int, int], int] = {}
+    for log in logs:
+        closed = IntervalSet.from_flat(log["closed"].tolist()) \
+            if log.get("closed") is not None else IntervalSet()
+        rows = log["log"].tolist()
+        for t, mb, _, v in rows:
+            versions[(t, mb)] = max(versions.get((t, mb), 0), v)
+        parts.append(ps_ledger.held(closed, ((t, mb, r) for t, mb, r, _ in rows)))
+    closed, live = ps_ledger.common(parts)
+    rows = sorted(((t, mb, r, versions[(t, mb)]) for t, mbs in live.items()
+                   for mb, r in mbs.items()), key=lambda row: row[3])
+    return {"log": torch.tensor(rows, dtype=torch.int64).reshape(-1, 4),
+            "closed": torch.tensor(closed.to_flat(), dtype=torch.int64)}
 
 
 def version_dir_of(checkpoint_dir: str, version: int) -> str:

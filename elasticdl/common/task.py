@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 class TaskType(enum.IntEnum):
@@ -37,6 +38,10 @@ class Task:
     # TRAINING, on the wire only: reductions of a metric-driven LR schedule decided
     # when the task went out (elasticdl.master.lr_plateau)
     lr_reductions: int = field(default=0, compare=False, repr=False)
+    # allreduce TRAINING tasks: the master's closed training tasks as (generation,
+    # flat [lo, hi) intervals), attached when handed out, never stored
+    closed: Optional[tuple[int, tuple[int, ...]]] = field(default=None, compare=False,
+                                                          repr=False)
 
     @property
     def num_records(self) -> int:

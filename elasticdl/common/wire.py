@@ -26,6 +26,7 @@ def task_to_proto(task: Task) -> pb.Task:
 
 
 def task_from_proto(msg: pb.Task) -> Task:
+    closed = (msg.closed_generation, tuple(msg.closed)) if msg.has_closed else None
     return Task(msg.task_id, TaskType(msg.type), msg.shard.name, msg.shard.start,
                 msg.shard.end, msg.epoch, msg.model_version, tuple(msg.metric_states),
-                int(msg.lr_reductions))
+                lr_reductions=int(msg.lr_reductions), closed=closed)

@@ -50,6 +50,7 @@ from typing import Any, Optional
 
 import torch
 
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
 from elasticdl.elastic import collective
 from elasticdl.elastic.runner import ElasticRunner, ElasticState, RoundStatus
@@ -200,6 +201,8 @@ class ElasticDataset:
         its holder died mid-task, whose steps the group applied) are skipped."""
         state = _TaskState(task, records, n)
         trained = self.runner.trained
+        if trained is not None and task.closed is not None:  # the master's closed tasks
+            trained.settle(task.closed[0], IntervalSet.from_flat(task.closed[1]))
         if trained is not None and n:
             state.confirmed = trained.minibatches_of(task.task_id, n)
             if state.confirmed:

@@ -19,6 +19,15 @@ are already in the model (a task re-queued after its holder died mid-task, see
 once; a member that had to re-join keeps the steps the adopted model holds
 instead of training them again; a checkpoint records the set as its data
 position (:mod:`elasticdl.checkpoint.data_position`).
+
+Sized by the live state (docs/scale.md): training tasks the master counted
+done (``closed``, an :class:`~elasticdl.common.intervals.IntervalSet`, with the
+master's rollback version as its ``generation``) arrive with the tasks the
+master hands out (:meth:`TrainedRecords.settle`); their entries are dropped
+and they count as wholly in the model. The set, what a joiner receives and
+what a checkpoint records stay O(tasks not closed). Members may learn a new
+closed set at different times: a task in ``closed`` or in the entries is in
+the model either way, so their answers agree.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from typing import Any, Optional
+
+from elasticdl.common.intervals import IntervalSet
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +68,9 @@ class TrainedRecords:
         self.minibatch_size = minibatch_size
         self.agreed: dict[tuple[int, int], int] = {}   # (task, offset) -> records
         self.last_saved = 0            # model version of the last checkpoint (agreed)
+        self.closed = IntervalSet()    # tasks the master counted done: wholly in the model
+        self.generation = -1           # the master's rollback version of ``closed``
+        self._by_task: dict[int, set[int]] = {}   # task -> offsets in ``agreed``
 
     # ----------------------------------------------------- per-step exchange
     def encode(self, tags: Sequence[Any], rank: int, world_size: int,
@@ -82,30 +96,58 @@ class TrainedRecords:
         added = 0
         for i in range(0, len(block) - self.FIELDS + 1, self.FIELDS):
             high, low, index, records = (int(round(v)) for v in block[i:i + self.FIELDS])
-            if records > 0:
-                self.agreed[((high << 32) + low, index * self.minibatch_size)] = records
+            task = (high << 32) + low
+            if records > 0 and task not in self.closed:
+                offset = index * self.minibatch_size
+                self.agreed[(task, offset)] = records
+                self._by_task.setdefault(task, set()).add(offset)
                 added += 1
         return added
+
+    def settle(self, generation: int, closed: IntervalSet) -> Optional[int]:
+        """The master's closed tasks: drop their entries; returns how many were
+        dropped, or None for a set older than the one held (ignored)."""
+        if generation < self.generation:
+            return None
+        self.generation = generation
+        self.closed = self.closed.union(closed)
+        dropped = 0
+        for task in [t for t in self._by_task if t in self.closed]:
+            for offset in self._by_task.pop(task):
+                del self.agreed[(task, offset)]
+                dropped += 1
+        return dropped
 
     # ------------------------------------------------------------- queries
     def holds(self, tag: Any) -> bool:
         """Whether the minibatch of ``tag`` is in the model."""
         ident = identity_of(tag)
-        return ident is not None and \
-            (ident[0], ident[1] * self.minibatch_size) in self.agreed
+        return ident is not None and (ident[0] in self.closed or
+                                      (ident[0], ident[1] * self.minibatch_size) in self.agreed)
 
     def minibatches_of(self, task_id: int, num_batches: int) -> set[int]:
         """Indexes of the minibatches of task ``task_id`` in the model."""
+        if task_id in self.closed:
+            return set(range(num_batches))
         mbs = self.minibatch_size
         return {i for i in range(num_batches) if (task_id, i * mbs) in self.agreed}
 
     def entries(self) -> list[Entry]:
+        """Entries of tasks not closed (O(live))."""
         return [(t, o, r) for (t, o), r in sorted(self.agreed.items())]
 
     # ------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"entries": [list(e) for e in self.entries()], "last_saved": self.last_saved}
+        return {"entries": [list(e) for e in self.entries()], "last_saved": self.last_saved,
+                "closed": self.closed.to_flat(), "generation": self.generation}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.agreed = {(int(t), int(o)): int(r) for t, o, r in state.get("entries", [])}
+        self.closed = IntervalSet.from_flat([int(x) for x in state.get("closed", [])])
+        self.generation = int(state.get("generation", -1))
+        self.agreed = {}
+        self._by_task = {}
+        for t, o, r in state.get("entries", []):
+            if int(t) not in self.closed:
+                self.agreed[(int(t), int(o))] = int(r)
+                self._by_task.setdefault(int(t), set()).add(int(o))
         self.last_saved = int(state.get("last_saved", 0))

@@ -109,6 +109,13 @@ class EvaluationAggregator:
             kept = self._states.get(model_version, {})
             return tuple(kept[t] for t in sorted(kept))
 
+    def discard(self, model_version: int) -> None:
+        """Forget a version's evaluation in progress (a PS rollback dropped it)."""
+        with self._lock:
+            for d in (self._sums, self._weights, self._reported, self._states, self._finals):
+                d.pop(model_version, None)
+            self._finalizing.discard(model_version)
+
     def complete(self, model_version: int) -> dict[str, float]:
         """Close a model version's evaluation (all its tasks are done)."""
         with self._lock:

@@ -49,6 +49,8 @@ from elasticdl.master import task_state
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.job_journal import Journaled
 from elasticdl.master.lr_plateau import MetricSchedule
+from elasticdl.master.protocols import ProtocolBook
+from elasticdl.master.recovery import Recovery
 from elasticdl.master.replicas import ReplicaBook
 from elasticdl.master.task_manager import TaskManager
 
@@ -61,7 +63,7 @@ class VersionError(ValueError):
     """A model version no task handed out so far could have produced."""
 
 
-class JobCore(Journaled):
+class JobCore(Journaled, Recovery):
     """Args:
         minibatch_size: records per training step (bounds reported versions).
         start_version: the model version the job starts from (a resumed checkpoint).
@@ -81,6 +83,7 @@ class JobCore(Journaled):
         self.job_type = job_type
         self.aggregator = aggregator or EvaluationAggregator()
         self.replicas = ReplicaBook()
+        self.protocols = ProtocolBook()   # open recovery protocols (see recovery.py)
         self._lock = threading.RLock()
         self.version = self._start = self._last_due = start_version
         self._minibatches_out = 0
@@ -171,7 +174,7 @@ class JobCore(Journaled):
     def _on_version(self, worker_id: int, version: int) -> None:
         with self._lock:
             bound = self.version_bound()
-            if version > bound and self._rollbacks_pending:
+            if version > bound and (self._rollbacks_pending or self.rolling_back()):
                 logger.info("model version %d from worker %d during a PS rollback: ignored "
                             "until the rollback settles", version, worker_id)
                 return
@@ -276,9 +279,7 @@ class JobCore(Journaled):
         ``applied``: per task, the records every restored PS holds; ``closed``:
         tasks every restored PS holds whole (its compacted ledgers)."""
         with self._lock:
-            lost = self.tm.rollback(applied, new_version, closed)
-            self.version = max(self.version, new_version)
-            self._rollbacks_pending = max(self._rollbacks_pending - 1, 0)
+            lost = self._rollback(applied, new_version, closed)
             self._log("rollback", applied={str(k): v for k, v in applied.items()},
                       version=new_version, closed=None if closed is None else closed.to_flat())
             return lost
@@ -288,6 +289,13 @@ class JobCore(Journaled):
         with self._lock:
             ms = self.metric_schedule
             return ms.reductions() if ms is not None else 0
+
+    def _rollback(self, applied: dict[int, int], new_version: int,
+                  closed: Optional[IntervalSet] = None) -> list[int]:
+        lost = self.tm.rollback(applied, new_version, closed)
+        self.version = max(self.version, new_version)
+        self._rollbacks_pending = max(self._rollbacks_pending - 1, 0)
+        return lost
 
     def closed_tasks(self) -> tuple[int, IntervalSet]:
         """``(generation, closed)``: the generation is the rollback version (a PS
@@ -317,20 +325,10 @@ class JobCore(Journaled):
         return self.tm.has_worked(worker_id)
 
     def finished(self) -> bool:
-        """Every task done and no evaluation due or running."""
+        """Every task done, no evaluation due or running, no PS rollback open."""
         with self._lock:
-            return self._pending is None and self._running is None and self.tm.finished()
-
-    def claim_export(self, worker_id: int) -> bool:
-        """Whether ``worker_id`` writes the final model (the first to ask, once done)."""
-        with self._lock:
-            if not (self.job_type == JobType.TRAIN and self.finished()):
-                return False
-            before = (self.replicas.exporter, self.replicas.exporter_done)
-            claimed = self.replicas.claim_export(worker_id)
-            if before != (self.replicas.exporter, self.replicas.exporter_done):
-                self._log("export", w=worker_id)
-            return claimed
+            return self._pending is None and self._running is None and \
+                self.tm.finished() and not self.rolling_back()
 
     # ----------------------------------------------------------- evaluation
     def _request_evaluation(self, reason: str, epoch: Optional[int]) -> None:
@@ -381,6 +379,13 @@ class JobCore(Journaled):
         self._last_evaluated = version
         self._running = None
         self.tm.hold_training = self._pending is not None
+
+    def _after_rollback(self, lost: list[int]) -> None:
+        """A PS rollback re-queued ``lost``: evaluations it interrupted run again on
+        the model as it then is (see :func:`recovery.evaluations_after_rollback`)."""
+        from elasticdl.master.recovery import evaluations_after_rollback
+
+        evaluations_after_rollback(self)
 
     def _on_epoch_end(self, epoch: int) -> None:
         if self.job_type != JobType.TRAIN:
@@ -437,6 +442,7 @@ class JobCore(Journaled):
             return {
                 "tasks": task_state.dump(self.tm, defer),
                 "replicas": self.replicas.state_dict(),
+                "protocols": self.protocols.state_dict(),
                 "report": self.report.state_dict(),
                 "aggregator": self.aggregator.state_dict(),
                 "versions": {"version": self.version, "start": self._start,
@@ -457,6 +463,7 @@ class JobCore(Journaled):
             state = json.loads(json.dumps(state))  # a private copy
             task_state.restore(self.tm, state["tasks"], self.tm._clock())
             self.replicas.load_state_dict(state["replicas"])
+            self.protocols.load_state_dict(state.get("protocols"))
             self.report.load_state_dict(state["report"])
             self.aggregator.load_state_dict(state["aggregator"])
             v = state["versions"]

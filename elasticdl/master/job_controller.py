@@ -3,7 +3,9 @@
 It is the only piece that changes the cluster: it launches and deletes
 replicas, polls their events, applies the relaunch policy's decision and the
 job core's bookkeeping (worker ids, lineages, failure counts, root cause,
-re-queued tasks: :class:`JobCore`), calls the PS for rollbacks, and writes the
+re-queued tasks: :class:`JobCore`, each a journaled transition taken before
+the launch or after the event it records), runs the recovery protocols (PS
+rollback, final export: :mod:`elasticdl.master.executor`), and writes the
 report the core keeps.
 """
 
@@ -15,8 +17,6 @@ import time
 import traceback
 from typing import Any, Optional
 
-import grpc
-
 from elasticdl.cluster.api import (
     Cluster,
     ClusterError,
@@ -26,11 +26,13 @@ from elasticdl.cluster.api import (
     ReplicaSpec,
     ReplicaType,
 )
+from elasticdl.common import faults
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
 from elasticdl.common.strategy import entry_for
-from elasticdl.master import ps_rollback
+from elasticdl.master import restore
+from elasticdl.master.executor import ProtocolExecutor
 from elasticdl.master.job import JobCore
 from elasticdl.master.policy import Action, RelaunchPolicy
 from elasticdl.master.rendezvous import RendezvousHandler
@@ -67,6 +69,7 @@ class JobController:
         self._finishing = False
         self.ps_addrs: list[str] = []
         self._ps_ports: list[int] = []
+        self.executor = ProtocolExecutor(self)
 
     # ------------------------------------------------------------ replicas
     def _common_flags(self) -> list[str]:
@@ -84,44 +87,32 @@ class JobController:
                            env=parse_envs(s.envs), resource_requests=parse_resources(req),
                            resource_limits=parse_resources(lim), priority=prio, port=port)
 
-    def _launch_ps(self, index: int, extra: tuple[str, ...] = ()) -> None:
+    def _launch_ps(self, index: int, extra: tuple[str, ...] = (),
+                   restore_from: Optional[str] = None) -> None:
+        """Create PS ``index``, restoring ``restore_from`` (the master's restore rule:
+        :mod:`elasticdl.master.restore`; None: the run's initial source)."""
         port = self._ps_ports[index]
+        source = restore_from or restore.initial_source(self.spec)
         cmd = ["python", "-m", "elasticdl.ps.main", f"--ps_id={index}",
-               f"--num_ps={self.spec.num_ps_pods}", f"--port={port}", *extra] + \
-            self._common_flags()
+               f"--num_ps={self.spec.num_ps_pods}", f"--port={port}",
+               f"--restore_from={source}", f"--version_floor={self.core.start_version()}",
+               *extra] + self._common_flags()
         self.cluster.create_replica(self._replica(ReplicaType.PS, index, cmd, port))
         self.core.notify("on_replica", kind="ps", index=index, alive=True)
 
     def _relaunch_ps(self, index: int) -> None:
-        """Relaunch a dead PS; with a complete checkpoint, roll every PS back to it
-        (no mixed versions) and re-queue the work after it (see ps_rollback)."""
-        version = ps_rollback.newest_version(self.spec.checkpoint_dir)
-        if version is None:
+        """A PS is gone: with a checkpoint to restore (the restore rule) a rollback
+        of every PS to it opens, or the open one takes this PS too; the executor
+        launches the PS and rolls back. Without any checkpoint it starts empty."""
+        source = restore.rollback_source(self.spec, self.core.start_version())
+        if self.core.ps_lost(index, source, time.time()) is None:
             logger.warning("PS %d relaunched without a checkpoint: it takes a worker's "
                            "current model; updates it held are lost", index)
-            self._launch_ps(index)
-            return
-        self.core.begin_rollback()
-        self._launch_ps(index, ("--await_rollback",))
-        threading.Thread(target=self._rollback_ps, args=(version,), daemon=True,
-                         name=f"ps-rollback-{version}").start()
-
-    def _rollback_ps(self, version: int) -> None:
-        try:
-            new_version, applied = ps_rollback.rollback_all(self.ps_addrs, version)
-        except (grpc.RpcError, TimeoutError) as e:
-            logger.error("PS rollback to checkpoint version %d failed: %s", version, e)
-            self.core.end_rollback()
-            self._fail("master", f"PS rollback to checkpoint version {version} failed: {e}",
-                       "")
-            return
-        self.core.rollback(applied, new_version)
-        self.report.extra.setdefault("ps_rollbacks", []).append(
-            {"checkpoint_version": version, "new_version": new_version})
-        self.core.snapshot()
+            self._launch_ps(index, restore_from=restore.NONE)
 
     def _launch_worker(self, lineage: Optional[int] = None) -> int:
-        worker_id = self.book.new_worker(lineage)
+        worker_id = self.core.launch_worker(lineage)   # journaled before the launch
+        faults.point("after_launch_intent")
         cmd = ["python", "-m", "elasticdl.worker.main", f"--worker_id={worker_id}"]
         if self.ps_addrs:
             cmd.append(f"--ps_addrs={','.join(self.ps_addrs)}")
@@ -139,6 +130,7 @@ class JobController:
 
     def start(self) -> None:
         """Launch the PS (ParameterServerStrategy) and the workers."""
+        faults.point("before_start")
         num_ps = self._endpoints()
         for i in range(num_ps):
             self._launch_ps(i)
@@ -164,6 +156,20 @@ class JobController:
         for event in lost:
             logger.warning("%s is gone (it died while the master was down)", event.name)
             self._guarded(f"handling {event.name} lost", self.handle, event)
+        if self.rendezvous is not None:
+            # the rendezvous comes from the last snapshot: workers whose end was
+            # journaled after it leave it now
+            for w in self.rendezvous.state_dict()["workers"]:
+                if not self.book.is_live(int(w)):
+                    self.rendezvous.remove_worker(int(w))
+        # a master that died while launching the job's workers: the rest of them
+        # (relaunches take ids only after every initial worker has one)
+        missing = self.spec.num_workers - self.book.next_worker_id
+        if missing > 0 and self.report.failure is None:
+            logger.warning("the job's first launch was cut short: launching %d more "
+                           "worker(s)", missing)
+            for _ in range(missing):
+                self._launch_worker()
         self.core.snapshot()
         return [e.name for e in lost]
 
@@ -178,14 +184,20 @@ class JobController:
             return
         name = event.name
         self.core.notify("on_replica", kind=event.type.value, index=event.index, alive=False)
-        if event.type == ReplicaType.WORKER:
-            self._worker_gone(event)
         key = f"{event.type.value}:" + str(self.book.lineage_of(event.index)
                                            if event.type == ReplicaType.WORKER else event.index)
         counts_as_failure = event.phase == Phase.FAILED and event.reason not in (
             "killed", "deleted", "preempted")
-        failures = self.book.count_failure(key, counts_as_failure)
-        decision = self.policy.decide(event, failures, self._finishing)
+        failures = self.core.replica_gone(
+            event.index if event.type == ReplicaType.WORKER else None,
+            event.phase == Phase.SUCCEEDED, key, counts_as_failure)
+        if event.type == ReplicaType.WORKER:
+            self._worker_gone(event)
+        # until the final model is written, a lost replica is replaced (a PS rollback
+        # may even reopen training): the export needs a worker and every PS
+        done = self._finishing and (self.spec.job_type != JobType.TRAIN or
+                                    self.core.exported is not None)
+        decision = self.policy.decide(event, failures, done)
         logger.info("%s %s (exit %s, %s): %s - %s", name, event.phase.value, event.exit_code,
                     event.reason, decision.action.value, decision.reason)
         if event.phase == Phase.FAILED and event.type == ReplicaType.WORKER:
@@ -196,7 +208,6 @@ class JobController:
             self._fail(name, decision.reason, "")
 
     def _worker_gone(self, event: ReplicaEvent) -> None:
-        self.book.worker_gone(event.index, event.phase == Phase.SUCCEEDED)
         if event.phase != Phase.SUCCEEDED:
             self.core.recover_tasks(event.index)
         if self.rendezvous is not None:
@@ -224,7 +235,7 @@ class JobController:
             logger.error("could not stop hung worker %d: %s", worker_id, e)
 
     def _note_root_cause(self, event: ReplicaEvent) -> None:
-        self.book.note_exit(event.index, event.name, f"exited with {event.exit_code} "
+        self.core.note_exit(event.index, event.name, f"exited with {event.exit_code} "
                             f"({event.reason}) {event.message}".strip())
 
     def _relaunch(self, event: ReplicaEvent, reason: str) -> None:
@@ -243,6 +254,7 @@ class JobController:
         self.core.notify("on_relaunch", replica=event.name, new_replica=new_name, reason=reason,
                          version=self.core.version)
         logger.info("relaunched %s as %s (%s)", event.name, new_name, reason)
+        faults.point("after_relaunch")
 
     def _fail(self, replica: str, error: str, traceback: str) -> None:
         self.report.fail(replica, error, traceback)
@@ -271,6 +283,7 @@ class JobController:
                     self.report.failure is not None:
                 self.core.snapshot()  # replica bookkeeping is not in the journal's records
             self._guarded("stopping hung workers", self._stop_hung_workers)
+            self._guarded("advancing the recovery protocols", self.executor.advance)
             now = time.monotonic()
             if now - last_report >= self.report_interval_s:
                 last_report = now
@@ -289,7 +302,7 @@ class JobController:
             if self.core.finished():
                 self._finishing = True
                 finished_at = finished_at or now
-                exported = self.spec.job_type != JobType.TRAIN or self.book.exporter_done
+                exported = self.spec.job_type != JobType.TRAIN or self.core.exported is not None
                 live = self.book.num_live()
                 if exported and (live == 0 or now - finished_at > 10):
                     self.report.status = "succeeded"
@@ -299,6 +312,8 @@ class JobController:
                                f"{self.finish_timeout_s:.0f} s", "")
                     break
                 continue
+            finished_at = None   # not finished (any more: a PS rollback reopened training)
+            self._finishing = False
             none_alive = self.book.num_live() == 0
             first = self.book.first_failure
             if none_alive:

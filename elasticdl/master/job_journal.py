@@ -242,6 +242,17 @@ class Op(str, enum.Enum):
     START_AT = "start_at"
     EXPORT = "export"
     WORKER_REPORTED = "worker_reported"
+    # recovery protocols and replica identities (elasticdl.master.recovery)
+    INCARNATION = "incarnation"
+    PS_LOST = "ps_lost"
+    PROTOCOL_STEP = "protocol_step"
+    ROLLBACK_REQUEUED = "rollback_requeued"
+    PROTOCOL_CLOSE = "protocol_close"
+    EXPORT_WRITTEN = "export_written"
+    EXPORT_LOST = "export_lost"
+    LAUNCH = "launch"
+    GONE = "gone"
+    NOTE_EXIT = "note_exit"
 
 
 def _replay_get(core: Any, rec: dict[str, Any]) -> None:
@@ -251,6 +262,19 @@ def _replay_get(core: Any, rec: dict[str, Any]) -> None:
     if got != rec["task"]:
         raise JournalError(f"journal record {rec['seq']}: replayed get_task gave "
                            f"task {got}, the journal says {rec['task']}")
+
+
+def _replay_launch(core: Any, rec: dict[str, Any]) -> None:
+    got = core.launch_worker(rec["lineage"])
+    if got != rec["id"]:
+        raise JournalError(f"journal record {rec['seq']}: replayed launch gave worker "
+                           f"{got}, the journal says {rec['id']}")
+
+
+def _replay_step(core: Any, rec: dict[str, Any]) -> None:
+    from elasticdl.master.protocols import Step
+
+    core.protocol_step(rec["pid"], Step(rec["step"]), **rec["data"])
 
 
 Handler = Callable[[Any, dict[str, Any]], None]
@@ -277,4 +301,17 @@ HANDLERS: dict[Op, Handler] = {
     Op.EXPORT: lambda core, rec: core.claim_export(rec["w"]),
     Op.WORKER_REPORTED: lambda core, rec: core.worker_reported(rec["w"], rec["error"],
                                                                rec["tb"]),
+    Op.INCARNATION: lambda core, rec: core.new_incarnation(),
+    Op.PS_LOST: lambda core, rec: core.ps_lost(rec["index"], rec["source"], rec["now"]),
+    Op.PROTOCOL_STEP: _replay_step,
+    Op.ROLLBACK_REQUEUED: lambda core, rec: core.rollback_requeued(
+        rec["pid"], {int(k): v for k, v in rec["applied"].items()}, rec["version"],
+        None if rec.get("closed") is None else IntervalSet.from_flat(rec["closed"])),
+    Op.PROTOCOL_CLOSE: lambda core, rec: core.protocol_close(rec["pid"]),
+    Op.EXPORT_WRITTEN: lambda core, rec: core.export_written(rec["w"], rec["path"]),
+    Op.EXPORT_LOST: lambda core, rec: core.export_lost(rec["pid"]),
+    Op.LAUNCH: _replay_launch,
+    Op.GONE: lambda core, rec: core.replica_gone(rec["w"], rec["ok"], rec["key"],
+                                                 rec["counts"]),
+    Op.NOTE_EXIT: lambda core, rec: core.note_exit(rec["w"], rec["replica"], rec["fallback"]),
 }

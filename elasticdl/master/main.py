@@ -24,7 +24,7 @@ from typing import Optional
 from elasticdl.checkpoint import data_position
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.cluster.registry import create_cluster
-from elasticdl.common import auth
+from elasticdl.common import auth, faults
 from elasticdl.common.datasets import create_readers
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec, JobSpecError
@@ -32,7 +32,7 @@ from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
 from elasticdl.data.csv_reader import INDEX_CACHE_ENV
-from elasticdl.master import failover, job_history, observability
+from elasticdl.master import failover, job_history, observability, ps_settle, restore
 from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.journal import JournalLockedError
@@ -98,6 +98,10 @@ def build_core(spec: JobSpec, restoring: bool = False) -> JobCore:
         ckpt_paths.check_fresh_checkpoint_dir(spec.checkpoint_dir, spec.checkpoint_dir_for_init)
     if spec.checkpoint_dir_for_init:  # the version workers load (train, evaluate, predict)
         start = start_version_of(spec.checkpoint_dir_for_init)
+        if spec.job_type == JobType.TRAIN and entry_for(spec.distribution_strategy).num_ps(spec):
+            # PS versions of a run resumed from an older version of its own directory
+            # continue above that directory's newest (see master/restore.py)
+            start = max(start, restore.run_base(spec))
     # a new task id range per run: no task matches a PS ledger of an earlier run
     core = JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
                              start_version=start)
@@ -133,6 +137,9 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     # line indexes of CSV/text data kept in the job directory: a restarted master reuses them
     os.environ.setdefault(INDEX_CACHE_ENV, os.path.join(args.job_dir, "data_index"))
     core = build_core(spec, restoring)
+    # allreduce: only a member that trained holds the final model to export
+    core.export_requires_training = entry_for(spec.distribution_strategy).rendezvous_needed(
+        spec)
     report = core.report
     if restoring:
         core.restore(journal)
@@ -145,6 +152,7 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
         core.begin()
         if spec.checkpoint_dir_for_init:
             core.snapshot()
+    core.new_incarnation()   # the steps this master takes, and its RPCs, carry it
     in_pod = spec.cluster == "k8s"  # TensorBoard files and /metrics (docs/observability.md)
     obs = observability.attach(core, spec.output, spec.master_metrics_port(args.port),
                                "0.0.0.0" if in_pod else args.host, args.host, track_ps=True,
@@ -162,11 +170,14 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     servicer = MasterServicer(core, rendezvous, require_identity=True)
     server = start_master_server(servicer, args.port, job_secrets=job_secrets)
     stop = stop or threading.Event()
+    settler = None
     try:
         if restoring:
             failover.take_over(controller, cluster, args.job_dir)
         else:
             controller.start()
+        # the PS learn which tasks are closed: their ledgers stay O(live)
+        settler = ps_settle.start(core, controller.ps_addrs, spec.checkpoint_dir)
         status = controller.run(stop)
     except Exception as e:  # the report must never stay "running" after the master dies
         logger.exception("master failed")
@@ -174,6 +185,8 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
         report.write(report_dir)
         raise
     finally:
+        if settler is not None:
+            settler.stop()
         obs.stop_endpoint()
         cluster.close()
         server.stop(grace=2).wait(5)
@@ -185,6 +198,7 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     configure_logging(args.job_spec.log_level, role="master")
+    faults.set_role("master")
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: object) -> None:

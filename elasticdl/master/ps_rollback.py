@@ -25,8 +25,10 @@ import grpc
 
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.common import auth
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
+from elasticdl.ps import ledger as ps_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -38,35 +40,49 @@ def newest_version(checkpoint_dir: str) -> Optional[int]:
     return versions[-1] if versions else None
 
 
+def held_by_every_ps(answers: Sequence[pb.AppliedResponse]
+                     ) -> tuple[dict[int, int], IntervalSet]:
+    """What every PS's restored ledger holds: per task not closed on all of them,
+    the records of the minibatches each holds (live, or the task closed there),
+    and the tasks closed on every PS (all their records held). O(live + closed
+    intervals), whatever the job's length."""
+    parts = [ps_ledger.held(IntervalSet.from_flat(list(resp.closed)),
+                            ((p.task_id, p.minibatch, p.num_records) for p in resp.pushes))
+             for resp in answers]
+    closed, live = ps_ledger.common(parts)
+    return {task: sum(mbs.values()) for task, mbs in live.items()}, closed
+
+
 def applied_records(answers: Sequence[pb.AppliedResponse]) -> dict[int, int]:
-    """Per task, the records whose pushes every PS's restored ledger holds."""
-    ledgers: list[dict[int, dict[int, int]]] = []
-    for resp in answers:
-        led: dict[int, dict[int, int]] = {}
-        for p in resp.pushes:
-            led.setdefault(p.task_id, {})[p.minibatch] = p.num_records
-        ledgers.append(led)
-    out: dict[int, int] = {}
-    for task in set.intersection(*(set(led) for led in ledgers)):
-        common = set.intersection(*(set(led[task]) for led in ledgers))
-        out[task] = sum(ledgers[0][task][mb] for mb in common)
-    return out
+    """Per task, the records whose pushes every PS's restored ledger holds (tasks
+    closed on every PS: see :func:`held_by_every_ps`)."""
+    return held_by_every_ps(answers)[0]
 
 
-def rollback_all(ps_addrs: Sequence[str], version: int, timeout_s: float = 120.0
-                 ) -> tuple[int, dict[int, int]]:
-    """Roll every PS back to checkpoint ``version``; returns the version numbering
-    continues from (above every version any PS had) and, per task, the records
-    the restored state holds.
+class RollbackResult(tuple):  # type: ignore[type-arg]
+    """``(new_version, applied)`` as before (callers unpack two values), plus
+    ``closed``: the tasks closed in every PS's restored ledger (fully held)."""
 
-    Raises:
-        TimeoutError: a PS did not answer within ``timeout_s``.
-        grpc.RpcError: a PS refused the rollback (e.g. the version is missing).
-    """
+    closed: IntervalSet
+
+    def __new__(cls, new_version: int, applied: dict[int, int],
+                closed: IntervalSet) -> RollbackResult:
+        out = super().__new__(cls, (new_version, applied))
+        out.closed = closed
+        return out
+
+    @property
+    def new_version(self) -> int:
+        return int(self[0])
+
+    @property
+    def applied(self) -> dict[int, int]:
+        return dict(self[1])
+
+
+def _channels(ps_addrs: Sequence[str], deadline: float) -> list[grpc.Channel]:
     channels = [auth.client_channel(a, replica="master") for a in ps_addrs]  # job token
     try:
-        stubs = [pb_grpc.PServerStub(c) for c in channels]
-        deadline = time.monotonic() + timeout_s
         for i, channel in enumerate(channels):
             try:
                 grpc.channel_ready_future(channel).result(
@@ -74,22 +90,80 @@ def rollback_all(ps_addrs: Sequence[str], version: int, timeout_s: float = 120.0
             except grpc.FutureTimeoutError:
                 raise TimeoutError(f"PS {i} at {ps_addrs[i]} not reachable for the "
                                    "rollback") from None
-        while True:
-            current = [s.status(pb.Empty(), timeout=30).version for s in stubs]
-            new_version = max(current + [version]) + 1 + VERSION_SLACK
-            try:
-                answers = [stub.rollback(pb.RollbackRequest(checkpoint_version=version,
-                                                            new_version=new_version),
-                                         timeout=120) for stub in stubs]
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT and \
-                        "must exceed" in (e.details() or "") and \
-                        time.monotonic() < deadline:  # a PS moved on meanwhile: again
-                    continue
-                raise
-            logger.warning("every PS rolled back to checkpoint version %d; versions "
-                           "continue at %d", version, new_version)
-            return new_version, applied_records(answers)
+    except BaseException:
+        for c in channels:
+            c.close()
+        raise
+    return channels
+
+
+def ps_versions(ps_addrs: Sequence[str], timeout_s: float = 30.0) -> list[int]:
+    """Every PS's current model version.
+
+    Raises:
+        TimeoutError / grpc.RpcError: a PS did not answer.
+    """
+    channels = _channels(ps_addrs, time.monotonic() + timeout_s)
+    try:
+        return [pb_grpc.PServerStub(c).status(pb.Empty(), timeout=timeout_s).version
+                for c in channels]
     finally:
         for c in channels:
             c.close()
+
+
+def rollback_each(ps_addrs: Sequence[str], version: int, new_version: int, *,
+                  protocol_id: int = 0, incarnation: int = 0, version_dir: str = "",
+                  timeout_s: float = 120.0) -> tuple[dict[int, int], IntervalSet]:
+    """Roll every PS back to checkpoint ``version`` (``version_dir``: the master's
+    restore rule) continuing at ``new_version``; per task, the records every
+    restored ledger holds, and the tasks every restored ledger holds closed (whole).
+    The request carries ``(protocol_id, incarnation)``: a PS that did this very
+    rollback answers as it did, without rolling back again.
+
+    Raises:
+        TimeoutError: a PS was not reachable within ``timeout_s``.
+        grpc.RpcError: a PS refused (INVALID_ARGUMENT "must exceed": it is past
+            ``new_version``; choose again).
+    """
+    channels = _channels(ps_addrs, time.monotonic() + timeout_s)
+    try:
+        request = pb.RollbackRequest(checkpoint_version=version, new_version=new_version,
+                                     protocol_id=protocol_id, incarnation=incarnation,
+                                     version_dir=version_dir)
+        answers = [pb_grpc.PServerStub(c).rollback(request, timeout=timeout_s)
+                   for c in channels]
+    finally:
+        for c in channels:
+            c.close()
+    logger.warning("every PS rolled back to checkpoint version %d; versions continue at %d",
+                   version, new_version)
+    return held_by_every_ps(answers)
+
+
+def rollback_all(ps_addrs: Sequence[str], version: int, timeout_s: float = 120.0,
+                 version_dir: str = "") -> RollbackResult:
+    """Roll every PS back to checkpoint ``version``; returns the version numbering
+    continues from (above every version any PS had) and, per task, the records
+    the restored state holds. (One call; the master's protocol runs the steps
+    apart: :mod:`elasticdl.master.executor`.)
+
+    Raises:
+        TimeoutError: a PS did not answer within ``timeout_s``.
+        grpc.RpcError: a PS refused the rollback (e.g. the version is missing).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = ps_versions(ps_addrs, max(1.0, deadline - time.monotonic()))
+        new_version = max(current + [version]) + 1 + VERSION_SLACK
+        try:
+            applied, closed = rollback_each(ps_addrs, version, new_version,
+                                            version_dir=version_dir,
+                                            timeout_s=max(1.0, deadline - time.monotonic()))
+            return RollbackResult(new_version, applied, closed)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT and \
+                    "must exceed" in (e.details() or "") and \
+                    time.monotonic() < deadline:  # a PS moved on meanwhile: again
+                continue
+            raise

@@ -18,10 +18,11 @@ import grpc
 
 from elasticdl.common import auth
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
-from elasticdl.common.task import TaskType
+from elasticdl.common.task import WAIT_TASK, TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
 from elasticdl.master.evaluation import MetricStateError
 from elasticdl.master.job import JobCore, VersionError
+from elasticdl.master.ps_settle import ClosedSnapshot
 from elasticdl.master.rendezvous import MemberConflict, RendezvousHandler
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
@@ -115,6 +116,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         core.group_commit = True  # journal records fsynced in groups, before each reply
         self.rendezvous = rendezvous
         self.require_identity = require_identity
+        self._closed = ClosedSnapshot(core)   # sent to allreduce members with tasks
         self._snapshotted_plan = -1
 
     def _check_caller(self, request: Any, context: Any) -> None:
@@ -140,11 +142,30 @@ class MasterServicer(pb_grpc.MasterServicer):
         msg = task_to_proto(task)
         if task.type == TaskType.TRAINING:  # fixed while a training task is out
             msg.lr_reductions = self.core.lr_reductions()
+        if task.type == TaskType.TRAINING and self.rendezvous is not None:
+            # allreduce members drop closed tasks from their trained-record sets
+            msg.closed_generation, flat = self._closed.get()
+            msg.closed.extend(flat)
+            msg.has_closed = True
         if task.type == TaskType.EVALUATION_FINALIZE:
             msg.metric_states.extend(self.core.evaluation_states(task.model_version))
-        if task.type == TaskType.NONE and self.core.claim_export(worker_id):
-            msg.extended_config["export_model"] = "true"
+        if task.type == TaskType.NONE:
+            if self.core.claim_export(worker_id) or self.core.exporter() == worker_id:
+                msg.extended_config["export_model"] = "true"
+            elif self.core.export_pending():
+                # training is done, the final model not written yet: stay, in case the
+                # exporter dies and this worker takes the export over
+                msg = task_to_proto(WAIT_TASK)
         return msg
+
+    @_validated
+    def report_export(self, request: pb.ReportExportRequest, context: Any) -> pb.Empty:
+        worker_id = _worker(request.worker_id)
+        path = _text("path", request.path)
+        if not self.core.export_written(worker_id, path):
+            logger.warning("worker %d reported an export it does not hold (replaced as "
+                           "exporter?): ignored", worker_id)
+        return pb.Empty()
 
     @_validated
     def report_task_result(self, request: pb.ReportTaskResultRequest, context: Any) -> pb.Empty:

@@ -4,10 +4,12 @@
 [--master_addr=host:port] [--checkpoint_dir_for_init=DIR]``
 
 Loads the model module named by the job spec (for its ``optimizer``),
-restores this PS's shard from the newest complete checkpoint when there is
-one (a relaunched PS resumes where the job's checkpoints left it; the number
-of PS may differ from the checkpoint's), serves until SIGTERM/SIGINT, and
-writes its shard every ``--checkpoint_steps`` versions.
+restores this PS's shard from ``--restore_from`` (the master's restore rule,
+:mod:`elasticdl.master.restore`: exactly that version directory, or ``none``;
+the number of PS may differ from the checkpoint's), serves until
+SIGTERM/SIGINT, and writes its shard every ``--checkpoint_steps`` versions. A
+PS started without ``--restore_from`` (by hand, without a master) restores the
+init checkpoint, else its checkpoint directory's newest version.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from typing import Optional
 
 from elasticdl.api.model_spec import load_from_job_spec
 from elasticdl.checkpoint import api as ckpt_api
+from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.checkpoint import ps_shards as ps_ckpt
-from elasticdl.common import auth
+from elasticdl.common import auth, faults
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.schedule import Schedule
+from elasticdl.ps.audit import AuditLog
 from elasticdl.ps.server import start_server, tune_malloc
 from elasticdl.ps.servicer import PServicer
 from elasticdl.ps.shard import PSShard, ShardConfig
@@ -52,6 +56,8 @@ class PSArgs:
     sync_wait_min_s: float = 1.0
     grace_s: float = 2.0
     await_rollback: bool = False
+    restore_from: Optional[str] = None   # a version dir, "none", or None: the standalone rule
+    version_floor: int = 0               # versions continue above this (the run's base)
 
     def __post_init__(self) -> None:
         if not 0 <= self.ps_id < self.num_ps:
@@ -76,6 +82,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PSArgs:
     p.add_argument("--await_rollback", action="store_true",
                    help="a relaunched PS: serve training only after the master rolled every "
                         "PS back to one checkpoint version")
+    p.add_argument("--restore_from", default=None,
+                   help="the version directory to restore (the master's restore rule), or "
+                        "'none' to start empty")
+    p.add_argument("--version_floor", type=int, default=0,
+                   help="continue numbering versions above this one (a run resumed from an "
+                        "older version of its own checkpoint directory)")
     a = p.parse_args(argv)
     text = a.job_spec
     if text.startswith("@"):
@@ -84,7 +96,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PSArgs:
     return PSArgs(ps_id=a.ps_id, num_ps=a.num_ps, port=a.port, job_spec=JobSpec.from_json(text),
                   master_addr=a.master_addr, checkpoint_dir_for_init=a.checkpoint_dir_for_init,
                   host=a.host, sync_wait_s=a.sync_wait_s, sync_wait_min_s=a.sync_wait_min_s,
-                  await_rollback=a.await_rollback)
+                  await_rollback=a.await_rollback, restore_from=a.restore_from,
+                  version_floor=a.version_floor)
 
 
 def shard_config(args: PSArgs) -> ShardConfig:
@@ -108,23 +121,36 @@ def checkpoint_every_n(shard: PSShard) -> None:
     schedule = Schedule(checkpoint_steps=cfg.checkpoint_steps if cfg.checkpoint_dir else 0)
     if schedule.checkpoint_due(shard.version, shard.last_checkpoint_version):
         ps_ckpt.save_shard(shard, cfg.checkpoint_dir, shard.version, cfg.keep_checkpoint_max)
+    faults.point("after_version")
 
 
 def restore_source(args: PSArgs) -> Optional[str]:
-    """The version dir to restore from: the job's own newest checkpoint, else the init one."""
-    own = ckpt_api.latest(args.job_spec.checkpoint_dir)
-    if own is not None:
-        return own
+    """The version dir to restore from: ``--restore_from`` (the master's rule); for
+    a PS started without it, the init checkpoint (an explicit version directory
+    means that version), else the job's own newest checkpoint."""
+    if args.restore_from is not None:
+        return None if args.restore_from == "none" else args.restore_from
     init = args.checkpoint_dir_for_init or args.job_spec.checkpoint_dir_for_init
-    return init or None
+    if init:
+        return init
+    return ckpt_api.latest(args.job_spec.checkpoint_dir)
 
 
 def build_shard(args: PSArgs) -> PSShard:
     model_spec = load_from_job_spec(args.job_spec)
     shard = PSShard(shard_config(args), model_spec, on_version=checkpoint_every_n)
+    shard.job_spec = args.job_spec
+    output = args.job_spec.output
+    if output:  # the full history of applied pushes, on disk only (ps/audit.py)
+        shard.audit = AuditLog(os.path.join(output, f"ps-{args.ps_id}-applied.bin"))
     source = restore_source(args)
     if source:
-        ps_ckpt.restore_shard(shard, source)
+        ps_ckpt.restore_shard(shard, ckpt_paths.resolve(source))
+    elif shard.audit is not None and not args.await_rollback:
+        shard.audit.clear()   # a new job: no history yet
+    if args.version_floor > shard.version:
+        with shard.lock:   # versions of this run never repeat an earlier run's numbers
+            shard.params.version = shard.last_checkpoint_version = args.version_floor
     shard.awaiting_rollback = args.await_rollback
     return shard
 
@@ -132,6 +158,7 @@ def build_shard(args: PSArgs) -> PSShard:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     configure_logging(args.job_spec.log_level, role=f"ps-{args.ps_id}")
+    faults.set_role(f"ps-{args.ps_id}")
     tune_malloc()
     shard = build_shard(args)
     job_secrets = auth.JobSecrets.from_env()
@@ -170,13 +197,24 @@ def write_ledger(shard: PSShard, output: str) -> None:
     if not output:
         return
     version, entries = shard.applied()
+    with shard.lock:
+        live, closed = len(shard.ledger), shard.ledger.closed.to_flat()
+    # every push of the model's history (the on-disk audit trail), streamed; without
+    # one, the live entries
+    rows = shard.audit.entries() if shard.audit is not None else iter(entries)
     os.makedirs(output, exist_ok=True)
     path = os.path.join(output, f"ps-{shard.config.ps_id}-ledger.json")
+    n = 0
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"version": version, "duplicates_ignored": shard.duplicates_ignored,
-                   "applied": [list(e) for e in entries]}, f)
-    logger.info("PS %d wrote its ledger (%d applied pushes) to %s", shard.config.ps_id,
-                len(entries), path)
+        head = json.dumps({"version": version, "duplicates_ignored": shard.duplicates_ignored,
+                           "live_pushes": live, "closed": closed})
+        f.write(head[:-1] + ', "applied": [')
+        for row in rows:
+            f.write((", " if n else "") + json.dumps(list(row)))
+            n += 1
+        f.write("]}")
+    logger.info("PS %d wrote its ledger (%d applied pushes) to %s", shard.config.ps_id, n,
+                path)
 
 
 if __name__ == "__main__":

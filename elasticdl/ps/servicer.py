@@ -22,8 +22,9 @@ import torch
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.checkpoint.single import CheckpointError
-from elasticdl.common import auth, chunk_wire
+from elasticdl.common import auth, chunk_wire, faults
 from elasticdl.common import tensor_codec as codec
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, short
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
@@ -118,6 +119,35 @@ def decode_rows(rows: pb.EmbeddingRows, shard: PSShard) -> tuple[str, np.ndarray
     ids = _ids_of(rows.ids, rows.id_tensor, rows.HasField("id_tensor"), what)
     values = codec.decode(rows.values, table.spec.dtype, [ids.shape[0], table.spec.dim])
     return rows.table, ids, values
+
+
+MAX_INTERVALS = 1 << 22   # numbers in one closed-set message
+
+
+def parse_intervals(flat: Any, what: str) -> IntervalSet:
+    """A flat ``[lo, hi, ...]`` list of sorted, disjoint, non-empty intervals.
+
+    Raises:
+        ValueError: odd length, an empty or reversed interval, or not sorted.
+    """
+    check_range(f"{what}: length", len(flat), 0, MAX_INTERVALS)
+    if len(flat) % 2:
+        raise ValueError(f"{what}: flat intervals need an even length, got {len(flat)}")
+    prev = None
+    for i in range(0, len(flat), 2):
+        lo, hi = flat[i], flat[i + 1]
+        if lo >= hi or (prev is not None and lo < prev):
+            raise ValueError(f"{what}: intervals must be non-empty, sorted and disjoint; "
+                             f"[{lo}, {hi}) at position {i // 2} (previous end {prev})")
+        prev = hi
+    return IntervalSet.from_flat(list(flat))
+
+
+def _applied_response(version: int, entries: list[tuple[int, int, int, int]],
+                      closed: IntervalSet, generation: int) -> pb.AppliedResponse:
+    return pb.AppliedResponse(version=version, closed=closed.to_flat(), generation=generation,
+                              pushes=[pb.AppliedPush(task_id=t, minibatch=mb, num_records=n,
+                                                     version=v) for t, mb, n, v in entries])
 
 
 class PServicer(pb_grpc.PServerServicer):
@@ -293,19 +323,36 @@ class PServicer(pb_grpc.PServerServicer):
 
     def status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.PSStatus:
         cfg = self.shard.config
-        return pb.PSStatus(ps_id=cfg.ps_id, num_ps=cfg.num_ps,
-                           initialized=self.shard.initialized, version=self.shard.version,
-                           applied_pushes=len(self.shard.ledger),
-                           duplicates_ignored=self.shard.duplicates_ignored)
+        shard = self.shard
+        with shard.lock:
+            led = shard.ledger
+            return pb.PSStatus(ps_id=cfg.ps_id, num_ps=cfg.num_ps,
+                               initialized=shard.initialized, version=shard.version,
+                               applied_pushes=led.applied_total,
+                               duplicates_ignored=shard.duplicates_ignored,
+                               live_pushes=len(led), closed_intervals=led.closed.num_intervals,
+                               generation=led.generation)
 
     @_guard
     def applied(self, request: pb.AppliedRequest,
                 context: grpc.ServicerContext) -> pb.AppliedResponse:
         check_range("number of task ids", len(request.task_ids), 0, MAX_TENSORS)
-        version, entries = self.shard.applied(list(request.task_ids) or None)
-        return pb.AppliedResponse(version=version, pushes=[
-            pb.AppliedPush(task_id=t, minibatch=mb, num_records=n, version=v)
-            for t, mb, n, v in entries])
+        version, entries, closed = self.shard.applied_and_closed(
+            list(request.task_ids) or None)
+        return _applied_response(version, entries, closed, self.shard.ledger.generation)
+
+    @_guard
+    def settle(self, request: pb.SettleRequest,
+               context: grpc.ServicerContext) -> pb.SettleResponse:
+        """The master's closed tasks (module :mod:`elasticdl.ps.ledger`)."""
+        caller = auth.caller_replica(context)
+        if caller not in (None, "master"):
+            raise ValueError(f"settle: only the master settles tasks, not {caller}")
+        closed = parse_intervals(request.closed, "settle: closed")
+        folded = self.shard.settle(request.generation, closed)
+        led = self.shard.ledger
+        return pb.SettleResponse(accepted=folded is not None, folded=folded or 0,
+                                 generation=led.generation, live_pushes=len(led))
 
     @_guard
     def rollback(self, request: pb.RollbackRequest,
@@ -318,18 +365,41 @@ class PServicer(pb_grpc.PServerServicer):
             raise ValueError(f"rollback: only the master rolls a PS back, not {caller}")
         check_range("checkpoint_version", request.checkpoint_version, 0, MAX_VERSION)
         check_range("new_version", request.new_version, 0, MAX_VERSION)
+        key = (request.protocol_id, request.incarnation, request.new_version)
+        repeat = self.shard.rollback_answer(key) if request.protocol_id else None
+        if repeat is not None:  # the same request again (a lost reply): the same answer
+            with self.shard.lock:   # (closed since: held whole, still true)
+                closed = self.shard.ledger.closed.copy()
+            return _applied_response(request.new_version, list(repeat), closed,
+                                     request.new_version)
+        vdir = self._rollback_dir(request)
+        entries = self.shard.rollback(lambda shard: ps_ckpt.restore_shard(shard, vdir),
+                                      request.new_version, key=key)
+        faults.point("after_restore")
+        with self.shard.lock:
+            closed = self.shard.ledger.closed.copy()
+        return _applied_response(request.new_version, entries, closed, request.new_version)
+
+    def _rollback_dir(self, request: pb.RollbackRequest) -> str:
+        """The version directory a rollback restores: the one the master names (its
+        restore rule; only this job's checkpoints or its init checkpoint), else
+        ``checkpoint_version`` of the job's checkpoint directory."""
+        from elasticdl.master import restore  # no torch there; the rule is the master's
+
+        if request.version_dir:
+            spec = self.shard.job_spec
+            if spec is None or not restore.allowed(spec, request.version_dir):
+                raise ValueError(f"rollback: {request.version_dir} is neither a complete "
+                                 "version of this job's checkpoint directory nor its init "
+                                 "checkpoint")
+            return request.version_dir
         ckpt_dir = self.shard.config.checkpoint_dir
         if not ckpt_dir:
             raise ValueError("rollback: this PS has no checkpoint directory")
         try:
-            vdir = ps_ckpt.version_dir_of(ckpt_dir, request.checkpoint_version)
+            return ps_ckpt.version_dir_of(ckpt_dir, request.checkpoint_version)
         except CheckpointError as e:  # the caller named a version that is not there
             raise ValueError(f"rollback: {e}") from e
-        entries = self.shard.rollback(lambda shard: ps_ckpt.restore_shard(shard, vdir),
-                                      request.new_version)
-        return pb.AppliedResponse(version=request.new_version, pushes=[
-            pb.AppliedPush(task_id=t, minibatch=mb, num_records=n, version=v)
-            for t, mb, n, v in entries])
 
     def echo(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
         return pb.Empty()

@@ -41,12 +41,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
 from elasticdl.api.model_spec import LRSchedule, ModelSpec
+from elasticdl.common.intervals import IntervalSet
+from elasticdl.ps.audit import AuditLog
 from elasticdl.ps.embedding_optimizer import RowOptimizer, refresh_row_optimizer
 from elasticdl.ps.ledger import AppliedLedger
 from elasticdl.ps.parameters import Parameters, TableSpec
@@ -118,6 +120,7 @@ class PSShard:
         self.row_optimizer: Optional[RowOptimizer] = None
         self.schedule: Optional[ShardSchedule] = None
         self.ledger = AppliedLedger()
+        self.audit: Optional[AuditLog] = None   # every applied push, on disk (--output)
         self.duplicates_ignored = 0
         self._group = Group()
         self._peers_absent = False
@@ -128,6 +131,9 @@ class PSShard:
         self._on_version = on_version
         self.last_checkpoint_version = 0   # the version last written (or restored)
         self.awaiting_rollback = False  # set by a relaunched PS until the master rolls back
+        self.job_spec: Any = None       # the job (restore rule checks of rollback requests)
+        # the last rollback's (protocol id, master incarnation, new version) and answer
+        self._last_rollback: Optional[tuple[tuple[int, int, int], list]] = None
 
     # ------------------------------------------------------------ state
     @property
@@ -171,6 +177,8 @@ class PSShard:
             self.params, self.optimizer, self.row_optimizer = params, optimizer, row_optimizer
             self.schedule = schedule
             self.ledger.load_state_dict(ledger)
+            if self.audit is not None:   # the audit trail follows the restored history
+                self.audit.truncate_after(params.version)
             self.last_checkpoint_version = params.version
             self._drop_group()
             self._cond.notify_all()
@@ -225,6 +233,23 @@ class PSShard:
         with self._cond:
             return self.version, list(self.ledger.entries(task_ids))
 
+    def applied_and_closed(self, task_ids: Optional[Iterable[int]] = None
+                           ) -> tuple[int, list[tuple[int, int, int, int]], IntervalSet]:
+        """``(version, live ledger entries, closed tasks)`` of some tasks (None: all);
+        O(the tasks asked for) when given."""
+        with self._cond:
+            ids = None if task_ids is None else list(task_ids)
+            return self.version, list(self.ledger.entries(ids)), self.ledger.closed_of(ids)
+
+    def settle(self, generation: int, closed: IntervalSet) -> Optional[int]:
+        """The master closed ``closed`` (at rollback version ``generation``): fold
+        their ledger entries; None when ignored (an older generation than this PS
+        rolled back to, or a PS waiting for its rollback)."""
+        with self._cond:
+            if self.awaiting_rollback:
+                return None
+            return self.ledger.settle(generation, closed)
+
     # ------------------------------------------------------------- pushes
     def push_gradients(self, push: GradientPush) -> PushResult:
         """Validate and aggregate/apply a push."""
@@ -240,9 +265,8 @@ class PSShard:
                             "before; ignored", self.config.ps_id, ident[0], ident[1],
                             push.worker_id)
                 return PushResult(True, self.version, True, self._lr())
-            for name, value in push.buffers.items():
-                self.params.buffers[name].copy_(value)
             if self.config.use_async:
+                self._copy_buffers(push)
                 staleness = self.version - push.version
                 factor = 1.0
                 if self.config.lr_staleness_modulation and staleness > 1:
@@ -256,6 +280,7 @@ class PSShard:
                 logger.debug("rejected gradients of version %d from worker %d (now %d)",
                              push.version, push.worker_id, self.version)
                 return PushResult(False, self.version, False, self._lr())
+            self._copy_buffers(push)   # only an accepted push's statistics (BatchNorm)
             g = self._group
             if ident is not None and ident in g.identities:  # a repeat of a pending push
                 self.duplicates_ignored += 1
@@ -265,6 +290,10 @@ class PSShard:
                 self._complete(g)
                 return PushResult(True, self.version, False, g.learning_rate)
             return self._wait(g, push.worker_id)
+
+    def _copy_buffers(self, push: GradientPush) -> None:
+        for name, value in push.buffers.items():
+            self.params.buffers[name].copy_(value)
 
     def _note_peer(self, worker_id: int) -> None:
         """In "peers absent" mode, two different workers pushing end it."""
@@ -358,15 +387,26 @@ class PSShard:
         self.params.version += 1
         for (task, minibatch), records in g.identities.items():
             self.ledger.add(task, minibatch, records, self.params.version)
+            if self.audit is not None:
+                self.audit.append(task, minibatch, records, self.params.version)
         g.done = True
         self._cond.notify_all()
         if self._on_version is not None:
             self._on_version(self)
 
-    def rollback(self, restore: Callable[[PSShard], int], new_version: int
+    def rollback_answer(self, key: tuple[int, int, int]
+                        ) -> Optional[list[tuple[int, int, int, int]]]:
+        """The answer of the rollback ``key`` if it was the last one done here."""
+        with self._cond:
+            last = self._last_rollback
+            return list(last[1]) if last is not None and last[0] == key else None
+
+    def rollback(self, restore: Callable[[PSShard], int], new_version: int,
+                 key: Optional[tuple[int, int, int]] = None
                  ) -> list[tuple[int, int, int, int]]:
         """Replace the state by ``restore(self)`` (e.g. a checkpoint) and continue
-        numbering versions at ``new_version``; returns the restored ledger."""
+        numbering versions at ``new_version``; returns the restored ledger
+        (remembered under ``key``, see :meth:`rollback_answer`)."""
         with self._cond:
             if new_version <= self.version:
                 raise ValueError(f"new_version {new_version} must exceed PS "
@@ -382,16 +422,22 @@ class PSShard:
                 raise ValueError(f"new_version {new_version} must exceed the restored "
                                  f"version {restored} (versions never repeat)")
             self.params.version = new_version
+            self.ledger.generation = new_version   # older settle messages are ignored now
             self._cond.notify_all()
             logger.warning("PS %d rolled back to checkpoint version %d; versions continue "
                            "at %d", self.config.ps_id, restored, new_version)
-            return list(self.ledger.entries())
+            entries = list(self.ledger.entries())
+            if key is not None:
+                self._last_rollback = (key, entries)
+            return entries
 
     # --------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
         """A consistent copy of this shard (taken under the lock)."""
         with self._cond:
             self._require_init()
+            if self.audit is not None:   # what this checkpoint holds is on disk
+                self.audit.flush()
             p = self.params
             return {
                 "version": p.version, "ps_id": p.ps_id, "num_ps": p.num_ps,

@@ -230,8 +230,10 @@ class AllreduceTrainer(Trainer):
         if self.group.rank != 0:
             return
         js = self.job_spec
-        data_position.write_trained(ckpt.version_dir(js.checkpoint_dir, version), "group",
-                                    self.trained.entries())
+        trained = self.trained   # compact: the closed tasks as intervals + live entries
+        data_position.write_trained_compact(ckpt.version_dir(js.checkpoint_dir, version),
+                                            "group", trained.generation, trained.closed,
+                                            trained.entries())
         ckpt.save(js.checkpoint_dir, version, self.state_dict(), js.keep_checkpoint_max)
 
     def save_final_checkpoint(self) -> Optional[str]:

@@ -22,6 +22,7 @@ import torch
 from elasticdl.api.metric_schedule import metric_rule, with_metric_rule
 from elasticdl.api.model_spec import ModelSpec, load_from_job_spec
 from elasticdl.checkpoint import api as ckpt
+from elasticdl.checkpoint import data_position
 from elasticdl.common.datasets import create_readers
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_dirs import job_dir_for
@@ -49,14 +50,17 @@ class LocalJob:
         spec = with_metric_rule(spec, metric_rule(self.model_spec, spec))
         self.spec = spec
         self.readers = create_readers(spec, self.model_spec.custom_data_reader)
-        self.core = JobCore.from_spec(spec, self.readers)
+        self.custom_loop = (spec.job_type == JobType.TRAIN
+                            and self.model_spec.train_loop is not None)
+        # a custom loop's checkpoints name trained records by task id: ids of a run
+        # never collide with an earlier run's (as the master's)
+        first = int(time.time() * 1000) << 16 if self.custom_loop else 0
+        self.core = JobCore.from_spec(spec, self.readers, first_task_id=first)
         self.task_manager = self.core.tm
         self.report = self.core.report
         self.out_dir = job_dir_for(spec)
         self.source = LocalTaskSource(self.core, version=lambda: self.trainer.model_version)
         device = select_device(spec.device)
-        self.custom_loop = (spec.job_type == JobType.TRAIN
-                            and self.model_spec.train_loop is not None)
         self.trainer: Union[LocalTrainer, AllreduceTrainer]
         if self.custom_loop:  # train_loop(ctx): a one-member elastic group
             from elasticdl.elastic.solo import SoloComm
@@ -114,9 +118,10 @@ class LocalJob:
             return
         state = ckpt.load(self.spec.checkpoint_dir_for_init,
                           map_location=str(self.trainer.device))
-        if "data_position" in state and self.custom_loop:
-            state = dict(state)  # the task manager's position says what is left to train
+        if self.custom_loop:
+            state = dict(state)  # the data position says what is left to train
             state.pop("trained_records", None)
+            state.pop("data_position", None)
         self.trainer.load_state_dict(state)
         if "data_position" in state:
             self.task_manager.load_state_dict(state["data_position"])
@@ -126,6 +131,11 @@ class LocalJob:
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         spec, tm = self.spec, self.task_manager
+        if self.custom_loop:
+            # the loop's checkpoints hold trained records by task id (as allreduce
+            # rank 0 writes them); the task table of the run resolves them into a data
+            # position any strategy resumes from (refused, naming why, when it cannot)
+            data_position.attach(tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)
         if spec.checkpoint_dir_for_init:
             self._restore()
         # a resumed job's report covers the whole job; --checkpoint_dir records it

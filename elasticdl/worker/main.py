@@ -19,6 +19,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from elasticdl.common import faults
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
@@ -107,7 +108,11 @@ def run_worker(args: WorkerArgs) -> int:
 
                 if spec.checkpoint_dir and spec.checkpoint_steps:  # the final model, as Local
                     logger.info("final checkpoint: %s", runtime.save_final_checkpoint())
-                runtime.export(job_dir_for(spec))
+                faults.point("before_export", exporting=True)
+                paths = runtime.export(job_dir_for(spec))
+                faults.point("after_export", exporting=True)
+                client.report_export(paths[0] if paths else job_dir_for(spec),
+                                     runtime.model_version)
         finally:
             runtime.close()
         logger.info("worker %d done: %s", args.worker_id, stats)
@@ -129,6 +134,7 @@ def run_worker(args: WorkerArgs) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     configure_logging(args.job_spec.log_level, role=f"worker-{args.worker_id}")
+    faults.set_role(f"worker-{args.worker_id}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     code = run_worker(args)
     # Everything is reported, written and closed. End here rather than in

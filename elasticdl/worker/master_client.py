@@ -113,6 +113,11 @@ class MasterClient(TaskSource):
             worker_id=self.worker_id, replica=replica, err_message=message[:16000],
             err_traceback=traceback[-20000:]))
 
+    def report_export(self, path: str, model_version: int) -> None:
+        """The final model is written at ``path`` (this worker held the export)."""
+        self._call(self._stub.report_export, pb.ReportExportRequest(
+            worker_id=self.worker_id, path=path, model_version=max(int(model_version), 0)))
+
     # rendezvous (AllreduceStrategy)
     def join(self, host: str, port: int) -> pb.CommPlan:
         return self._call(self._stub.join, pb.JoinRequest(worker_id=self.worker_id, host=host,

@@ -26,6 +26,7 @@ import torch
 
 from elasticdl.common import auth, chunk_wire
 from elasticdl.common import tensor_codec as codec
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.wire import GRPC_OPTIONS
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.ps.parameters import TableSpec, dense_owner
@@ -297,15 +298,26 @@ class PSClient:
 
     def applied_minibatches(self, task_id: int) -> tuple[dict[int, int], int]:
         """Minibatches of a task applied on *every* PS (``minibatch -> records``),
-        and the oldest version among the PS answers."""
+        and the oldest version among the PS answers (a task closed on every PS:
+        see :meth:`task_applied`)."""
+        done, version, _ = self.task_applied(task_id)
+        return done, version
+
+    def task_applied(self, task_id: int) -> tuple[dict[int, int], int, bool]:
+        """:meth:`applied_minibatches` and whether the task is closed on every PS
+        (the master counted it done: all its minibatches are applied). A PS where
+        it is closed holds every minibatch of it."""
         common: Optional[dict[int, int]] = None
         oldest = None
         for resp in self.applied([task_id]):
+            oldest = resp.version if oldest is None else min(oldest, resp.version)
+            if task_id in IntervalSet.from_flat(list(resp.closed)):
+                continue
             mine = {p.minibatch: p.num_records for p in resp.pushes}
             common = mine if common is None else \
                 {mb: n for mb, n in common.items() if mb in mine}
-            oldest = resp.version if oldest is None else min(oldest, resp.version)
-        return common or {}, -1 if oldest is None else oldest
+        closed = common is None and oldest is not None
+        return common or {}, -1 if oldest is None else oldest, closed
 
     def save_checkpoint(self) -> str:
         """Every PS writes its shard of its current version into the job's checkpoint

@@ -42,6 +42,7 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.task import Task
 from elasticdl.ps.parameters import TableSpec
 from elasticdl.ps.server import tune_malloc
+from elasticdl.worker.poller import minibatch_count
 from elasticdl.worker.ps_amp import GradNorm, LossScaler, push_scale
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
 from elasticdl.worker.ps_model_push import push_model
@@ -246,7 +247,12 @@ class PSTrainer(Trainer):
         the task pushed them): the task resumes after them."""
         self.epoch = task.epoch
         self.lr_reductions = int(getattr(task, "lr_reductions", 0))
-        done, _ = self.client.applied_minibatches(task.task_id)
+        done, _, closed = self.client.task_applied(task.task_id)
+        if closed:   # the master counted it done meanwhile (a straggler's copy)
+            logger.info("worker %d: task %d is closed on every PS; nothing to train",
+                        self.worker_id, task.task_id)
+            return frozenset(range(1, minibatch_count(task.num_records,
+                                                      self.job_spec.minibatch_size) + 1))
         if done:
             logger.info("worker %d: task %d resumes; minibatches %s already applied",
                         self.worker_id, task.task_id, sorted(done))
@@ -258,8 +264,9 @@ class PSTrainer(Trainer):
     def finish_task(self, task: Task) -> dict[str, int]:
         """What the PS applied of ``task``, read back from their ledgers."""
         self.identity = (0, 0, 0)
-        done, version = self.client.applied_minibatches(task.task_id)
-        return {"records_applied": sum(done.values()), "applied_at_version": version}
+        done, version, closed = self.client.task_applied(task.task_id)
+        applied = task.num_records if closed else sum(done.values())
+        return {"records_applied": applied, "applied_at_version": version}
 
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
         """One step; a push a PS rejects as stale is recomputed on fresh parameters

@@ -1,0 +1,181 @@
+"""The one executor of recovery protocols (DESIGN §6c): each pass of the job
+controller's loop it asks :func:`~elasticdl.master.protocols.next_action` what
+each open protocol needs and applies that one action. Every step change is a
+journaled core transition (:mod:`elasticdl.master.recovery`) taken *before*
+the side effect it names; RPCs (reading PS versions, the rollback itself) run
+in a thread and their result is applied by a later pass, unless the protocol
+moved on meanwhile (its ``seq`` changed: the result is stale and dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import grpc
+
+from elasticdl.common import faults
+from elasticdl.common.intervals import IntervalSet
+from elasticdl.master import ps_rollback
+from elasticdl.master.protocols import (
+    Act,
+    Action,
+    Kind,
+    Observed,
+    Protocol,
+    Step,
+    next_action,
+)
+
+if TYPE_CHECKING:
+    from elasticdl.master.job_controller import JobController
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 2.0   # after a failed RPC step, the next try (a lost PS is noticed meanwhile)
+
+
+@dataclass
+class _InFlight:
+    seq: int
+    thread: threading.Thread
+    box: dict[str, Any] = field(default_factory=dict)
+
+
+class ProtocolExecutor:
+    """Applies protocol actions for ``controller`` (its cluster, PS addresses, core)."""
+
+    def __init__(self, controller: JobController, rollback_budget_s: float = 600.0,
+                 max_export_attempts: int = 3):
+        self.c = controller
+        self.core = controller.core
+        self.rollback_budget_s = rollback_budget_s
+        self.max_export_attempts = max_export_attempts
+        self._inflight: dict[int, _InFlight] = {}
+        self._retry_at: dict[int, float] = {}
+
+    def observed(self) -> Observed:
+        live = frozenset(self.core.replicas.live_workers)
+        only_trained = self.core.export_requires_training
+        if only_trained:   # who may export: a worker that trained (allreduce)
+            live = frozenset(w for w in live if self.core.has_worked(w))
+        return Observed(self.core.protocols.incarnation, live, time.time(),
+                        self.rollback_budget_s, self.max_export_attempts,
+                        can_launch_exporter=not only_trained)
+
+    def advance(self) -> None:
+        """One pass: at most one action per open protocol."""
+        for p in self.core.open_protocols():
+            run = self._inflight.get(p.pid)
+            if run is not None:
+                if run.thread.is_alive():
+                    continue
+                del self._inflight[p.pid]
+                if run.seq == p.seq:
+                    self._finish(p, run.box)
+                continue
+            if time.monotonic() < self._retry_at.get(p.pid, 0.0):
+                continue
+            action = next_action(p, self.observed(), self.core.protocols.export_attempts)
+            if action.act != Act.WAIT:
+                logger.info("protocol %d (%s at %s): %s %s", p.pid, p.kind.value,
+                            p.step.value, action.act.value, action.reason)
+            self._apply(p, action)
+
+    # ---------------------------------------------------------------- actions
+    def _apply(self, p: Protocol, action: Action) -> None:
+        core, act = self.core, action.act
+        if act == Act.WAIT:
+            return
+        if act == Act.FAIL:
+            self.c._fail("master", action.reason, "")
+        elif act == Act.LAUNCH_PS:
+            launch = list(p.data["launch"])
+            core.protocol_step(p.pid, Step.PS_LAUNCHED, launch=[], launched=launch)
+            faults.point("after_ps_launched")
+            for index in launch:
+                self.c._launch_ps(index, ("--await_rollback",), restore_from=p.data["dir"])
+            core.snapshot()
+        elif act == Act.CHOOSE_VERSION:
+            self._start(p, self._choose_version, p)
+        elif act == Act.RECHOOSE:
+            core.protocol_step(p.pid, Step.PS_LAUNCHED)
+        elif act == Act.ROLLBACK_ALL:
+            self._start(p, self._rollback_all, p)
+        elif act == Act.CLOSE:
+            core.protocol_close(p.pid)
+            if p.kind == Kind.ROLLBACK:
+                logger.warning("PS rollback %d closed: every PS at checkpoint %s, versions "
+                               "continue at %s", p.pid, p.data.get("checkpoint"),
+                               p.data.get("new_version"))
+            core.snapshot()
+        elif act == Act.EXPORT_LOST:
+            core.export_lost(p.pid)
+            logger.warning("the final export is open again: %s", action.reason)
+        elif act == Act.LAUNCH_EXPORTER:
+            worker_id = self.c._launch_worker()
+            logger.warning("no worker left for the final export: launched worker-%d for it",
+                           worker_id)
+
+    def _start(self, p: Protocol, fn: Callable[..., Any], *args: Any) -> None:
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = fn(*args)
+            except (grpc.RpcError, TimeoutError, ValueError) as e:
+                box["error"] = e
+
+        t = threading.Thread(target=run, name=f"protocol-{p.pid}-{p.step.value}", daemon=True)
+        self._inflight[p.pid] = _InFlight(p.seq, t, box)
+        t.start()
+
+    def _finish(self, p: Protocol, box: dict[str, Any]) -> None:
+        """A step's RPCs ended (on the controller's thread)."""
+        error: Optional[BaseException] = box.get("error")
+        if error is not None:
+            if _moved_on(error):   # a PS went past the version chosen: choose again
+                self.core.protocol_step(p.pid, Step.PS_LAUNCHED)
+                return
+            if isinstance(error, grpc.RpcError) and \
+                    error.code() == grpc.StatusCode.INVALID_ARGUMENT:   # refused: no retry
+                self.c._fail("master", f"PS rollback to checkpoint {p.data.get('checkpoint')} "
+                             f"refused: {error.details()}", "")
+                return
+            logger.warning("protocol %d at %s: %s; retrying in %.0f s", p.pid, p.step.value,
+                           _describe(error), RETRY_S)
+            self._retry_at[p.pid] = time.monotonic() + RETRY_S
+            return
+        result = box["result"]
+        if p.step == Step.PS_LAUNCHED:
+            self.core.protocol_step(p.pid, Step.ROLLING_BACK, new_version=result)
+            faults.point("after_rollback_start")
+        elif p.step == Step.ROLLING_BACK:
+            faults.point("after_ps_rollback")
+            applied, closed = result
+            self.core.rollback_requeued(p.pid, applied, p.data["new_version"], closed)
+            faults.point("after_requeue")
+            self.core.snapshot()
+
+    def _choose_version(self, p: Protocol) -> int:
+        current = ps_rollback.ps_versions(self.c.ps_addrs)
+        return max(current + [int(p.data["checkpoint"])]) + 1 + ps_rollback.VERSION_SLACK
+
+    def _rollback_all(self, p: Protocol) -> tuple[dict[int, int], IntervalSet]:
+        return ps_rollback.rollback_each(
+            self.c.ps_addrs, int(p.data["checkpoint"]), int(p.data["new_version"]),
+            protocol_id=p.pid, incarnation=p.incarnation, version_dir=p.data["dir"])
+
+
+def _moved_on(e: BaseException) -> bool:
+    return isinstance(e, grpc.RpcError) and \
+        e.code() == grpc.StatusCode.INVALID_ARGUMENT and "must exceed" in (e.details() or "")
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"
+    return f"{type(e).__name__}: {e}"

@@ -1,0 +1,83 @@
+"""Where a PS restores from: one rule, the master's (it knows the job's
+checkpoints, the init checkpoint and the version asked for), passed to the PS
+as ``--restore_from`` and in rollback requests; the PS never guesses.
+
+* A run's first launch restores the init checkpoint (``--checkpoint_dir_for_init``:
+  a checkpoint directory means its newest complete version, a ``version-N``
+  directory means exactly N), or nothing.
+* A rollback restores the newest complete checkpoint *this run* wrote (a version
+  above the run's base, see :func:`run_base`), else the init checkpoint (a PS
+  that dies before the resumed run wrote its own checkpoint rolls every PS back
+  to where the run started and the whole run's work is re-queued), else there
+  is none (the PS starts empty).
+* Versions of a run resumed from an older version of its own directory continue
+  above that directory's newest version, so the run's own checkpoints are
+  never confused with (nor overwrite) the newer ones of the earlier run.
+
+No torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from elasticdl.checkpoint import paths
+
+NONE = "none"  # --restore_from=none: start empty
+
+
+def init_dir(spec: Any) -> Optional[str]:
+    """The init checkpoint's version directory, or None.
+
+    Raises:
+        CheckpointError: the init checkpoint has no complete version.
+    """
+    init = spec.checkpoint_dir_for_init
+    if not init:
+        return None
+    return os.path.abspath(paths.resolve(init))
+
+
+def run_base(spec: Any) -> int:
+    """The version this run's numbering starts above: the init version, or the
+    newest complete version of the run's own directory when that is newer (a run
+    resumed from an older version of its own directory)."""
+    base = 0
+    vdir = init_dir(spec) if spec.checkpoint_dir_for_init else None
+    if vdir is not None:
+        base = paths.version_of(vdir)
+    own = paths.complete_versions(spec.checkpoint_dir) if spec.checkpoint_dir else []
+    if vdir is not None and own and own[-1] > base:
+        base = own[-1]
+    return base
+
+
+def initial_source(spec: Any) -> str:
+    """``--restore_from`` for a PS of the run's first launch."""
+    return init_dir(spec) or NONE
+
+
+def rollback_source(spec: Any, base: int) -> Optional[dict[str, Any]]:
+    """``{"dir": version dir, "checkpoint": version}`` every PS rolls back to when
+    one is lost, or None (no checkpoint anywhere)."""
+    own = [v for v in (paths.complete_versions(spec.checkpoint_dir)
+                       if spec.checkpoint_dir else []) if v > base]
+    if own:
+        return {"dir": os.path.abspath(paths.version_dir(spec.checkpoint_dir, own[-1])),
+                "checkpoint": own[-1]}
+    vdir = init_dir(spec)
+    if vdir is not None and os.path.exists(os.path.join(vdir, paths.DONE)):
+        return {"dir": vdir, "checkpoint": paths.version_of(vdir)}
+    return None
+
+
+def allowed(spec: Any, version_dir: str) -> bool:
+    """Whether a PS may restore ``version_dir`` (a rollback request names it): a
+    complete version of the job's checkpoint directory or the init checkpoint."""
+    vdir = os.path.abspath(version_dir)
+    if not os.path.exists(os.path.join(vdir, paths.DONE)):
+        return False
+    if spec.checkpoint_dir and os.path.dirname(vdir) == os.path.abspath(spec.checkpoint_dir):
+        return True
+    return bool(spec.checkpoint_dir_for_init) and vdir == init_dir(spec)
