@@ -91,7 +91,7 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
     from elasticdl_client.model_check import LaunchCheckError, check_before_launch
 
     try:
-        check_before_launch(spec, in_process=runs_in_process(spec))
+        spec = check_before_launch(spec, in_process=runs_in_process(spec))
         report = _dispatch(spec)
     except (ModelSpecError, UsageError, LaunchCheckError, JournalLockedError) as e:
         _fail(job_type, str(e), USAGE_ERROR)

@@ -29,9 +29,11 @@ class LaunchCheckError(ValueError):
     """The job cannot run as configured; the message names the flag or function."""
 
 
-def check_before_launch(spec: JobSpec, in_process: bool = False) -> None:
+def check_before_launch(spec: JobSpec, in_process: bool = False) -> JobSpec:
     """Check what would fail at every replica's start (``in_process``: the job
-    runs in this process, which fails as fast by itself: flags only).
+    runs in this process, which fails as fast by itself: flags only). Returns the
+    spec to launch: with the module's metric-driven LR schedule rule for the
+    master (``lr_plateau``, see :mod:`elasticdl.api.metric_schedule`).
 
     Raises:
         ModelSpecError: the module breaks the contract, building the model failed,
@@ -55,11 +57,13 @@ def check_before_launch(spec: JobSpec, in_process: bool = False) -> None:
         except CheckpointError as e:
             raise LaunchCheckError(str(e)) from e
     if not in_process:
-        check_model(spec)
+        return check_model(spec)
+    return spec
 
 
-def check_model(spec: JobSpec) -> None:
-    """Load ``spec``'s model module and build its model once.
+def check_model(spec: JobSpec) -> JobSpec:
+    """Load ``spec``'s model module and build its model once; ``spec`` with the
+    module's metric-driven LR schedule rule (if any).
 
     Raises:
         ModelSpecError: the module breaks the contract, building the model failed,
@@ -71,7 +75,7 @@ def check_model(spec: JobSpec) -> None:
     if not os.path.isdir(spec.model_zoo):
         logger.info("model zoo %s is not on this machine; the model is checked by the job's "
                     "replicas", spec.model_zoo)
-        return
+        return spec
     start = time.monotonic()
     model_spec = load_from_job_spec(spec)
     if spec.job_type == JobType.TRAIN:
@@ -112,5 +116,13 @@ def check_model(spec: JobSpec) -> None:
                            "table); elasticdl.api.layers.Embedding is a drop-in whose rows "
                            "live on the PS", where, module.num_embeddings,
                            module.embedding_dim)
+    if spec.sequential_tasks and getattr(model_spec.module, "init_state", None) is None:
+        raise ModelSpecError(f"--sequential_tasks: {model_spec.module_path} defines no "
+                             "init_state(features) (the model state it carries)")
+    from elasticdl.api.metric_schedule import metric_rule, with_metric_rule
+
+    with tables_on_ps() if on_ps else contextlib.nullcontext():
+        spec = with_metric_rule(spec, metric_rule(model_spec, spec, model))
     logger.info("model of %s built and checked in %.1f s", model_spec.module_path,
                 time.monotonic() - start)
+    return spec

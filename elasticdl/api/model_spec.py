@@ -19,7 +19,10 @@ How the framework calls them (one place, used by every strategy):
   function whose signature names them (or takes ``**kwargs``).
 * ``lr_scheduler(optimizer)`` returns a ``torch.optim.lr_scheduler`` scheduler
   (stepped once per epoch) or ``{"scheduler": s, "interval": "epoch"|"step"}``;
-  steps are global optimizer updates, epochs are the master's.
+  steps are global optimizer updates, epochs are the master's. A scheduler
+  whose ``step`` takes a metric (``ReduceLROnPlateau``) is stepped at every
+  evaluation with the metric named by ``{"scheduler": s, "monitor": name}``
+  (one of ``eval_metrics_fn``'s names; see :mod:`elasticdl.api.metric_schedule`).
 """
 
 from __future__ import annotations
@@ -94,18 +97,35 @@ class ModelSpec:
         if self.lr_scheduler is None:
             return None
         out = self.call(self.lr_scheduler, optimizer)
-        interval = "epoch"
+        interval, monitor = "epoch", ""
         if isinstance(out, dict):
-            unknown = set(out) - {"scheduler", "interval"}
+            unknown = set(out) - {"scheduler", "interval", "monitor"}
             if "scheduler" not in out or unknown:
                 raise ModelSpecError(
                     f"lr_scheduler in {self.module_path} returned a dict with keys "
-                    f"{sorted(out)}; expected 'scheduler' and optionally 'interval'")
+                    f"{sorted(out)}; expected 'scheduler' and optionally 'interval' or "
+                    "'monitor'")
             interval = out.get("interval", "epoch")
+            monitor = out.get("monitor") or ""
             out = out["scheduler"]
+            if not isinstance(monitor, str):
+                raise ModelSpecError(f"lr_scheduler in {self.module_path}: 'monitor' must "
+                                     f"be a metric name, got {monitor!r}")
         if interval not in ("epoch", "step"):
             raise ModelSpecError(f"lr_scheduler in {self.module_path}: interval must be "
                                  f"'epoch' or 'step', got {interval!r}")
+        if steps_with_metric(out):
+            if not monitor:
+                raise ModelSpecError(
+                    f"lr_scheduler in {self.module_path} returned {type(out).__name__}, whose "
+                    "step() takes a metric: return {'scheduler': s, 'monitor': NAME} with "
+                    "NAME one of eval_metrics_fn's metrics (it is stepped at every "
+                    "evaluation with that metric; the job needs --validation_data)")
+            interval = "evaluation"
+        elif monitor:
+            raise ModelSpecError(f"lr_scheduler in {self.module_path}: 'monitor' is for a "
+                                 f"scheduler whose step() takes a metric; "
+                                 f"{type(out).__name__}.step() takes none")
         if not (callable(getattr(out, "step", None)) and hasattr(out, "state_dict")):
             raise ModelSpecError(f"lr_scheduler in {self.module_path} returned "
                                  f"{type(out).__name__}, not a torch.optim.lr_scheduler "
@@ -113,7 +133,7 @@ class ModelSpec:
         if getattr(out, "optimizer", optimizer) is not optimizer:
             raise ModelSpecError(f"lr_scheduler in {self.module_path} returned a scheduler "
                                  "of another optimizer than the one it was given")
-        return LRSchedule(out, interval)
+        return LRSchedule(out, interval, monitor)
 
     def feed_batch(self, records: Any, mode: str) -> Any:
         """``feed(records, mode)`` (with the --model_params it accepts); without a
@@ -165,10 +185,33 @@ def split_batch(batch: Any, where: str = "the model module") -> tuple[Any, Any]:
 @dataclass
 class LRSchedule:
     """A module's scheduler and when it steps: once per ``"epoch"`` (the master's
-    epochs) or per ``"step"`` (global optimizer updates)."""
+    epochs), per ``"step"`` (global optimizer updates) or, for a scheduler whose
+    step takes a metric, per ``"evaluation"`` with the ``monitor`` metric."""
 
     scheduler: Any
     interval: str = "epoch"
+    monitor: str = ""
+
+
+def steps_with_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` needs a metric (``ReduceLROnPlateau``, or any
+    scheduler whose step has a required positional argument)."""
+    try:
+        from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+        if isinstance(scheduler, ReduceLROnPlateau):
+            return True
+    except ImportError:  # pragma: no cover - torch is a dependency of model loading
+        pass
+    step = getattr(scheduler, "step", None)
+    if step is None:
+        return False
+    try:
+        params = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in params)
 
 
 class ScheduleClock:
@@ -178,15 +221,46 @@ class ScheduleClock:
 
     * ``"epoch"``: once per epoch crossed when a step of a newer epoch is next
       (:meth:`advance_epoch`; epochs are the master's and never go backwards);
-    * ``"step"``: once after every optimizer update (:meth:`after_update`).
+    * ``"step"``: once after every optimizer update (:meth:`after_update`);
+    * ``"evaluation"`` (a ``ReduceLROnPlateau``): Local steps the scheduler with
+      the monitored metric at each evaluation (:meth:`step_metric`); a PS shard or
+      an allreduce member applies the reductions the master decided
+      (:meth:`catch_up_reductions`, see :mod:`elasticdl.common.plateau`).
 
-    ``epoch`` (the epoch the schedule was last advanced to) belongs in the
-    owner's checkpoints with the scheduler's state.
+    ``epoch`` (the epoch the schedule was last advanced to) and ``reductions``
+    belong in the owner's checkpoints with the scheduler's state.
     """
 
     def __init__(self, schedule: Optional[LRSchedule]):
         self.schedule = schedule
         self.epoch = 0
+        self.reductions = 0   # master-decided plateau reductions applied here
+
+    def step_metric(self, value: float) -> None:
+        """An evaluation's value of the monitored metric (in-process jobs)."""
+        if self.interval == "evaluation":
+            assert self.schedule is not None
+            self.schedule.scheduler.step(value)
+
+    def catch_up_reductions(self, reductions: int) -> bool:
+        """The master decided ``reductions`` reductions so far: apply the missing
+        ones to the optimizer's groups (torch's ``_reduce_lr`` arithmetic); whether
+        any was applied. Counts never go back."""
+        if self.interval != "evaluation" or reductions <= self.reductions:
+            return False
+        from elasticdl.common.plateau import reduce_lrs
+
+        assert self.schedule is not None
+        sched = self.schedule.scheduler
+        groups = sched.optimizer.param_groups
+        for _ in range(reductions - self.reductions):
+            new = reduce_lrs([float(g["lr"]) for g in groups], float(sched.factor),
+                             list(sched.min_lrs), float(sched.eps))
+            for g, lr in zip(groups, new):
+                g["lr"] = lr
+        sched._last_lr = [float(g["lr"]) for g in groups]
+        self.reductions = reductions
+        return True
 
     @property
     def interval(self) -> str:

@@ -180,11 +180,11 @@ def dense_chunk_bytes(initialized: bool, version: int, is_buffer: bool,
 
 def gradient_chunk_bytes(chunk_parts: list[Buffer], version: int = 0, worker_id: int = 0,
                          learning_rate: float = 0.0, task_id: int = 0, minibatch: int = 0,
-                         num_records: int = 0, epoch: int = 0) -> bytes:
+                         num_records: int = 0, epoch: int = 0, lr_reductions: int = 0) -> bytes:
     """A serialised ``GradientChunk`` holding a dense ``TensorChunk`` (one copy)."""
     head = pb.GradientChunk(version=version, worker_id=worker_id, learning_rate=learning_rate,
                             task_id=task_id, minibatch=minibatch, num_records=num_records,
-                            epoch=epoch).SerializeToString()
+                            epoch=epoch, lr_reductions=lr_reductions).SerializeToString()
     return b"".join([head, *_wrap(b"\x22", chunk_parts)])
 
 
@@ -225,6 +225,7 @@ class GradientChunkView:
     epoch: int = 0
     grad_scale: float = 0.0
     discard: bool = False
+    lr_reductions: int = 0
     error: str = ""  # set by parse_gradient_chunk_or_error instead of raising
 
 
@@ -260,6 +261,8 @@ def parse_gradient_chunk(data: bytes) -> GradientChunkView:
             out.grad_scale = struct.unpack("<f", value)[0]
         elif number == 12 and wire == 0:
             out.discard = bool(value)
+        elif number == 90 and wire == 0:
+            out.lr_reductions = _signed(value)
     return out
 
 

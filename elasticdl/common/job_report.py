@@ -42,6 +42,9 @@ class JobReport:
     training: dict[str, dict[str, Any]] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
+    # a resumed job: training records already in the model it resumed from (not
+    # this run's work: training_records_per_s counts this run's records only)
+    records_at_start: int = 0
 
     def add_evaluation(self, model_version: int, metrics: dict[str, float],
                        reasons: Sequence[str] = ("periodic",),
@@ -114,8 +117,12 @@ class JobReport:
     def to_dict(self) -> dict[str, Any]:
         wall = time.time() - self.started
         completed = sum(e.get("records_completed", 0) for e in self.epochs)
+        this_run = completed - self.records_at_start
         timings = {"wall_s": round(wall, 3),
-                   "training_records_per_s": round(completed / wall, 3) if wall > 0 else 0.0}
+                   "training_records_per_s": round(this_run / wall, 3) if wall > 0 else 0.0}
+        if self.records_at_start:  # resumed: this run's records and the earlier ones apart
+            timings["training_records_this_run"] = this_run
+            timings["training_records_resumed"] = self.records_at_start
         out = {
             "job_name": self.job_name, "job_type": self.job_type, "status": self.status,
             "strategy": self.strategy, "cluster": self.cluster,
@@ -134,7 +141,7 @@ class JobReport:
     # the figures a restarted master carries on with (not its start time: the
     # timings of the new master's run)
     _STATE = ("status", "epochs", "relaunches", "evaluations", "final_metrics", "failure",
-              "training", "extra")
+              "training", "extra", "records_at_start")
 
     def state_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps({k: getattr(self, k) for k in self._STATE}))

@@ -146,6 +146,14 @@ class JobSpec:
     export_torchscript: bool = _f(False, "Also export the final model as TorchScript "
                                   "(model_scripted.pt) next to model.pt; a model that does "
                                   "not script gets a warning, never a failed job", "training")
+    # --- metric-driven LR schedules and stateful sequence training (docs/training.md)
+    lr_plateau: str = _f("", "The module's ReduceLROnPlateau rule and monitored metric, as "
+                         "JSON (set by the elasticdl command when it checks the model)",
+                         "training", cli=False)
+    sequential_tasks: bool = _f(False, "Tasks in data order (refuses --shuffle and "
+                                "AllreduceStrategy), for a module with init_state: a model "
+                                "state carried across minibatches (truncated BPTT; see "
+                                "docs/training.md)", "training")
     task_timeout_s: float = _f(0.0, "Reassign a task held longer than this (0: 3x the "
                                "median task time, at least 60 s)", "distribution", min=0)
     task_lease_s: float = _f(1.0, "Workers whose tasks are short lease about this many "
@@ -261,6 +269,11 @@ class JobSpec:
         if self.min_workers > self.num_workers:
             raise JobSpecError("num_workers", f"MIN {self.min_workers} is above MAX "
                                f"{self.num_workers}")
+        if self.sequential_tasks and self.shuffle:
+            raise JobSpecError("sequential_tasks", "keeps tasks in data order: drop --shuffle")
+        if self.sequential_tasks and self.distribution_strategy == Strategy.ALLREDUCE:
+            raise JobSpecError("sequential_tasks", "AllreduceStrategy does not carry a model "
+                               "state; use Local or ParameterServerStrategy")
         strategy = entry_for(self.distribution_strategy)
         if self.job_type == JobType.TRAIN and strategy.in_process_training and \
                 self.num_workers > 1:

@@ -35,6 +35,9 @@ class Task:
     # EVALUATION_FINALIZE only: the serialised metric states of each evaluation
     # task of ``model_version`` (attached when the task is handed out, never stored)
     metric_states: tuple[bytes, ...] = field(default=(), compare=False, repr=False)
+    # TRAINING, on the wire only: reductions of a metric-driven LR schedule decided
+    # when the task went out (elasticdl.master.lr_plateau)
+    lr_reductions: int = field(default=0, compare=False, repr=False)
     # allreduce TRAINING tasks: the master's closed training tasks as (generation,
     # flat [lo, hi) intervals), attached when handed out, never stored
     closed: Optional[tuple[int, tuple[int, ...]]] = field(default=None, compare=False,

@@ -105,6 +105,11 @@ class BatchTag:
         """The master's epoch of the minibatch's task."""
         return int(self.state.task.epoch)
 
+    @property
+    def lr_reductions(self) -> int:
+        """The metric-driven LR reductions the master decided when the task went out."""
+        return int(getattr(self.state.task, "lr_reductions", 0))
+
 
 def batch_records(args: Sequence[Any]) -> int:
     """Records in a batch passed as step arguments: the first dimension of the

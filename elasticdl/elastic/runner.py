@@ -72,6 +72,11 @@ __all__ = ["ElasticState", "ElasticRunner", "RoundResult", "RoundStatus", "StepA
            "CollectiveError", "Microbatch"]
 
 
+def _reductions_of(tag: Any) -> int:
+    """The LR reductions a microbatch's task carried (``BatchTag.lr_reductions``), or 0."""
+    return int(getattr(tag, "lr_reductions", 0) or 0)
+
+
 def _epoch_of(tag: Any) -> int:
     """The master's epoch of a microbatch's task (``BatchTag.epoch``), or -1."""
     epoch = getattr(tag, "epoch", None)
@@ -264,6 +269,12 @@ class ElasticRunner:
         known = [_epoch_of(m.tag) for m in micro if m.records > 0]
         epochs[self.group.rank] = float(max(known) + 1) if known else 0.0
         meta += epochs
+        # likewise the metric-driven LR reductions (the master's count): the maximum
+        # any member's task carried, applied by every member at this very step
+        reductions = [0.0] * self.group.world_size
+        reductions[self.group.rank] = float(max((_reductions_of(m.tag) for m in micro
+                                                 if m.records > 0), default=0))
+        meta += reductions
         if self.trained is not None:  # who trains what: [world, slots, 4], own row filled
             meta += self.trained.encode([m.tag for m in micro], self.group.rank,
                                         self.group.world_size, max(self.global_microbatches, 1))
@@ -306,7 +317,8 @@ class ElasticRunner:
         total, change, done = self.grads.result[:3]
         if micro:
             self._filler = micro[-1].args
-        return outputs, total, change > 0, done > 0, self.grads.result[3 + len(epochs):]
+        return (outputs, total, change > 0, done > 0,
+                self.grads.result[3 + len(epochs) + len(reductions):])
 
     @property
     def step_epoch(self) -> int:
@@ -316,6 +328,14 @@ class ElasticRunner:
         world = self.group.world_size
         slots = self.grads.result[3:3 + world]
         return int(max(slots)) - 1 if slots else -1
+
+    @property
+    def step_lr_reductions(self) -> int:
+        """The metric-driven LR reductions of the step whose gradients were last
+        reduced: the most any member's microbatches carried (the same on every member)."""
+        world = self.group.world_size
+        slots = self.grads.result[3 + world:3 + 2 * world]
+        return int(max(slots)) if slots else 0
 
     def _confirm(self, version: int) -> None:
         self.confirmed_version = max(self.confirmed_version, version)

@@ -48,6 +48,7 @@ from elasticdl.common.task import Task, TaskType
 from elasticdl.master import task_state
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.job_journal import Journaled
+from elasticdl.master.lr_plateau import MetricSchedule
 from elasticdl.master.protocols import ProtocolBook
 from elasticdl.master.recovery import Recovery
 from elasticdl.master.replicas import ReplicaBook
@@ -94,6 +95,10 @@ class JobCore(Journaled, Recovery):
         self._epochs_ended: set[int] = set()
         self._manage = manage_evaluations
         self._listeners: list[Any] = []
+        # a metric-driven LR schedule (ReduceLROnPlateau), stepped at each evaluation
+        self.metric_schedule: Optional[MetricSchedule] = None
+        # called with the core after each refresh_report (the job history writer)
+        self.refresh_hooks: list[Any] = []
         self._init_journal(task_manager)
         task_manager.evaluation_done_callbacks.append(self._on_evaluation_done)
         if manage_evaluations:
@@ -128,8 +133,10 @@ class JobCore(Journaled, Recovery):
                          clock=time.time, settle_on_close=not rollbacks,
                          **shards_for(dict(readers), spec))
         report = report_for(spec, tm)
-        return cls(tm, report, Schedule.from_spec(spec), minibatch_size=spec.minibatch_size,
+        core = cls(tm, report, Schedule.from_spec(spec), minibatch_size=spec.minibatch_size,
                    job_type=spec.job_type, start_version=start_version)
+        core.metric_schedule = MetricSchedule.from_spec(spec)
+        return core
 
     # ------------------------------------------------------------- versions
     def start_at_version(self, version: int) -> None:
@@ -277,6 +284,12 @@ class JobCore(Journaled, Recovery):
                       version=new_version, closed=None if closed is None else closed.to_flat())
             return lost
 
+    def lr_reductions(self) -> int:
+        """Reductions of a metric-driven LR schedule decided so far (0: none)."""
+        with self._lock:
+            ms = self.metric_schedule
+            return ms.reductions() if ms is not None else 0
+
     def _rollback(self, applied: dict[int, int], new_version: int,
                   closed: Optional[IntervalSet] = None) -> list[int]:
         lost = self.tm.rollback(applied, new_version, closed)
@@ -371,6 +384,9 @@ class JobCore(Journaled, Recovery):
             return
         metrics = self.aggregator.complete(version)
         self.report.add_evaluation(version, metrics, running["reasons"], running["epoch"])
+        if self.metric_schedule is not None:
+            self.metric_schedule.on_evaluation(version, metrics)
+            self.report.extra["lr_schedule"] = self.metric_schedule.summary()
         self.notify("on_evaluation", version=version, metrics=dict(metrics))
         self._last_evaluated = version
         self._running = None
@@ -425,6 +441,8 @@ class JobCore(Journaled, Recovery):
             report.extra["prediction"] = tm.prediction_report()
         report.extra["model_version"] = self.version
         report.extra["nonfinite_steps_skipped"] = tm.counters.get("nonfinite_steps_skipped", 0)
+        for hook in self.refresh_hooks:
+            hook(self)
         return report
 
     # ---------------------------------------------------------------- state
@@ -447,6 +465,8 @@ class JobCore(Journaled, Recovery):
                                "pending": self._pending, "running": self._running,
                                "begun": self._begun,
                                "epochs_ended": sorted(self._epochs_ended)},
+                **({"lr_plateau": self.metric_schedule.state_dict()}
+                   if self.metric_schedule is not None else {}),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -466,6 +486,8 @@ class JobCore(Journaled, Recovery):
             self._last_evaluated = e["last_evaluated"]
             self._pending, self._running, self._begun = e["pending"], e["running"], e["begun"]
             self._epochs_ended = set(e["epochs_ended"])
+            if self.metric_schedule is not None:
+                self.metric_schedule.load_state_dict(state.get("lr_plateau"))
 
 
 def start_version_of(path: str) -> int:

@@ -32,7 +32,7 @@ from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
 from elasticdl.data.csv_reader import INDEX_CACHE_ENV
-from elasticdl.master import failover, observability, ps_settle, restore
+from elasticdl.master import failover, job_history, observability, ps_settle, restore
 from elasticdl.master.job import JobCore, report_for, start_version_of
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.journal import JournalLockedError
@@ -152,9 +152,14 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
     if restoring:
         core.restore(journal)
         failover.reopen_task_table(core, spec)
+        job_history.attach(core, spec, restoring=True)
     else:
+        # a resumed job's report covers the whole job (the checkpoint's history)
+        job_history.attach(core, spec)
         core.attach_journal(journal)
         core.begin()
+        if spec.checkpoint_dir_for_init:
+            core.snapshot()
     core.new_incarnation()   # the steps this master takes, and its RPCs, carry it
     in_pod = spec.cluster == "k8s"  # TensorBoard files and /metrics (docs/observability.md)
     obs = observability.attach(core, spec.output, spec.master_metrics_port(args.port),

@@ -143,6 +143,8 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     def _task_msg(self, task: Task, worker_id: int) -> pb.Task:
         msg = task_to_proto(task)
+        if task.type == TaskType.TRAINING:  # fixed while a training task is out
+            msg.lr_reductions = self.core.lr_reductions()
         if task.type == TaskType.TRAINING and self.rendezvous is not None:
             # allreduce members drop closed tasks from their trained-record sets
             msg.closed_generation, flat = self._closed.get()

@@ -39,6 +39,7 @@ class GradientPush:
     epoch: int = 0
     grad_scale: float = 1.0
     discard: bool = False
+    lr_reductions: int = 0      # metric-driven LR reductions its task carried
 
     @property
     def identity(self) -> Optional[tuple[int, int]]:
@@ -71,6 +72,7 @@ class Group:
     dropped: bool = False  # discarded by a rollback: its pushes were not applied
     owned: set[str] = field(default_factory=set)  # dense sums that are our own tensors
     epoch: int = 0              # the newest epoch of its pushes
+    lr_reductions: int = 0      # the most LR reductions any of its pushes carried
     learning_rate: float = 0.0  # set when applied
 
     def add(self, push: GradientPush) -> None:
@@ -82,6 +84,7 @@ class Group:
         g.count += 1
         g.workers.add(push.worker_id)
         g.epoch = max(g.epoch, push.epoch)
+        g.lr_reductions = max(g.lr_reductions, push.lr_reductions)
         if push.identity is not None:
             g.identities[push.identity] = push.num_records
         if push.discard:
@@ -119,6 +122,8 @@ def validate(params: Parameters, push: GradientPush) -> None:
         raise ValueError(f"push sets learning_rate={push.learning_rate}: the learning "
                          "rate is the optimizer's (the model's optimizer()); a client "
                          "may not change it")
+    if push.lr_reductions < 0:
+        raise ValueError(f"lr_reductions must be >= 0, got {push.lr_reductions}")
     if push.minibatch < 0 or push.num_records < 0 or push.epoch < 0:
         raise ValueError(f"minibatch ({push.minibatch}), num_records "
                          f"({push.num_records}) and epoch ({push.epoch}) must be >= 0")

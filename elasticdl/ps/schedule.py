@@ -10,7 +10,12 @@ stepped here, never undone:
 * interval ``"epoch"``: the epochs are the master's. Every push carries its
   task's epoch; before a group of a newer epoch is applied, the scheduler
   steps once per epoch crossed. Epochs never go backwards (the master's epoch
-  barrier hands out epoch e+1 only once epoch e is done).
+  barrier hands out epoch e+1 only once epoch e is done);
+* interval ``"evaluation"`` (``ReduceLROnPlateau``): the master decides the
+  reductions at its evaluations (:mod:`elasticdl.master.lr_plateau`); every
+  push carries the count its task went out with, and before a group is applied
+  the shard applies the reductions it has not applied yet (counts never go
+  back; a relaunched PS restores its count from its checkpoint and catches up).
 
 Asynchronous staleness modulation scales the scheduled learning rates for one
 apply (:meth:`ShardSchedule.scaled`) and restores the scheduled values.
@@ -39,10 +44,11 @@ class ShardSchedule(ScheduleClock):
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: Optional[LRSchedule],
                  ps_id: int = 0):
-        if schedule is not None and isinstance(schedule.scheduler,
-                                               torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise ValueError("ReduceLROnPlateau needs a metric at every step; the parameter "
-                             "servers have none (use a scheduler of the epoch or step count)")
+        if schedule is not None and schedule.interval != "evaluation" and isinstance(
+                schedule.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError("ReduceLROnPlateau needs a metric at every step: return "
+                             "{'scheduler': s, 'monitor': NAME} from lr_scheduler (the master "
+                             "steps it at each evaluation), not an epoch or step interval")
         super().__init__(schedule)
         self.optimizer = optimizer
         self.ps_id = ps_id
@@ -55,6 +61,14 @@ class ShardSchedule(ScheduleClock):
         """A group of ``epoch`` is about to be applied."""
         if self.advance_epoch(epoch):
             logger.info("PS %d: epoch %d, learning rate %s", self.ps_id, epoch,
+                        [g["lr"] for g in self.optimizer.param_groups])
+
+    def enter_reductions(self, reductions: int) -> None:
+        """A group whose pushes carry ``reductions`` master-decided LR reductions is
+        about to be applied."""
+        if self.catch_up_reductions(reductions):
+            logger.info("PS %d: learning-rate reduction %d (metric-driven), learning rate "
+                        "%s", self.ps_id, reductions,
                         [g["lr"] for g in self.optimizer.param_groups])
 
     def catch_up_steps(self, updates: int) -> None:
@@ -89,6 +103,7 @@ class ShardSchedule(ScheduleClock):
     # --------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "interval": self.interval,
+                "lr_reductions": self.reductions,
                 "lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
                 "scheduler": self.schedule.scheduler.state_dict()
                 if self.schedule is not None else None}
@@ -99,6 +114,7 @@ class ShardSchedule(ScheduleClock):
         if not state:
             return
         self.epoch = int(state.get("epoch", 0))
+        self.reductions = int(state.get("lr_reductions", 0))
         if self.schedule is not None and state.get("scheduler") is not None:
             self.schedule.scheduler.load_state_dict(state["scheduler"])
         elif self.schedule is not None:

@@ -373,6 +373,7 @@ class PSShard:
         schedule = self.schedule
         assert schedule is not None  # initialised
         schedule.enter_epoch(g.epoch)
+        schedule.enter_reductions(g.lr_reductions)
         scale = g.weight0 / g.total if g.total else 1.0
         with schedule.scaled(lr_factor):
             g.learning_rate = schedule.lr()

@@ -155,6 +155,7 @@ class AllreduceTrainer(Trainer):
         epoch = self.runner.step_epoch
         if epoch >= 0:
             self.extras.advance_epoch(epoch)
+        self.extras.catch_up_reductions(self.runner.step_lr_reductions)
         apply = True
         scaler = self.extras.scaler
         if scaler is not None:
@@ -235,6 +236,21 @@ class AllreduceTrainer(Trainer):
                                             "group", trained.generation, trained.closed,
                                             trained.entries())
         ckpt.save(js.checkpoint_dir, version, self.state_dict(), js.keep_checkpoint_max)
+
+    def save_final_checkpoint(self) -> Optional[str]:
+        """The exporting member (any rank: training is over, every member holds the
+        same model and knows every member's trained records) writes the final
+        model's checkpoint, unless the periodic rule wrote that version already."""
+        js, version = self.job_spec, self.state.model_version
+        if not js.checkpoint_dir:
+            return None
+        vdir = ckpt.version_dir(js.checkpoint_dir, version)
+        if version in ckpt.complete_versions(js.checkpoint_dir):
+            return vdir
+        self.trained.last_saved = version
+        data_position.write_trained(vdir, "group", self.trained.entries())
+        ckpt.save(js.checkpoint_dir, version, self.state_dict(), js.keep_checkpoint_max)
+        return vdir
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
+from elasticdl.api.metric_schedule import metric_rule, with_metric_rule
 from elasticdl.api.model_spec import ModelSpec, load_from_job_spec
 from elasticdl.checkpoint import api as ckpt
 from elasticdl.checkpoint import data_position
@@ -28,7 +29,7 @@ from elasticdl.common.job_dirs import job_dir_for
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
-from elasticdl.master import observability
+from elasticdl.master import job_history, observability
 from elasticdl.master.job import JobCore
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop
@@ -45,8 +46,11 @@ class LocalJob:
     """Builds the collaborators of a Local job and runs it."""
 
     def __init__(self, spec: JobSpec, model_spec: Optional[ModelSpec] = None):
-        self.spec = spec
         self.model_spec = model_spec or load_from_job_spec(spec)
+        # a metric-driven LR schedule fails here, before any training, when the job
+        # cannot step it; the core's mirror of its rule reports the reductions
+        spec = with_metric_rule(spec, metric_rule(self.model_spec, spec))
+        self.spec = spec
         self.readers = create_readers(spec, self.model_spec.custom_data_reader,
                                       model_spec=self.model_spec)
         self.custom_loop = (spec.job_type == JobType.TRAIN
@@ -73,6 +77,8 @@ class LocalJob:
         self._records_done_in_task: dict[int, int] = {}
         self.progress: Optional[Progress] = None
         self._last_saved = 0
+        self._stepper = _MetricStepper(self.trainer.extras, self.core)
+        self.core.add_listener(self._stepper)
 
     # -------------------------------------------------------------- hooks
     def _after_train_step(self, task: Task, done: int, loss: torch.Tensor) -> None:
@@ -100,8 +106,11 @@ class LocalJob:
 
     def _after_task(self, task: Task) -> None:
         self._records_done_in_task.pop(task.task_id, None)
+        if self._stepper.error is not None:
+            raise self._stepper.error
 
     def save_checkpoint(self, partial: Optional[dict[int, int]] = None) -> str:
+        self.core.refresh_report()   # the job history at this version (job_history)
         state = self.trainer.state_dict()
         state["data_position"] = self.task_manager.state_dict(partial)
         self._last_saved = self.trainer.model_version
@@ -135,6 +144,8 @@ class LocalJob:
             data_position.attach(tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)
         if spec.checkpoint_dir_for_init:
             self._restore()
+        # a resumed job's report covers the whole job; --checkpoint_dir records it
+        job_history.attach(self.core, spec)
         self.core.begin()
         sink = None
         if spec.job_type == JobType.PREDICT:
@@ -182,6 +193,44 @@ class LocalJob:
         path = self.report.write(self.out_dir)
         logger.info("job %s succeeded in %.1f s; report: %s", spec.job_name, wall, path)
         return self.report.to_dict()
+
+
+class _MetricStepper:
+    """Local: steps the real scheduler with the monitored metric of each evaluation
+    (in the training thread: the core completes evaluations in its calls)."""
+
+    def __init__(self, extras: Any, core: JobCore):
+        self.extras = extras
+        self.core = core
+        self.error: Optional[BaseException] = None   # raised in the training loop
+
+    def on_evaluation(self, version: int, metrics: dict[str, float]) -> None:
+        schedule = self.extras.schedule
+        if schedule is None or schedule.interval != "evaluation":
+            return
+        if schedule.monitor not in metrics:
+            logger.error("evaluation of model version %d has no metric %r: the learning-rate "
+                         "schedule is not stepped", version, schedule.monitor)
+            return
+        try:
+            self.extras.step_metric(metrics[schedule.monitor])
+        except Exception as e:  # noqa: BLE001 - re-raised by the training loop
+            self.error = e
+            raise
+        mirror = self.core.metric_schedule
+        lrs = [float(g["lr"]) for g in schedule.scheduler.optimizer.param_groups]
+        if mirror is not None and mirror.state.lrs and mirror.state.lrs != lrs:
+            logger.warning("the master's ReduceLROnPlateau mirror has rates %s, the "
+                           "scheduler %s", mirror.state.lrs, lrs)
+        logger.info("%s stepped with %s=%.6g at model version %d: learning rate %s",
+                    type(schedule.scheduler).__name__, schedule.monitor,
+                    metrics[schedule.monitor], version,
+                    [g["lr"] for g in schedule.scheduler.optimizer.param_groups])
+
+    def __getattr__(self, name: str) -> Any:   # the other JobListener events: nothing
+        if name.startswith("on_"):
+            return lambda **fields: None
+        raise AttributeError(name)
 
 
 class TaskFailedError(RuntimeError):

@@ -106,6 +106,8 @@ def run_worker(args: WorkerArgs) -> int:
             if client.export_model and spec.job_type == JobType.TRAIN:
                 from elasticdl.common.job_dirs import job_dir_for
 
+                if spec.checkpoint_dir and spec.checkpoint_steps:  # the final model, as Local
+                    logger.info("final checkpoint: %s", runtime.save_final_checkpoint())
                 faults.point("before_export", exporting=True)
                 paths = runtime.export(job_dir_for(spec))
                 faults.point("after_export", exporting=True)

@@ -266,7 +266,8 @@ class PSClient:
                        sparse: Sequence[tuple[str, np.ndarray, torch.Tensor]] = (),
                        buffers: Optional[Mapping[str, torch.Tensor]] = None,
                        worker_id: int = 0, identity: Identity = (0, 0, 0), epoch: int = 0,
-                       grad_scale: float = 1.0, discard: bool = False) -> Future:
+                       grad_scale: float = 1.0, discard: bool = False,
+                       lr_reductions: int = 0) -> Future:
         """One unary push to PS ``ps``; the future gives a :class:`PushReply`
         (``(accepted, version)`` and the lr it was applied with)."""
         task_id, minibatch, num_records = identity
@@ -274,7 +275,7 @@ class PSClient:
         def push(stub: PSStub) -> PushReply:
             req = pb.PushGradientsRequest(
                 version=version, worker_id=worker_id, task_id=task_id, minibatch=minibatch,
-                num_records=num_records, epoch=epoch,
+                num_records=num_records, epoch=epoch, lr_reductions=lr_reductions,
                 grad_scale=grad_scale if grad_scale != 1.0 else 0.0, discard=discard,
                 dense=[codec.encode(g, n) for n, g in dense.items()],
                 sparse=[pb.EmbeddingRows(table=t, id_tensor=codec.encode_ids(ids),
@@ -286,8 +287,9 @@ class PSClient:
         return self.submit(ps, push, "push_gradients")
 
     def open_push_stream(self, ps: int, version: int, worker_id: int = 0,
-                         identity: Identity = (0, 0, 0), epoch: int = 0) -> PushStream:
-        return PushStream(self, ps, version, worker_id, identity, epoch)
+                         identity: Identity = (0, 0, 0), epoch: int = 0,
+                         lr_reductions: int = 0) -> PushStream:
+        return PushStream(self, ps, version, worker_id, identity, epoch, lr_reductions)
 
     def applied(self, task_ids: Sequence[int] = ()) -> list[pb.AppliedResponse]:
         """Each PS's applied-identity ledger (of ``task_ids``; empty: all)."""

@@ -47,6 +47,7 @@ from elasticdl.worker.ps_amp import GradNorm, LossScaler, push_scale
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
 from elasticdl.worker.ps_model_push import push_model
 from elasticdl.worker.ps_push import PushSession
+from elasticdl.worker.sequence_state import SequenceState
 from elasticdl.worker.trainer import NonFiniteError, Trainer
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class PSTrainer(Trainer):
         self.push_retry_timeout_s = push_retry_timeout_s
         self.identity: Identity = (0, 0, 0)  # of the minibatch being trained
         self.epoch = 0                        # of the task being trained
+        self.lr_reductions = 0                # its metric-driven LR reductions (master's)
         self.clip_grad_norm = float(job_spec.clip_grad_norm)
         self.amp = job_spec.amp  # autocast in the shared compute_loss (checked by PSRuntime)
         # fp16 autocast needs a loss scale; the optimizer is on the PS, so the
@@ -89,6 +91,7 @@ class PSTrainer(Trainer):
         with tables_on_ps():
             self.model = model_spec.build_model().to(device)
         self.model.train()
+        self.sequence = SequenceState.of_spec(model_spec)
         self.init_timeout_s = init_timeout_s
         self.tables: dict[str, TableSpec] = {}
         # the weight of each materialised table as the model code left it: pushed to
@@ -243,6 +246,7 @@ class PSTrainer(Trainer):
         """Minibatches of ``task`` every PS already applied (an earlier holder of
         the task pushed them): the task resumes after them."""
         self.epoch = task.epoch
+        self.lr_reductions = int(getattr(task, "lr_reductions", 0))
         done, _, closed = self.client.task_applied(task.task_id)
         if closed:   # the master counted it done meanwhile (a straggler's copy)
             logger.info("worker %d: task %d is closed on every PS; nothing to train",
@@ -320,7 +324,7 @@ class PSTrainer(Trainer):
         self.model.zero_grad(set_to_none=True)
         norm = GradNorm(float64=self.scaler is not None) \
             if self.clip_grad_norm > 0 or self.scaler is not None else None
-        session = PushSession(self, targets, self.epoch, norm)
+        session = PushSession(self, targets, self.epoch, norm, self.lr_reductions)
         self._session = session
         try:
             loss = self.compute_loss(features, labels)

@@ -135,6 +135,12 @@ class WorkerRuntime(ABC):
             ConnectionError: the parameters live elsewhere (PS) and cannot be read.
         """
 
+    def save_final_checkpoint(self) -> Optional[str]:
+        """With ``--checkpoint_dir``: a checkpoint of the final model (training is
+        over), whatever ``--checkpoint_steps`` left; the version directory, or None
+        where the strategy has none to write (the exporting worker calls it)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release connections and process groups; idempotent; never raises."""
@@ -227,11 +233,19 @@ class PSRuntime(TaskLoopRuntime):
         check_amp(ctx.job_spec.amp, ctx.resolved_device())
         trainer = PSTrainer(ctx.model_spec, list(ctx.ps_addrs), ctx.job_spec, ctx.worker_id,
                             ctx.resolved_device())
+        if ctx.job_spec.job_type == JobType.TRAIN:
+            from elasticdl.api.metric_schedule import check_replica
+
+            check_replica(ctx.model_spec, ctx.job_spec, trainer.model)
         return cls(trainer, ctx.job_spec, ctx.worker_id)
 
     def export(self, directory: str) -> list[str]:
         # the PS hold the newest parameters: pull them first
         return self.trainer.export_model(directory)
+
+    def save_final_checkpoint(self) -> Optional[str]:
+        # every PS writes its shard (and its trained records) of the final version
+        return self.trainer.save_checkpoint()
 
     def close(self) -> None:
         self.trainer.close()
@@ -258,9 +272,17 @@ class AllreduceRuntime(WorkerRuntime):
         if ctx.comm is None:
             raise ValueError("the allreduce runtime needs the master's rendezvous (comm)")
         spec = ctx.job_spec
+        if getattr(ctx.model_spec.module, "init_state", None) is not None:
+            raise ModelSpecError(f"{ctx.model_spec.module_path} defines init_state (a model "
+                                 "state carried across minibatches): AllreduceStrategy does "
+                                 "not carry it; use Local or ParameterServerStrategy")
         device = ctx.resolved_device()
         member = AllreduceTrainer(ctx.model_spec, spec, ctx.worker_id, device, ctx.comm,
                                   ctx.host)
+        if spec.job_type == JobType.TRAIN:
+            from elasticdl.api.metric_schedule import check_replica
+
+            check_replica(ctx.model_spec, spec, member.model)
         runtime = cls(member)
         if spec.checkpoint_dir_for_init:  # model, optimizer, version; not the data position
             runtime.load_state_dict(ckpt.load(spec.checkpoint_dir_for_init, str(device)))
@@ -281,6 +303,9 @@ class AllreduceRuntime(WorkerRuntime):
     def export(self, directory: str) -> list[str]:
         return ckpt.export_model(self.member.model, directory,
                                  self.member.job_spec.export_torchscript)
+
+    def save_final_checkpoint(self) -> Optional[str]:
+        return self.member.save_final_checkpoint()
 
     def close(self) -> None:
         self.member.close()

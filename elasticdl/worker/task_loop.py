@@ -132,6 +132,8 @@ class TaskLoop:
             self._reporter = self.source
 
     def run_task(self, task: Task) -> None:
+        if self.trainer.sequence is not None:  # a carried model state: where it starts
+            self.trainer.sequence.begin_task(task)
         self._skipped_in_task = self._records_skipped = 0
         self._loss_sum, self._loss_records = 0.0, 0
         counters: dict[str, int] = {}

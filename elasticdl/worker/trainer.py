@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from elasticdl.api.model_spec import LRSchedule, ModelSpec, ModelSpecError, ScheduleClock
+from elasticdl.worker.sequence_state import SequenceState
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class OptimizerExtras(ScheduleClock):
             torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"epoch": self.epoch}
+        out: dict[str, Any] = {"epoch": self.epoch, "lr_reductions": self.reductions}
         if self.schedule is not None:
             out["lr_scheduler"] = self.schedule.scheduler.state_dict()
         if self.scaler is not None:
@@ -146,6 +147,7 @@ class OptimizerExtras(ScheduleClock):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state.get("epoch", 0))
+        self.reductions = int(state.get("lr_reductions", 0))
         if self.schedule is not None and "lr_scheduler" in state:
             self.schedule.scheduler.load_state_dict(state["lr_scheduler"])
         if self.scaler is not None and "grad_scaler" in state:
@@ -216,12 +218,19 @@ class Trainer(ABC):
     spec: ModelSpec
     last_lr: Optional[float] = None   # the learning rate the last step was applied with
     amp: str = "off"                  # --amp: forward and loss under torch.autocast
+    sequence: Optional[Any] = None    # a carried model state (worker/sequence_state.py)
+
+    def _call(self, features: Any) -> Any:
+        x = to_device(features, self.device)
+        if self.sequence is not None:
+            return self.sequence.call(self.model, x, self.device)
+        return call_model(self.model, x)
 
     def compute_loss(self, features: Any, labels: Any) -> torch.Tensor:
         """Forward pass and the module's loss (under ``torch.autocast`` with
         ``--amp``); the loss must be a scalar tensor."""
         with autocast(self.amp, self.device):
-            outputs = call_model(self.model, to_device(features, self.device))
+            outputs = self._call(features)
             loss = self.spec.compute_loss(to_device(labels, self.device), outputs, self.model)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
@@ -250,7 +259,7 @@ class Trainer(ABC):
         """Outputs for evaluation or prediction, without gradients."""
         self.model.eval()
         with torch.no_grad():
-            outputs = call_model(self.model, to_device(features, self.device))
+            outputs = self._call(features)
         self.model.train()
         return outputs
 
@@ -275,6 +284,7 @@ class LocalTrainer(Trainer):
         self.amp = amp
         self.model = (model if model is not None else spec.build_model()).to(device)
         self.model.train()
+        self.sequence = SequenceState.of_spec(spec)
         self.optimizer = spec.make_optimizer(self.model.named_parameters())
         scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
         self.extras = OptimizerExtras(spec.make_lr_scheduler(self.optimizer), scaler,

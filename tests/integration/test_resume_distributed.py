@@ -32,11 +32,14 @@ def test_allreduce_resumes_from_checkpoint(digits_data, tmp_path):
                            checkpoint_dir=ckpt, checkpoint_steps=5),
                 tmp_path, str(tmp_path / "a"))
     assert first["status"] == "succeeded"
-    latest = complete_versions(ckpt)[-1]
+    # the newest checkpoint before the final model's (training ends with a checkpoint of
+    # the final model, from which a resume trains nothing: test_resume_whole_job.py)
+    assert complete_versions(ckpt)[-1] == first["model_version"]
+    latest = [v for v in complete_versions(ckpt) if v < first["model_version"]][-1]
     assert latest >= 5
     second = run(train_args(digits_data, tmp_path / "b", "resume-b", num_epochs=1,
                             distribution_strategy="AllreduceStrategy", num_workers=2,
-                            checkpoint_dir_for_init=ckpt),
+                            checkpoint_dir_for_init=version_dir(ckpt, latest)),
                  tmp_path, str(tmp_path / "b"))
     assert second["status"] == "succeeded"
     assert second["epochs"][0]["records_completed"] == 1437
