@@ -231,10 +231,7 @@ class AllreduceTrainer(Trainer):
         if self.group.rank != 0:
             return
         js = self.job_spec
-        trained = self.trained   # compact: the closed tasks as intervals + live entries
-        data_position.write_trained_compact(ckpt.version_dir(js.checkpoint_dir, version),
-                                            "group", trained.generation, trained.closed,
-                                            trained.entries())
+        self._write_trained(ckpt.version_dir(js.checkpoint_dir, version))
         ckpt.save(js.checkpoint_dir, version, self.state_dict(), js.keep_checkpoint_max)
 
     def save_final_checkpoint(self) -> Optional[str]:
@@ -248,9 +245,16 @@ class AllreduceTrainer(Trainer):
         if version in ckpt.complete_versions(js.checkpoint_dir):
             return vdir
         self.trained.last_saved = version
-        data_position.write_trained(vdir, "group", self.trained.entries())
+        self._write_trained(vdir)
         ckpt.save(js.checkpoint_dir, version, self.state_dict(), js.keep_checkpoint_max)
         return vdir
+
+    def _write_trained(self, vdir: str) -> None:
+        # compact: the closed tasks as intervals + live entries (entries alone would
+        # leave out every closed task: a resume would train them again)
+        trained = self.trained
+        data_position.write_trained_compact(vdir, "group", trained.generation, trained.closed,
+                                            trained.entries())
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
