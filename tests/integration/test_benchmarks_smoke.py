@@ -1,11 +1,12 @@
 """Every script in benchmarks/ runs in its ``--smoke`` mode (seconds, tiny sizes), so
 none can rot unseen: exit 0 and a sane figure on stdout.
 
-The scripts are found by glob, so a new benchmark is covered the day it lands; one
-without ``--smoke`` fails here by name. They run as real processes (most start PS,
-workers or gloo ranks of their own), a few at a time: on a loaded 2-core machine
-most of a smoke run is waiting for ``import torch`` in its processes, so running
-them side by side costs about the slowest few, not the sum.
+The scripts (files that run as ``__main__``) are found by glob, so a new benchmark
+is covered the day it lands; one without ``--smoke`` fails here by name. They run as
+real processes (most start PS, workers or gloo ranks of their own), a few at a
+time: on a loaded 2-core machine most of a smoke run is waiting for ``import torch``
+in its processes, so running them side by side costs about the slowest few, not
+the sum.
 """
 
 from __future__ import annotations
@@ -30,8 +31,18 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
 
+
+
+def _is_script(path: str) -> bool:
+    """A benchmark script runs as ``__main__``; a module only the scripts import
+    (e.g. chaos_combined.py, behind ``chaos_campaign.py --combined``) is not one."""
+    with open(path, encoding="utf-8") as f:
+        return "__name__ == \"__main__\"" in f.read()
+
+
 BENCHMARKS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks",
-                                                                         "*.py")))
+                                                                         "*.py"))
+                    if _is_script(p))
 TIMEOUT_S = 420.0          # per script: whole jobs (master, PS, workers) on a loaded machine
 SLOW_FIRST = ("chaos_campaign.py", "master_failover.py", "allreduce_recovery.py",
               "end_to_end.py", "training_features.py", "ps_step.py", "fuzz_rpc.py")
