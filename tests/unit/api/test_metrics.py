@@ -155,6 +155,7 @@ def test_unreadable_states_are_a_clear_error():
 
 class _Trainer:
     device = torch.device("cpu")
+    sequence = None   # no model state carried across minibatches (Trainer.sequence)
 
     def __init__(self):
         self.batches: list[int] = []
