@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from elasticdl.cluster.api import ClusterError, Phase, ReplicaEvent, ReplicaInfo, ReplicaType
 from elasticdl.common.job_spec import JobSpecError, parse_worker_range
+from elasticdl.master.protocols import Kind as ProtocolKind
 from elasticdl.master.scaling import Kind, ScalingPolicy, WorkerCounts
 
 if TYPE_CHECKING:
@@ -112,9 +113,10 @@ class ElasticControl:
         self._requested()
         spec = c.spec
         live = tuple(sorted(c.book.live_workers))
+        exporting = any(p.kind == ProtocolKind.EXPORT for p in c.core.open_protocols())
         view = self.counts.view(live, self._idle(live), c.core.finished(),
                                 spec.min_workers_timeout_s,
-                                spec.on_min_workers_timeout == "fail")
+                                spec.on_min_workers_timeout == "fail", exporting)
         for d in self.policy.decide(view):
             if d.kind == Kind.LAUNCH:
                 for _ in range(d.count):

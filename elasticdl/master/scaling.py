@@ -67,6 +67,7 @@ class ScalingView:
     min_timeout_s: float
     fail_on_timeout: bool
     warned: bool                       # UNDER_MIN already said for this stretch
+    exporting: bool = False            # the final export is open: it may need the pending
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class ScalingPolicy:
     def decide(self, v: ScalingView) -> list[ScalingDecision]:
         out: list[ScalingDecision] = []
         if v.finishing:
+            if v.exporting:  # a pending worker may be the one launched to export
+                return out
             cancel = tuple(sorted(w for w in v.live if w in v.pending and w not in v.running))
             if cancel:
                 out.append(ScalingDecision(Kind.CANCEL, "training is over", workers=cancel))
@@ -236,14 +239,16 @@ class WorkerCounts:
             return 0.0
 
     def view(self, live: tuple[int, ...], idle: frozenset[int], finishing: bool,
-             min_timeout_s: float, fail_on_timeout: bool) -> ScalingView:
+             min_timeout_s: float, fail_on_timeout: bool,
+             exporting: bool = False) -> ScalingView:
         under = self.tick()
         with self._lock:
             return ScalingView(self.min_workers, self.max_workers, live,
                                frozenset(self.running & set(live)),
                                {w: p.reason for w, p in self.pending.items() if w in live},
                                frozenset(self.retiring), idle, self.slots_closed, finishing,
-                               under, min_timeout_s, fail_on_timeout, self.warned)
+                               under, min_timeout_s, fail_on_timeout, self.warned,
+                               exporting)
 
     def _point(self) -> None:
         """Append a timeline point when the counts changed; thin old points."""

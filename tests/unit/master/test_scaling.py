@@ -72,6 +72,11 @@ def test_training_over_cancels_pending_workers_only():
     assert kinds(got) == [(Kind.CANCEL, 0, (2, 3))]
 
 
+def test_an_open_final_export_keeps_pending_workers():
+    # the one launched for the export starts pending: cancelling it would loop forever
+    assert ScalingPolicy().decide(view(finishing=True, exporting=True)) == []
+
+
 def test_under_min_is_bounded_warn_once_or_fail_with_the_scheduler_reason():
     v = view(running=frozenset({0}), under_min_s=61.0)
     (d,) = ScalingPolicy().decide(v)
