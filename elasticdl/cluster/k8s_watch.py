@@ -125,6 +125,8 @@ class PodWatcher:
                               allow_watch_bookmarks=True,
                               timeout_seconds=self._timeout_s,
                               _request_timeout=(REQUEST_TIMEOUT[0], self._timeout_s + 10)):
+            if not event:  # a blank keep-alive line: the client yields None for it
+                continue
             pod = event["raw_object"]
             self._rv = str(((pod or {}).get("metadata") or {}).get("resourceVersion")
                            or self._rv)

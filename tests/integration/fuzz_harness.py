@@ -230,8 +230,17 @@ class Fuzzer:
         methods = [(svc, m) for svc in ("Master", "PServer")
                    for m in pb.DESCRIPTOR.services_by_name[svc].methods]
         try:
-            while time.monotonic() < deadline:
-                service, method = rng.choice(methods)
+            # shuffled rounds over every method, at least one whole round whatever the load:
+            # coverage never depends on how many calls a slow machine fits in the time
+            order: list[tuple[str, Any]] = []
+            rounds = 0
+            while time.monotonic() < deadline or rounds == 0:
+                if not order:
+                    if rounds and time.monotonic() >= deadline:
+                        break
+                    order = rng.sample(methods, len(methods))
+                    rounds += 1
+                service, method = order.pop()
                 replica = rng.choice(["", "worker-1", "worker-2", "worker-0-impostor"])
                 raw, request = self._request(gen, method)
                 if hasattr(request, "fatal") and replica == f"worker-{request.worker_id}":

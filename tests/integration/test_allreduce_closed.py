@@ -50,4 +50,11 @@ def test_allreduce_trained_set_keeps_only_open_tasks(id_data, tmp_path):
     late = read_json(os.path.join(version_dir(ckpt, versions[-2]), "trained-group.json"))
     closed = late["closed"]
     assert closed and sum(closed[i + 1] - closed[i] for i in range(0, len(closed), 2)) > 10
-    assert len(late["entries"]) < total // 4, (len(late["entries"]), total)
+    # entries are only for tasks not closed yet: the members' leases and in-flight work,
+    # whose share of this small job grows on a loaded machine (closed sets reach members
+    # with their next tasks), so the bound is half the job, not a tight window
+    def is_closed(task: int) -> bool:
+        return any(closed[i] <= task < closed[i + 1] for i in range(0, len(closed), 2))
+
+    assert not [e for e in late["entries"] if is_closed(e[0])], "a closed task kept entries"
+    assert len(late["entries"]) < total // 2, (len(late["entries"]), total)

@@ -186,7 +186,7 @@ def test_kill_one_of_three_members_survivors_continue_and_a_new_worker_joins(mon
             procs.start(w, _chaos_worker, master.address, w, spec.to_json(), n_records)
         go = procs.ctx.Event()
         procs.start(3, _chaos_worker, master.address, 3, spec.to_json(), n_records, go)
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + 120  # 4 processes import torch: slow on a loaded CI
         while tm.counts()["completed"] < 4:
             assert time.monotonic() < deadline, "training did not start"
             assert tm.failure is None
@@ -195,6 +195,7 @@ def test_kill_one_of_three_members_survivors_continue_and_a_new_worker_joins(mon
         killed_at = time.time()
         tm.recover_tasks(2)                 # what the master's job controller does
         rdzv.remove_worker(2)
+        deadline = time.monotonic() + 30
         while rdzv.members() != [0, 1] or rdzv.forming():
             assert time.monotonic() < deadline, "survivors did not re-form"
             time.sleep(0.05)
@@ -241,14 +242,14 @@ def test_a_hung_member_is_timed_out_left_out_and_rejoins_when_it_wakes(monkeypat
     try:
         for w in range(2):
             procs.start(w, _chaos_worker, master.address, w, spec.to_json(), n_records)
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + 120
         while tm.counts()["completed"] < 3:
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.05)
         os.kill(procs.procs[1].pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         while rdzv.members() != [0] or rdzv.forming():
-            assert time.monotonic() < deadline + 20, "worker 0 did not go on alone"
+            assert time.monotonic() < stopped_at + 30, "worker 0 did not go on alone"
             time.sleep(0.05)
         alone_after = time.monotonic() - stopped_at
         time.sleep(1.0)                     # worker 0 trains alone for a while

@@ -14,8 +14,6 @@ from tests.integration.fault_harness import (
     run_job,
 )
 
-XFAIL_MERGE = ("failed in the post-merge full run of 2026-11-25 on a loaded machine; "
-               "not yet diagnosed (see that session's closing note)")
 pytestmark = pytest.mark.integration
 
 EPOCHS = 2
@@ -149,7 +147,6 @@ def test_case5_ps_dies_in_a_resumed_run_before_its_own_checkpoint(id_data, tmp_p
     assert [r["checkpoint_version"] for r in report["ps_rollbacks"]] == [mid]
 
 
-@pytest.mark.xfail(strict=False, reason=XFAIL_MERGE)
 def test_case6_resume_from_an_older_version_of_the_own_directory(id_data, tmp_path,
                                                                  finished_run):
     """--checkpoint_dir=D --checkpoint_dir_for_init=D/version-<mid>, D holding newer
@@ -173,7 +170,6 @@ def test_case6_resume_from_an_older_version_of_the_own_directory(id_data, tmp_pa
     assert f"restored version {mid} from" in logs_of(run["job_dir"], "ps-0")
 
 
-@pytest.mark.xfail(strict=False, reason=XFAIL_MERGE)
 # ------------------------------------------- case 3: a custom loop's checkpoints
 @pytest.mark.parametrize("resume_as", ["Local", "AllreduceStrategy"])
 def test_case3_custom_loop_checkpoint_resumes_exactly(id_data, tmp_path, resume_as):

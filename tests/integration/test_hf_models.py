@@ -27,8 +27,6 @@ from tests.conftest import MODEL_ZOO
 from tests.integration.helpers import kill_job_tree, read_json, start_cli
 
 # a whole job per test: transformers imports alone take minutes on a loaded 2-core machine
-XFAIL_MERGE = ("failed in the post-merge full run of 2026-11-25 on a loaded machine; "
-               "not yet diagnosed (see that session's closing note)")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 TRAIN, VAL, EPOCHS, GLOBAL_BATCH = 256, 64, 2, 32
@@ -116,7 +114,6 @@ def _check_export(report: dict, val_dir: str) -> None:
     assert _val_loss(model, val_dir) == pytest.approx(report["final_metrics"]["loss"], rel=1e-4)
 
 
-@pytest.mark.xfail(strict=False, reason=XFAIL_MERGE)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_gpt2_from_config_matches_the_plain_loop(strategy, tokens, plain_loss, tmp_path):
     report = _run("gpt2.gpt2_tiny.custom_model", tokens["train"], tokens["val"], strategy,
@@ -127,7 +124,6 @@ def test_gpt2_from_config_matches_the_plain_loop(strategy, tokens, plain_loss, t
     _check_export(report, tokens["val"])
 
 
-@pytest.mark.xfail(strict=False, reason=XFAIL_MERGE)
 def test_gpt2_on_a_datasets_directory(tokens, plain_loss, tmp_path):
     report = _run("gpt2.gpt2_datasets.custom_model", tokens["train_hf"], tokens["val_hf"],
                   "Local", tmp_path)

@@ -69,8 +69,10 @@ def test_resumed_local_job_continues_the_schedule(small_digits, tmp_path):
     resumed = run_local_job(job_spec_from_flags("train", _flags(
         small_digits, str(tmp_path / "b"), checkpoint_dir_for_init=mid)))
     assert resumed["status"] == "succeeded"
+    # the resumed job reports the whole job (job_history.json): epoch 0 as the first run
+    # trained it, epochs 1 and 2 at the rates the schedule continues with
     by_epoch = {e["epoch"]: e["learning_rates"] for e in resumed["training"]}
-    assert by_epoch == {1: EXPECTED[1], 2: EXPECTED[2]}
+    assert by_epoch == {0: EXPECTED[0], 1: EXPECTED[1], 2: EXPECTED[2]}
 
 
 def test_custom_train_loop_runs_under_local_and_exports(small_digits, tmp_path):

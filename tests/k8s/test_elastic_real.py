@@ -198,4 +198,6 @@ def test_elastic_scheduling_benchmark_smoke(control_plane, tmp_path):
     results = elastic_scheduling.run(args, control_plane)
     [row] = results["ps"]
     assert row["gang_makespan_s"] > 0 and row["elastic_makespan_s"] > 0
-    assert row["makespan_ratio"] == round(row["elastic_makespan_s"] / row["gang_makespan_s"], 3)
+    # the ratio is of the unrounded makespans; the row shows them to 0.1 s
+    ratio = row["elastic_makespan_s"] / row["gang_makespan_s"]
+    assert abs(row["makespan_ratio"] - ratio) <= 0.1 / row["gang_makespan_s"] * (1 + ratio)

@@ -156,9 +156,11 @@ def test_deleted_master_pod_is_recreated_and_adopts_the_running_replicas(
         assert event.reason == "killed"
     finally:
         c2.close()  # a normal end: the live replicas go (the PS), finished pods stay
-    wait_until(lambda: server.get("pods", "elasticdl-f1-ps-0") is None
-               or server.get("pods", "elasticdl-f1-ps-0")["metadata"].get(
-                   "deletionTimestamp"), 30, "the adopted PS to be deleted on close")
+    def ps_going() -> bool:  # read once: the pod may vanish between two reads
+        pod = server.get("pods", "elasticdl-f1-ps-0")
+        return pod is None or bool(pod["metadata"].get("deletionTimestamp"))
+
+    wait_until(ps_going, 30, "the adopted PS to be deleted on close")
     assert server.get("services", "f1-ps-0") is None
 
     # `elasticdl stop` deletes the Job; the garbage collector removes the rest

@@ -133,7 +133,10 @@ def test_rbac_validates_and_is_minimal(namespace):
         validate(doc)
         assert doc["metadata"]["namespace"] == namespace
     rules = {r["resources"][0]: set(r["verbs"]) for r in docs[1]["rules"]}
-    assert rules == {"pods": {"create", "delete", "get", "list", "watch"},
+    assert rules == {"pods": {"create", "delete", "get", "list", "watch",
+                              "patch"},  # `elasticdl scale`'s annotation on the master pod
+                     "events": {"list"},  # was a deleted replica preempted?
+                     "services/proxy": {"get"},  # `elasticdl status` reads /metrics
                      "pods/log": {"get"}, "services": {"create", "delete"},
                      "secrets": {"create", "delete"},  # the job token's Secret; no read
                      "jobs": {"create", "delete", "get"}}  # the client's master Job

@@ -27,7 +27,7 @@ TABLE = TableSpec(name="emb.weight", num_embeddings=100, dim=4, initializer="nor
 
 
 def _client(cluster, **kw) -> PSClient:
-    kw = {"rpc_timeout_s": 10.0, "reconnect_timeout_s": 5.0, **kw}
+    kw = {"rpc_timeout_s": 60.0, "reconnect_timeout_s": 5.0, **kw}  # generous: loaded CI
     client = PSClient(cluster.addrs, **kw)
     client.wait_ready(10)
     return client
