@@ -36,6 +36,7 @@ def id_data(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under ``pytest -n N --dist loadgroup`` (``make test``): the tests that share a
     module-scoped fixture (a plain-loop baseline, a finished run, every benchmark's smoke

@@ -435,7 +435,7 @@ class JobCore(Journaled, Recovery):
     def refresh_report(self) -> JobReport:
         """Bring the report's figures up to date (the caller writes it)."""
         tm, report = self.tm, self.report
-        report.epochs = tm.epochs_report()
+        report.epochs = tm.epochs_report(timings=True)
         report.extra["records_predicted"] = tm.prediction_ledger.records_completed
         if self.job_type == JobType.PREDICT:
             report.extra["prediction"] = tm.prediction_report()

@@ -145,6 +145,10 @@ class TaskManager(TaskQueues):
         self._epoch_open_tasks: dict[int, int] = {}
         self.ledger: dict[int, EpochLedger] = {}
         self.prediction_ledger = EpochLedger()
+        # epoch -> [unix s of its first training task out, of its last record done]: report
+        # figures only, kept out of the state (a replay never sets them), so an epoch this
+        # master process did not start (resumed, or in progress at a master restart) has none
+        self.epoch_times: dict[int, list[float]] = {}
         self.evaluation_records_completed = 0
         self.evaluation_tasks_completed = 0
         self._eval_jobs: dict[int, EvalJob] = {}    # evaluations in progress
@@ -223,6 +227,9 @@ class TaskManager(TaskQueues):
             prev = self._doing.pop(task.task_id, None)
             past = prev.past | {holder(prev.worker_id)} if prev else frozenset()
             self._doing[task.task_id] = Doing(task, worker_id, self._clock(), past)
+            if task.type == TaskType.TRAINING and task.epoch not in self.epoch_times and \
+                    not self.ledger[task.epoch].tasks_completed:
+                self.epoch_times[task.epoch] = [time.time(), 0.0]
             self._workers_seen.add(worker_id)
             if request_id:
                 self._last_get[worker_id] = (request_id, task)
@@ -342,6 +349,8 @@ class TaskManager(TaskQueues):
             led = self.ledger[task.epoch]
             led.records_completed += task.num_records
             led.tasks_completed += 1
+            if task.epoch in self.epoch_times:
+                self.epoch_times[task.epoch][1] = time.time()
             self._epoch_open_tasks[task.epoch] -= 1
             if self._epoch_open_tasks[task.epoch] == 0:
                 logger.info("epoch %d done: %d records", task.epoch, led.records_completed)
@@ -433,12 +442,22 @@ class TaskManager(TaskQueues):
             return {"todo": sum(q.values()) - evals, "eval_todo": evals,
                     "doing": len(self._doing), "completed": len(self.completed)}
 
-    def epochs_report(self) -> list[dict[str, int]]:
+    def epochs_report(self, timings: bool = False) -> list[dict[str, Any]]:
+        """Per epoch: records completed, redone, applied; with ``timings`` also its
+        wall seconds (first task out to last record done) and records/s."""
         with self._lock:
-            return [{"epoch": e, "records_completed": led.records_completed,
-                     "records_redone": led.records_redone,
-                     "records_applied": led.records_applied}
-                    for e, led in sorted(self.ledger.items())]
+            out: list[dict[str, Any]] = []
+            for e, led in sorted(self.ledger.items()):
+                row: dict[str, Any] = {"epoch": e, "records_completed": led.records_completed,
+                                       "records_redone": led.records_redone,
+                                       "records_applied": led.records_applied}
+                start, end = self.epoch_times.get(e, (0.0, 0.0))
+                wall = end - start
+                if timings and start and wall > 0:
+                    row["wall_s"] = round(wall, 3)
+                    row["records_per_s"] = round(led.records_completed / wall, 1)
+                out.append(row)
+            return out
 
     def prediction_report(self) -> dict[str, int]:
         with self._lock:
