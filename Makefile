@@ -25,13 +25,15 @@ proto: $(STAMP)
 # The real-cluster tier runs first so that the suite's own summary is the last line; both
 # always run, and either failing fails the target. The rest runs TEST_JOBS tests at a time
 # (pytest-xdist): most of a whole-job test is its processes importing torch and waiting on
-# each other, so 3 at a time on 2 cores roughly halves the wall time; tests that share a
-# module fixture stay on one worker (tests/conftest.py). TEST_JOBS=0 runs them one by one.
+# each other, so 3 at a time on 2 cores takes about 0.6x the wall time; a file's tests stay
+# on one worker (--dist loadfile: module fixtures are built once; pytest 9 breaks xdist's
+# loadgroup), so no test file may hold much more than a third of the suite's time.
+# TEST_JOBS=0 runs them one by one.
 TEST_JOBS ?= 3
 test: $(STAMP)
 	@status=0; $(MAKE) --no-print-directory test-k8s-real || status=1; \
 	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15 -m "not k8s_real" \
-		-n $(TEST_JOBS) --dist loadgroup || status=1; \
+		-n $(TEST_JOBS) --dist loadfile || status=1; \
 	exit $$status
 
 # The Kubernetes tests against a genuine control plane (v1.20.2 from ../shared/k8s-control-plane

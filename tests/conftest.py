@@ -35,18 +35,3 @@ def id_data(tmp_path_factory) -> str:
     np.save(out / "ids.npy", np.arange(ID_RECORDS, dtype=np.int64))
     return str(out)
 
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (``make test``): the tests that share a
-    module-scoped fixture (a plain-loop baseline, a finished run, every benchmark's smoke
-    run) go to one worker, so that fixture is built once; every other test is dealt out
-    on its own, so no long module holds up the end of the run."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        shared = sorted(name for name, defs in info.name2fixturedefs.items()
-                        if defs and defs[-1].scope == "module")
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared[0]}"))

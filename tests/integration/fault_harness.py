@@ -87,3 +87,22 @@ def assert_trained_exactly(run: dict[str, Any], epochs: int, fired: tuple[str, .
 
 def counts_of(state: dict[str, torch.Tensor]) -> torch.Tensor:
     return state["even"] + state["odd"]
+
+
+EPOCHS = 2
+
+
+def ps_job(tmp_path, data, name, points, **flags):
+    """A counting PS job of ``EPOCHS`` epochs with a checkpoint directory of its own."""
+    return run_job(tmp_path, data, name, points, epochs=EPOCHS,
+                   checkpoint_dir=str(tmp_path / f"{name}-ckpt"), **{**PS_FLAGS, **flags})
+
+
+def worker_processes(job_dir):
+    from tests.integration.helpers import read_json
+
+    state = read_json(f"{job_dir}/replicas.json") or {}
+    seen: dict[str, set] = {}
+    for r in state.get("replicas", []) + state.get("exited", []):
+        seen.setdefault(r["replica"], set()).add(r["pid"])
+    return seen
