@@ -74,6 +74,18 @@ def _pid(job_dir: str, replica: str) -> Optional[int]:
     return next((r["pid"] for r in live_replicas(job_dir) if r["replica"] == replica), None)
 
 
+def _kill(proc: Any, job_dir: str, replica: str, killed: list[str]) -> None:
+    """kill -9 ``replica`` unless the job (or that replica: a worker done with its
+    tasks) ended first, which a tiny ``--smoke`` job on a loaded machine can do."""
+    pid = wait_for(lambda: proc.poll() is not None or _pid(job_dir, replica), 60, replica)
+    if proc.poll() is not None or pid is True:
+        print(f"{replica} not killed: the job ended first", flush=True)
+        return
+    os.kill(pid, signal.SIGKILL)
+    killed.append(f"{replica} at {_records_done(job_dir)} records")
+    print(f"killed {replica} (pid {pid})", flush=True)
+
+
 def run(records: int, epochs: int, work: str, kills: bool = True, minibatch: int = 8,
         minibatches_per_task: int = 16, checkpoint_steps: int = 2000,
         timeout_s: float = 3600.0) -> dict[str, Any]:
@@ -94,17 +106,11 @@ def run(records: int, epochs: int, work: str, kills: bool = True, minibatch: int
         if kills and epochs >= 3:
             wait_for(lambda: proc.poll() is not None or _records_done(job_dir) >= records * 4 / 3,
                      timeout_s, "epoch 1 a third done", interval_s=0.5)
-            pid = wait_for(lambda: _pid(job_dir, "worker-1"), 60, "worker-1")
-            os.kill(pid, signal.SIGKILL)
-            killed.append(f"worker-1 at {_records_done(job_dir)} records")
-            print(f"killed worker-1 (pid {pid})", flush=True)
+            _kill(proc, job_dir, "worker-1", killed)
             wait_for(lambda: proc.poll() is not None or (
                 _records_done(job_dir) >= records * 7 / 3 and complete_versions(ckpt)),
                 timeout_s, "epoch 2 a third done and a checkpoint", interval_s=0.5)
-            pid = wait_for(lambda: _pid(job_dir, "ps-0"), 60, "ps-0")
-            os.kill(pid, signal.SIGKILL)
-            killed.append(f"ps-0 at {_records_done(job_dir)} records")
-            print(f"killed ps-0 (pid {pid})", flush=True)
+            _kill(proc, job_dir, "ps-0", killed)
         deadline = time.monotonic() + timeout_s
         last = -1
         while proc.poll() is None:
