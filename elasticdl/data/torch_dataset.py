@@ -172,6 +172,14 @@ class TorchDatasetReader(DataReader):
                                "by one to find the record", self.path, start, stop,
                                type(e).__name__, e)
                 self.load(start, stop)
+                if isinstance(e, (ConnectionError, EOFError)) or \
+                        "exited unexpectedly" in str(e):
+                    # a loader process died (a signal, memory) or its pipe broke, not the
+                    # data: every record loads alone; a plain error, so the task is retried
+                    # on a fresh loader instead of failing the job as bad data
+                    raise RuntimeError(f"{self.path}: a DataLoader worker process died "
+                                       f"loading records {start}-{stop}: "
+                                       f"{type(e).__name__}: {e}") from e
                 raise BatchLoadError(f"{self.path}: loading records {start}-{stop} failed: "
                                      f"{type(e).__name__}: {e}") from e
 

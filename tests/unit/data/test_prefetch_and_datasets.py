@@ -4,6 +4,7 @@ torch-free view of a module's dataset."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -301,3 +302,29 @@ def test_allreduce_dataset_makes_ahead_and_remakes_lost_minibatches():
             runner.lose_unconfirmed()   # minibatch 1 must be made again
     assert seen == list(range(16)) + list(range(16, 32)) * 2 + list(range(32, 48))
     assert tm.finished() and tm.epochs_report()[0]["records_completed"] == 48
+
+
+class DiesInAWorker(Squares):
+    """Record ``bad`` kills the DataLoader worker process that loads it (as a signal or
+    the OOM killer would); loaded in the trainer's own process, it is fine."""
+
+    def __getitem__(self, i):
+        import signal
+
+        from torch.utils.data import get_worker_info
+
+        if i == self.bad and get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+def test_a_dead_loader_process_is_a_retryable_error_not_bad_data():
+    from elasticdl.data.api import DataError
+
+    reader = TorchDatasetReader("/data/ds", DiesInAWorker(16, bad=9), num_workers=1)
+    records = TaskRecords(reader, _task(0, 16, shard="/data/ds"), "training", 4, _pair)
+    with pytest.raises(RuntimeError, match="a DataLoader worker process died loading "
+                                           "records") as caught:
+        with records.produce() as batches:
+            list(batches)
+    assert not isinstance(caught.value, DataError)  # the task is retried, the job goes on
