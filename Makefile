@@ -25,7 +25,7 @@ proto: $(STAMP)
 # The real-cluster tier runs first so that the suite's own summary is the last line; both
 # always run, and either failing fails the target. The rest runs TEST_JOBS tests at a time
 # (pytest-xdist): most of a whole-job test is its processes importing torch and waiting on
-# each other, so 3 at a time on 2 cores takes about 0.6x the wall time; a file's tests stay
+# each other, so 3 at a time on 2 cores takes about 0.7x the wall time; a file's tests stay
 # on one worker (--dist loadfile: module fixtures are built once; pytest 9 breaks xdist's
 # loadgroup), so no test file may hold much more than a third of the suite's time.
 # TEST_JOBS=0 runs them one by one.
