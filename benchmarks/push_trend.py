@@ -36,15 +36,16 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from elasticdl.checkpoint.paths import complete_versions  # noqa: E402
 from tests.integration.helpers import (  # noqa: E402
     kill_job_tree,
-    live_replicas,
+    pid_of,
     read_json,
+    records_done,
     start_cli,
     wait_for,
 )
@@ -65,24 +66,15 @@ def write_csv(path: str, n: int, seed: int = 0) -> None:
             f.write(",".join(f"{v:.5f}" for v in x[i]) + f",{y[i]:.5f},{i}\n")
 
 
-def _records_done(job_dir: str) -> int:
-    report = read_json(os.path.join(job_dir, "job_report.json")) or {}
-    return sum(e["records_completed"] for e in report.get("epochs", []))
-
-
-def _pid(job_dir: str, replica: str) -> Optional[int]:
-    return next((r["pid"] for r in live_replicas(job_dir) if r["replica"] == replica), None)
-
-
 def _kill(proc: Any, job_dir: str, replica: str, killed: list[str]) -> None:
     """kill -9 ``replica`` unless the job (or that replica: a worker done with its
     tasks) ended first, which a tiny ``--smoke`` job on a loaded machine can do."""
-    pid = wait_for(lambda: proc.poll() is not None or _pid(job_dir, replica), 60, replica)
+    pid = wait_for(lambda: proc.poll() is not None or pid_of(job_dir, replica), 60, replica)
     if proc.poll() is not None or pid is True:
         print(f"{replica} not killed: the job ended first", flush=True)
         return
     os.kill(pid, signal.SIGKILL)
-    killed.append(f"{replica} at {_records_done(job_dir)} records")
+    killed.append(f"{replica} at {records_done(job_dir)} records")
     print(f"killed {replica} (pid {pid})", flush=True)
 
 
@@ -104,11 +96,11 @@ def run(records: int, epochs: int, work: str, kills: bool = True, minibatch: int
     killed: list[str] = []
     try:
         if kills and epochs >= 3:
-            wait_for(lambda: proc.poll() is not None or _records_done(job_dir) >= records * 4 / 3,
+            wait_for(lambda: proc.poll() is not None or records_done(job_dir) >= records * 4 / 3,
                      timeout_s, "epoch 1 a third done", interval_s=0.5)
             _kill(proc, job_dir, "worker-1", killed)
             wait_for(lambda: proc.poll() is not None or (
-                _records_done(job_dir) >= records * 7 / 3 and complete_versions(ckpt)),
+                records_done(job_dir) >= records * 7 / 3 and complete_versions(ckpt)),
                 timeout_s, "epoch 2 a third done and a checkpoint", interval_s=0.5)
             _kill(proc, job_dir, "ps-0", killed)
         deadline = time.monotonic() + timeout_s
@@ -116,7 +108,7 @@ def run(records: int, epochs: int, work: str, kills: bool = True, minibatch: int
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not end within {timeout_s:.0f} s")
-            done = _records_done(job_dir)
+            done = records_done(job_dir)
             if done // max(1, records // 2) != last:   # a line every half epoch
                 last = done // max(1, records // 2)
                 el = time.monotonic() - started

@@ -34,4 +34,3 @@ def id_data(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("ids")
     np.save(out / "ids.npy", np.arange(ID_RECORDS, dtype=np.int64))
     return str(out)
-

@@ -44,6 +44,10 @@ class PSError(RuntimeError):
     """A PS call failed for a reason retrying cannot fix."""
 
 
+class PSVersionsDifferError(PSError):
+    """The PS saved a checkpoint at different versions: no one version names it."""
+
+
 class PSNotInitializedError(PSError):
     """The PS has no model (it restarted without a checkpoint): push_model again."""
 
@@ -326,7 +330,7 @@ class PSClient:
             pb.SaveCheckpointRequest(), timeout=self.rpc_timeout_s), "save_checkpoint")
         versions = {r.version for r in resps}
         if len(versions) != 1:
-            raise PSError(f"PS saved different versions {sorted(versions)}")
+            raise PSVersionsDifferError(f"PS saved different versions {sorted(versions)}")
         return os.path.dirname(resps[0].path)
 
     def close(self) -> None:

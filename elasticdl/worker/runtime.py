@@ -248,11 +248,11 @@ class PSRuntime(TaskLoopRuntime):
 
     def save_final_checkpoint(self) -> Optional[str]:
         # every PS writes its shard (and its trained records) of the final version
-        from elasticdl.worker.ps_client import PSError
+        from elasticdl.worker.ps_client import PSVersionsDifferError
 
         try:
             return self.trainer.save_checkpoint()
-        except PSError as e:
+        except PSVersionsDifferError as e:
             # the PS versions of a sync job can part after a worker died between its
             # pushes to two PS (each PS applies an identity once, the version counts
             # differ): no single final version to name; the export goes on, and the

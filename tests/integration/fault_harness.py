@@ -99,8 +99,7 @@ def ps_job(tmp_path, data, name, points, **flags):
 
 
 def worker_processes(job_dir):
-    from tests.integration.helpers import read_json
-
+    """Every pid each worker name ran under (live and exited), from replicas.json."""
     state = read_json(f"{job_dir}/replicas.json") or {}
     seen: dict[str, set] = {}
     for r in state.get("replicas", []) + state.get("exited", []):

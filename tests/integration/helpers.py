@@ -90,6 +90,17 @@ def live_replicas(job_dir: str) -> list[dict]:
     return state.get("replicas", [])
 
 
+def pid_of(job_dir: str, replica: str) -> Optional[int]:
+    """The pid of a live replica of a local job (``worker-1``, ``ps-0``), or None."""
+    return next((r["pid"] for r in live_replicas(job_dir) if r["replica"] == replica), None)
+
+
+def records_done(job_dir: str) -> int:
+    """Training records completed so far, from the job report (written every few s)."""
+    report = read_json(os.path.join(job_dir, "job_report.json")) or {}
+    return sum(e["records_completed"] for e in report.get("epochs", []))
+
+
 def kill_job_tree(proc: subprocess.Popen, job_dir: str) -> None:
     """Stop the CLI, its master and every replica, whatever state they are in."""
     for pid in [proc.pid] + [r["pid"] for r in live_replicas(job_dir)] + [

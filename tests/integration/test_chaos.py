@@ -20,12 +20,14 @@ import pytest
 
 from elasticdl.checkpoint.paths import complete_versions
 from tests.conftest import FIXTURE_ZOO, MODEL_ZOO
-from tests.integration.helpers import (
+from tests.integration.helpers import (  # pid_of, records_done: also imported from here
     cli_env,
     kill_job_tree,
     live_replicas,
+    pid_of,
     pid_running,
     read_json,
+    records_done,
     start_cli,
     wait_for,
 )
@@ -39,15 +41,6 @@ def train_args(digits, out, job, zoo=MODEL_ZOO, model_def="digits.digits_cnn.cus
             f"--training_data={digits}/train", f"--validation_data={digits}/val",
             f"--output={out}", f"--job_name={job}", "--cluster=local"]
     return args + [f"--{k}={v}" for k, v in flags.items()]
-
-
-def pid_of(job_dir, replica):
-    return next((r["pid"] for r in live_replicas(job_dir) if r["replica"] == replica), None)
-
-
-def records_done(job_dir):
-    report = read_json(os.path.join(job_dir, "job_report.json")) or {}
-    return sum(e["records_completed"] for e in report.get("epochs", []))
 
 
 def check_report(job_dir, epochs):
