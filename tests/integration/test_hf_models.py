@@ -5,11 +5,14 @@ config (random init, no download), its data a ``torch.utils.data.Dataset`` of
 ``{"input_ids", "labels"}`` dicts read through a DataLoader; no ``feed`` and no adapter module,
 so the framework calls ``model(**batch)`` and the loss is ``outputs.loss`` of the model's
 ``ModelOutput``. Each strategy runs as a real CLI job (Local; ParameterServerStrategy with 2
-workers and 2 PS; AllreduceStrategy with 2 workers) and must reach, within 2%, the validation
-perplexity of a plain loop over the same data with the same global batch (the distributed jobs
+workers and 2 PS; AllreduceStrategy with 2 workers) and must reach the validation perplexity
+of a plain loop over the same data with the same global batch (the distributed jobs
 average two workers' minibatches of 16 per update, the plain loop and Local take 32). The
 exported ``model.pt`` loads into ``GPT2LMHeadModel`` unchanged (strict) and gives the job's
-final validation loss. ``gpt2_datasets`` reads the same tokens from a ``datasets``
+final validation loss. Local reads the records in order and must match the in-order loop;
+the two-worker jobs' minibatch order depends on which worker takes which task, and order
+alone moves this short run's perplexity by several percent, so they must land inside the
+plain loop's range over 8 minibatch orders (2% either side). ``gpt2_datasets`` reads the same tokens from a ``datasets``
 ``save_to_disk`` directory through the built-in Arrow reader, with a ``feed`` returning a
 dict: it must match the Local job.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 
 import pytest
@@ -67,21 +71,45 @@ def _val_loss(model, val_dir: str) -> float:
     return total / len(ds)
 
 
-@pytest.fixture(scope="module")
-def plain_loss(tokens) -> float:
-    """The plain PyTorch loop: same init seed, data order, batch, optimizer, epochs."""
+def _plain_loop(train_dir: str, val_dir: str, order_seed: int | None) -> float:
+    """The plain PyTorch loop: same init seed, batch, optimizer, epochs. ``order_seed``
+    None reads the records in order (as Local does); otherwise each epoch's 16-record
+    minibatches are shuffled and paired into steps of 32, an order a two-worker job with
+    dynamic sharding can take (which two minibatches meet in a step depends on which worker
+    took which task)."""
     _, g = _zoo()
     torch.manual_seed(0)
     model = g.custom_model()
     opt = g.optimizer(model.parameters())
-    data = torch.utils.data.DataLoader(g.dataset(tokens["train"], "training"),
-                                       batch_size=GLOBAL_BATCH)
-    for _ in range(EPOCHS):
-        for batch in data:
+    train = g.dataset(train_dir, "training")
+    half = GLOBAL_BATCH // 2
+    for epoch in range(EPOCHS):
+        mbs = [list(range(i, min(i + half, len(train)))) for i in range(0, len(train), half)]
+        if order_seed is not None:
+            random.Random(order_seed * 1000 + epoch).shuffle(mbs)
+        for k in range(0, len(mbs), 2):
+            batch = torch.utils.data.default_collate(
+                [train[i] for mb in mbs[k:k + 2] for i in mb])
             opt.zero_grad()
             model(**batch).loss.backward()
             opt.step()
-    return _val_loss(model, tokens["val"])
+    return _val_loss(model, val_dir)
+
+
+@pytest.fixture(scope="module")
+def plain_loss(tokens) -> float:
+    """Validation loss of the plain loop reading the records in order."""
+    return _plain_loop(tokens["train"], tokens["val"], None)
+
+
+@pytest.fixture(scope="module")
+def plain_band(tokens) -> tuple[float, float]:
+    """The (lowest, highest) validation perplexity of the plain loop over 8 minibatch
+    orders. Order alone moves this 16-step run's perplexity by -6%..+2% (measured), so a
+    job whose order is not fixed is held to the band, not to one order; losing a quarter
+    of the updates (6.1 against ~5.1) or training an extra epoch (~4.0) falls outside."""
+    ppl = [math.exp(_plain_loop(tokens["train"], tokens["val"], s)) for s in range(8)]
+    return min(ppl), max(ppl)
 
 
 def _run(model_def: str, train: str, val: str, strategy: str, tmp_path) -> dict:
@@ -115,12 +143,18 @@ def _check_export(report: dict, val_dir: str) -> None:
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_gpt2_from_config_matches_the_plain_loop(strategy, tokens, plain_loss, tmp_path):
+def test_gpt2_from_config_matches_the_plain_loop(strategy, tokens, plain_loss, plain_band,
+                                                tmp_path):
     report = _run("gpt2.gpt2_tiny.custom_model", tokens["train"], tokens["val"], strategy,
                   tmp_path)
     ppl, plain = math.exp(report["final_metrics"]["loss"]), math.exp(plain_loss)
-    print(f"GPT-2 {strategy}: perplexity {ppl:.4f}, plain loop {plain:.4f}")
-    assert abs(ppl / plain - 1) < 0.02, (ppl, plain, report["evaluations"])
+    low, high = plain_band
+    print(f"GPT-2 {strategy}: perplexity {ppl:.4f}, plain loop {plain:.4f} in order, "
+          f"{low:.4f}..{high:.4f} over 8 orders")
+    if strategy == "Local":   # one process reading tasks in order: the in-order loop
+        assert abs(ppl / plain - 1) < 0.02, (ppl, plain, report["evaluations"])
+    else:                     # two workers: an order of the band, 2% either side
+        assert low / 1.02 < ppl < high * 1.02, (ppl, (low, high), report["evaluations"])
     _check_export(report, tokens["val"])
 
 

@@ -305,15 +305,21 @@ def test_allreduce_dataset_makes_ahead_and_remakes_lost_minibatches():
 
 
 class DiesInAWorker(Squares):
-    """Record ``bad`` kills the DataLoader worker process that loads it (as a signal or
-    the OOM killer would); loaded in the trainer's own process, it is fine."""
+    """Record ``kill_at`` kills the DataLoader worker process that loads it (as a signal
+    or the OOM killer would); loaded in the trainer's own process, it is fine (which
+    batch the reader then reloads one by one depends on how far the loader had
+    prefetched, so every record must load in-process)."""
+
+    def __init__(self, n: int, kill_at: int):
+        super().__init__(n)
+        self.kill_at = kill_at
 
     def __getitem__(self, i):
         import signal
 
         from torch.utils.data import get_worker_info
 
-        if i == self.bad and get_worker_info() is not None:
+        if i == self.kill_at and get_worker_info() is not None:
             os.kill(os.getpid(), signal.SIGKILL)
         return super().__getitem__(i)
 
@@ -321,7 +327,7 @@ class DiesInAWorker(Squares):
 def test_a_dead_loader_process_is_a_retryable_error_not_bad_data():
     from elasticdl.data.api import DataError
 
-    reader = TorchDatasetReader("/data/ds", DiesInAWorker(16, bad=9), num_workers=1)
+    reader = TorchDatasetReader("/data/ds", DiesInAWorker(16, kill_at=9), num_workers=1)
     records = TaskRecords(reader, _task(0, 16, shard="/data/ds"), "training", 4, _pair)
     with pytest.raises(RuntimeError, match="a DataLoader worker process died loading "
                                            "records") as caught:
