@@ -58,6 +58,7 @@ from elasticdl.master.task_manager import TaskManager
 from elasticdl.worker.poller import DEFAULT_MAX_LEASE
 
 WARMUP_S = 2.0
+SNAPSHOT_EVERY_S = 5.0   # the job controller's report interval
 # what a worker leases: --task_lease_s's default
 DEFAULT_LEASE_S = next(f.default for f in dataclasses.fields(JobSpec) if f.name == "task_lease_s")
 
@@ -65,9 +66,7 @@ DEFAULT_LEASE_S = next(f.default for f in dataclasses.fields(JobSpec) if f.name 
 # ------------------------------------------------------------ simulated workers
 async def _worker(stub: Any, pb: Any, worker_id: int, lease: float, task_s: float,
                   window: tuple[float, float], stop_at: float, lat: list[float]) -> None:
-    # what LeasedTasks converges to for tasks of task_s
-    size = max(1, min(DEFAULT_MAX_LEASE, int(lease / task_s))) if task_s > 0 \
-        else DEFAULT_MAX_LEASE
+    size = _lease_size(lease, task_s)
     reports: list[Any] = []
     n = 0
     while time.time() < stop_at:
@@ -85,8 +84,13 @@ async def _worker(stub: Any, pb: Any, worker_id: int, lease: float, task_s: floa
         if tasks[0].type in (TaskType.WAIT, TaskType.NONE):
             await asyncio.sleep(0.2)
             continue
+        if lease and task_s > 0:
+            # the lease's work in one sleep: its results travel with the next call
+            # anyway, so the master sees the same calls (and the client side, which
+            # shares this machine with the master, wakes once per lease, not per task)
+            await asyncio.sleep(task_s * len(tasks))
         for task in tasks:
-            if task_s > 0:
+            if task_s > 0 and not lease:
                 await asyncio.sleep(task_s)
             n += 1
             report = pb.ReportTaskResultRequest(task_id=task.task_id, worker_id=worker_id,
@@ -114,26 +118,53 @@ async def _workers(addr: str, ids: list[int], lease: float, task_s: float, secon
     while not go.is_set():   # every client process connected: the master says when
         await asyncio.sleep(0.01)
     start = start_at.value
-    window = (start + WARMUP_S + task_s, start + WARMUP_S + task_s + seconds)
+    spread = _cycle_s(lease, task_s)
+    window = (start + WARMUP_S + spread, start + WARMUP_S + spread + seconds)
     lat: list[float] = []
-    # start spread over the first task's duration, as workers of a running job are
-    await asyncio.gather(*(_staggered(i, len(ids), task_s, _worker(
+    lag: list[float] = []
+    monitor = asyncio.ensure_future(_loop_lag(window, lag))
+    # starts spread over one call's worth of work, as the calls of a running job's
+    # workers are (started together, they would call in lockstep bursts for ever)
+    await asyncio.gather(*(_staggered(i, len(ids), spread, _worker(
         s, pb, w, lease, task_s, window, window[1] + 0.5, lat)) for i, (s, w) in
         enumerate(zip(stubs, ids))))
+    monitor.cancel()
     for c in channels:
         await c.close()
-    return lat
+    return lat, lag
 
 
-async def _staggered(i: int, n: int, task_s: float, coro: Any) -> None:
-    await asyncio.sleep(task_s * i / max(n, 1))
+async def _loop_lag(window: tuple[float, float], lag: list[float]) -> None:
+    """How late this client's event loop wakes a 10 ms sleep in the window: when it
+    is large, the latency the workers measure is their own machine's (the client
+    processes share it with the master), not the master's."""
+    while True:
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.01)
+        if window[0] <= time.time() < window[1]:
+            lag.append(time.perf_counter() - t0 - 0.01)
+
+
+def _lease_size(lease: float, task_s: float) -> int:
+    """What LeasedTasks converges to for tasks of ``task_s`` and leases of ``lease`` s."""
+    return max(1, min(DEFAULT_MAX_LEASE, int(lease / task_s))) if task_s > 0 \
+        else DEFAULT_MAX_LEASE
+
+
+def _cycle_s(lease: float, task_s: float) -> float:
+    """Seconds between a worker's calls for work."""
+    return task_s * (_lease_size(lease, task_s) if lease else 1)
+
+
+async def _staggered(i: int, n: int, spread_s: float, coro: Any) -> None:
+    await asyncio.sleep(spread_s * i / max(n, 1))
     await coro
 
 
 def _client(addr: str, ids: list[int], lease: float, task_s: float, seconds: float,
             ready: Any, go: Any, start_at: Any, out: Any) -> None:
-    lat = asyncio.run(_workers(addr, ids, lease, task_s, seconds, ready, go, start_at))
-    out.put((lat, time.process_time()))
+    lat, lag = asyncio.run(_workers(addr, ids, lease, task_s, seconds, ready, go, start_at))
+    out.put((lat, time.process_time(), lag))
 
 
 # ------------------------------------------------------------------- the master
@@ -165,6 +196,19 @@ class Master:
         self._scraper = threading.Thread(target=self._scrape, daemon=True)
         if self.obs is not None:
             self._scraper.start()
+        self.snapshot_lock_ms: list[float] = []
+        self._snapshotter = threading.Thread(target=self._snapshots, daemon=True)
+        if journal:
+            self._snapshotter.start()
+
+    def _snapshots(self) -> None:
+        """What the job controller does every report interval: a journal snapshot and
+        the report refreshed (both take the core's lock)."""
+        while not self._stop.wait(SNAPSHOT_EVERY_S):
+            self.core.snapshot()
+            self.snapshot_lock_ms.append(1000 * self.core.snapshot_lock_s)
+            with self.core._lock:
+                self.core.refresh_report()
 
     def _scrape(self) -> None:  # a Prometheus scraping every second
         while not self._stop.wait(1.0):
@@ -197,7 +241,8 @@ def measure(master: Master, num_workers: int, seconds: float, lease: float, task
         ready.get(timeout=600)
     start_at.value = start = time.time() + 0.2
     go.set()
-    window = (start + WARMUP_S + task_s, start + WARMUP_S + task_s + seconds)
+    spread = _cycle_s(lease, task_s)
+    window = (start + WARMUP_S + spread, start + WARMUP_S + spread + seconds)
     while time.time() < window[0]:
         time.sleep(0.01)
     done0, cpu0, wall0 = master.done(), time.process_time(), time.time()
@@ -210,6 +255,7 @@ def measure(master: Master, num_workers: int, seconds: float, lease: float, task
         p.join(timeout=60)
     lat = sorted(x for r in results for x in r[0])
     client_cpu = sum(r[1] for r in results)   # the whole run of each client process
+    lags = sorted(x for r in results for x in r[2])
     span = wall1 - wall0
 
     def pct(q: float) -> float:
@@ -219,7 +265,10 @@ def measure(master: Master, num_workers: int, seconds: float, lease: float, task
     return {"tasks_per_s": rate, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
             "calls": len(lat), "master_cpu": (cpu1 - cpu0) / span,
             "master_cpu_us_per_task": 1e6 * (cpu1 - cpu0) / max(done1 - done0, 1),
-            "clients_cpu_s": client_cpu, "load": max(load0, os.getloadavg()[0])}
+            "clients_cpu_s": client_cpu, "load": max(load0, os.getloadavg()[0]),
+            "snapshot_lock_ms": max(master.snapshot_lock_ms, default=float("nan")),
+            "client_loop_lag_p99_ms": 1000 * lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+            if lags else float("nan")}
 
 
 def run_dispatch(num_workers: int, seconds: float, journal: bool = True,
@@ -415,7 +464,9 @@ def main() -> None:
                   f"{res['p50_ms']:6.1f} ms p99 {res['p99_ms']:7.1f} ms ({res['calls']} "
                   f"calls), master CPU {res['master_cpu']:.2f} cores "
                   f"({res['master_cpu_us_per_task']:.0f} us/task), clients "
-                  f"{res['clients_cpu_s']:.1f} CPU-s, load {res['load']:.1f}", flush=True)
+                  f"{res['clients_cpu_s']:.1f} CPU-s (loop lag p99 "
+                  f"{res['client_loop_lag_p99_ms']:.0f} ms), snapshot lock max "
+                  f"{res['snapshot_lock_ms']:.1f} ms, load {res['load']:.1f}", flush=True)
     summary: dict[str, Any] = {"workers": a.workers, "task_ms": a.task_ms,
                                "lease_s": a.lease_s,
                                "offered_tasks_per_s": round(a.workers * 1000 / a.task_ms)
@@ -425,7 +476,7 @@ def main() -> None:
     for path, rs in runs.items():
         med = {k: statistics.median(x[k] for x in rs) for k in
                ("tasks_per_s", "p50_ms", "p99_ms", "master_cpu", "master_cpu_us_per_task",
-                "load")}
+                "load", "client_loop_lag_p99_ms", "snapshot_lock_ms")}
         print(f"median {path:6s}: {med['tasks_per_s']:.0f} tasks/s, get p50 "
               f"{med['p50_ms']:.1f} ms, p99 {med['p99_ms']:.1f} ms, master CPU "
               f"{med['master_cpu']:.2f} cores ({med['master_cpu_us_per_task']:.0f} us per "

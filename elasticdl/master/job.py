@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.intervals import IntervalSet
@@ -55,6 +55,21 @@ from elasticdl.master.replicas import ReplicaBook
 from elasticdl.master.task_manager import TaskManager
 
 logger = logging.getLogger(__name__)
+
+
+class TaskResult(NamedTuple):
+    """One task outcome of a batch (:meth:`JobCore.report_tasks`), in the order of
+    :meth:`JobCore.report_task`'s arguments after the worker."""
+
+    task_id: int
+    success: bool
+    error: str = ""
+    traceback: str = ""
+    fatal: bool = False
+    counters: Optional[Mapping[str, int]] = None
+    model_version: Optional[int] = None
+    loss: Optional[float] = None
+    learning_rate: Optional[float] = None
 
 Metric = tuple[str, float, int]
 
@@ -205,13 +220,40 @@ class JobCore(Journaled, Recovery):
             request_id: int = 0) -> Task:
         """The next task for ``worker_id`` (see :meth:`TaskManager.get`)."""
         with self._lock, self._at() as t:
-            self._maybe_start_evaluation()
-            task = self.tm.get(worker_id, task_type, request_id)
-            if task.type == TaskType.TRAINING:
-                self._minibatches_out += -(-task.num_records // self.minibatch_size)
+            task = self._get_locked(worker_id, task_type, request_id)
             self._log("get", t=t, w=worker_id, r=request_id, task=task_state.task_to_json(task),
                       type=None if task_type is None else int(task_type))
             return task
+
+    def _get_locked(self, worker_id: int, task_type: Optional[TaskType],
+                    request_id: int = 0) -> Task:
+        self._maybe_start_evaluation()
+        task = self.tm.get(worker_id, task_type, request_id)
+        if task.type == TaskType.TRAINING:
+            self._minibatches_out += -(-task.num_records // self.minibatch_size)
+        return task
+
+    def get_tasks(self, worker_id: int, task_type: Optional[TaskType], max_tasks: int,
+                  share: Optional[Callable[[], int]] = None) -> list[Task]:
+        """Up to ``max_tasks`` next tasks for ``worker_id`` in one call and one journal
+        record (a lease, :mod:`elasticdl.master.leases`): gets until a WAIT / NONE,
+        which ends the list (returned only when it is the first). ``share``, asked
+        after the first task, caps the count (a fair share of the queue)."""
+        with self._lock, self._at() as t:
+            got: list[Task] = []
+            cap = max_tasks
+            while len(got) < cap:
+                task = self._get_locked(worker_id, task_type)
+                got.append(task)
+                if task.type in (TaskType.WAIT, TaskType.NONE):
+                    break
+                if len(got) == 1 and cap > 1 and share is not None:
+                    cap = min(cap, share())
+            self._log("lease", t=t, w=worker_id, type=None if task_type is None
+                      else int(task_type), tasks=[task_state.task_to_json(x) for x in got])
+        if len(got) > 1 and got[-1].type in (TaskType.WAIT, TaskType.NONE):
+            got.pop()   # the tasks it had; the next call learns the queue ran dry
+        return got
 
     def report_task(self, task_id: int, worker_id: int, success: bool, error: str = "",
                     traceback: str = "", fatal: bool = False,
@@ -222,21 +264,58 @@ class JobCore(Journaled, Recovery):
         training task, its mean loss and last learning rate (job report "training").
         Raises VersionError (nothing recorded) for a version from the future."""
         with self._lock, self._at() as t:
-            if model_version is not None:
-                self._on_version(worker_id, model_version)
-            task, holders = self.tm.held_task(task_id)
-            self.tm.report(task_id, worker_id, success, error, traceback, fatal, counters)
-            trained = task if success and task is not None and worker_id in holders and \
-                task.type == TaskType.TRAINING else None
-            if trained is not None:
-                self.report.add_training(trained.epoch, trained.num_records, loss, learning_rate)
-            self._maybe_start_evaluation()
+            trained = self._report_locked(task_id, worker_id, success, error, traceback,
+                                          fatal, counters, model_version, loss, learning_rate)
             self._log("report", t=t, task=task_id, w=worker_id, ok=success, error=error,
                       tb=traceback, fatal=fatal, counters=dict(counters or {}),
                       version=model_version, loss=loss, lr=learning_rate)
             if trained is not None:
                 self.notify("on_training_task", epoch=trained.epoch, records=trained.num_records,
                             loss=loss, learning_rate=learning_rate, version=self.version)
+
+    def report_tasks(self, worker_id: int, results: Sequence[TaskResult]
+                     ) -> list[tuple[int, str]]:
+        """Several of ``worker_id``'s task outcomes, in order, in one call and one
+        journal record (what a lease's next call carries). Returns ``(index,
+        reason)`` of the ones refused for a version from the future (nothing
+        recorded for them; the rest are)."""
+        refused: list[tuple[int, str]] = []
+        with self._lock, self._at() as t:
+            kept, trained = [], []
+            for i, r in enumerate(results):
+                try:
+                    task = self._report_locked(r.task_id, worker_id, *r[1:])
+                except VersionError as e:
+                    refused.append((i, str(e)))
+                    continue
+                kept.append([r.task_id, r.success, r.error, r.traceback, r.fatal,
+                             dict(r.counters or {}), r.model_version, r.loss, r.learning_rate])
+                if task is not None:
+                    trained.append((task, r.loss, r.learning_rate))
+            if kept:
+                self._log("reports", t=t, w=worker_id, results=kept)
+            for task, loss, lr in trained:
+                self.notify("on_training_task", epoch=task.epoch, records=task.num_records,
+                            loss=loss, learning_rate=lr, version=self.version)
+        return refused
+
+    def _report_locked(self, task_id: int, worker_id: int, success: bool, error: str = "",
+                       traceback: str = "", fatal: bool = False,
+                       counters: Optional[Mapping[str, int]] = None,
+                       model_version: Optional[int] = None, loss: Optional[float] = None,
+                       learning_rate: Optional[float] = None) -> Optional[Task]:
+        """One outcome (see :meth:`report_task`), unjournaled; the training task it
+        completed for the report, or None."""
+        if model_version is not None:
+            self._on_version(worker_id, model_version)
+        task, holders = self.tm.held_task(task_id)
+        self.tm.report(task_id, worker_id, success, error, traceback, fatal, counters)
+        trained = task if success and task is not None and worker_id in holders and \
+            task.type == TaskType.TRAINING else None
+        if trained is not None:
+            self.report.add_training(trained.epoch, trained.num_records, loss, learning_rate)
+        self._maybe_start_evaluation()
+        return trained
 
     def report_evaluation(self, task_id: int, model_version: int,
                           metrics: Sequence[Metric], states: bytes = b"") -> None:

@@ -240,6 +240,8 @@ class Op(str, enum.Enum):
 
     GET = "get"
     REPORT = "report"
+    LEASE = "lease"                     # several gets of one call (get_tasks)
+    REPORTS = "reports"                 # several reports of one call
     METRICS = "metrics"
     VERSION = "version"
     BEGIN = "begin"
@@ -274,6 +276,26 @@ def _replay_get(core: Any, rec: dict[str, Any]) -> None:
                            f"task {got}, the journal says {rec['task']}")
 
 
+def _replay_lease(core: Any, rec: dict[str, Any]) -> None:
+    tt = rec["type"]
+    with core._lock:
+        for want in rec["tasks"]:
+            got = task_state.task_to_json(core._get_locked(
+                rec["w"], None if tt is None else TaskType(tt)))
+            if got != want:
+                raise JournalError(f"journal record {rec['seq']}: replayed get_tasks gave "
+                                   f"task {got}, the journal says {want}")
+
+
+def _replay_reports(core: Any, rec: dict[str, Any]) -> None:
+    from elasticdl.master.job import TaskResult
+
+    refused = core.report_tasks(rec["w"], [TaskResult(*r) for r in rec["results"]])
+    if refused:
+        raise JournalError(f"journal record {rec['seq']}: replayed reports refused "
+                           f"{refused}, the journal recorded them all")
+
+
 def _replay_launch(core: Any, rec: dict[str, Any]) -> None:
     got = core.launch_worker(rec["lineage"])
     if got != rec["id"]:
@@ -291,6 +313,8 @@ Handler = Callable[[Any, dict[str, Any]], None]
 
 HANDLERS: dict[Op, Handler] = {
     Op.GET: _replay_get,
+    Op.LEASE: _replay_lease,
+    Op.REPORTS: _replay_reports,
     Op.REPORT: lambda core, rec: core.report_task(
         rec["task"], rec["w"], rec["ok"], rec["error"], rec["tb"], rec["fatal"],
         rec["counters"], rec["version"], rec.get("loss"), rec.get("lr")),

@@ -2,8 +2,8 @@
 
 A worker whose tasks are short asks for up to ``max_tasks`` at once and keeps
 them in a local buffer (:class:`elasticdl.worker.poller.LeasedTasks`). Every
-leased task goes out through :meth:`JobCore.get`, one journaled hand-out each,
-so the master holds it exactly as one from ``get_task``: a dead worker's leased
+leased task goes out through :meth:`JobCore.get_tasks` (the hand-outs of one
+call in one journal record), so the master holds it exactly as one from ``get_task``: a dead worker's leased
 tasks are re-queued by ``recover_tasks``, a straggler's reassigned after the
 timeout, an evaluation or an epoch barrier waits for them.
 
@@ -76,17 +76,8 @@ class LeaseBook:
                             "handed back", worker_id, [t.task_id for t in held])
                 self._last[worker_id] = tuple(t.task_id for t in held)
                 return held
-            tasks: list[Task] = []
-            cap = max_tasks
-            while len(tasks) < cap:
-                task = core.get(worker_id, wanted)
-                if task.type in _NOT_TASKS:
-                    if not tasks:
-                        tasks.append(task)
-                    break
-                tasks.append(task)
-                if len(tasks) == 1 and cap > 1:
-                    cap = min(cap, self._fair_share(worker_id))
+            tasks = core.get_tasks(worker_id, wanted, max_tasks,
+                                   share=lambda: self._fair_share(worker_id))
             self._last[worker_id] = tuple(t.task_id for t in tasks if t.type not in _NOT_TASKS)
             return tasks
 

@@ -207,3 +207,55 @@ def test_rendezvous_plan_survives_a_master_restart():
     clock_b = b._clock
     clock_b.advance(40)
     assert b.get_comm_plan(0, plan.plan_version).plan_version == plan.plan_version + 1
+
+
+def test_leases_and_batched_reports_restore_at_any_cut(tmp_path):
+    """get_tasks and report_tasks journal one record per call (not one per task); a
+    master killed after any call restores to the live state, including a batch in
+    which one result is refused (a version from the future: nothing recorded for it)
+    and leases that run into an epoch's end (WAIT) and stragglers reassigned."""
+    from elasticdl.master.job import TaskResult, VersionError
+
+    clock = Clock()
+    a = make_core(clock=clock, task_timeout_s=3.0)
+    journal = Journal(str(tmp_path / "live"))
+    a.attach_journal(journal)
+    a.begin()
+    held: dict[int, list] = {0: [], 1: [], 2: []}
+    version, calls, refused_seen, batches = 0, 0, 0, 0
+    for i in range(200):
+        if a.finished():
+            break
+        w = i % 3
+        results = []
+        for t in held[w]:
+            version += 1
+            results.append(TaskResult(t.task_id, True, model_version=version, loss=0.5,
+                                      learning_rate=0.1))
+        bad = bool(results) and batches % 3 == 0
+        batches += bool(results)
+        if bad:   # a version far ahead of any the job made: refused
+            results.append(TaskResult(results[0].task_id, True, model_version=10**6))
+        seq0 = journal.seq
+        refused = a.report_tasks(w, results) if results else []
+        assert [r for r, _ in refused] == ([len(results) - 1] if bad else [])
+        refused_seen += len(refused)
+        if refused:
+            assert "ahead" in refused[0][1]
+        got = a.get_tasks(w, None, 3)
+        # worker 2 never reports evaluation tasks: stragglers, reassigned after 3 s
+        held[w] = [t for t in got if t.type == TaskType.TRAINING or
+                   t.type == TaskType.EVALUATION and w != 2]
+        assert journal.seq - seq0 == (1 if results and len(refused) < len(results) else 0) + 1
+        calls += 1
+        copy = tmp_path / f"cut{i}"
+        shutil.copytree(tmp_path / "live", copy)
+        b = make_core(clock=Clock(), task_timeout_s=3.0)
+        b.restore(Journal(str(copy)))
+        assert full_state(b) == full_state(a), f"cut after call {i}"
+        shutil.rmtree(copy)
+    assert a.finished() and calls > 20
+    assert refused_seen == -(-batches // 3) >= 2
+    assert [e["records_completed"] for e in a.tm.epochs_report()] == [120, 120]
+    with pytest.raises(VersionError):   # the single-report path refuses alike
+        a.report_task(a.get(0).task_id, 0, True, model_version=10**6)
