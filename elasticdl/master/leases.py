@@ -3,9 +3,10 @@
 A worker whose tasks are short asks for up to ``max_tasks`` at once and keeps
 them in a local buffer (:class:`elasticdl.worker.poller.LeasedTasks`). Every
 leased task goes out through :meth:`JobCore.get_tasks` (the hand-outs of one
-call in one journal record), so the master holds it exactly as one from ``get_task``: a dead worker's leased
-tasks are re-queued by ``recover_tasks``, a straggler's reassigned after the
-timeout, an evaluation or an epoch barrier waits for them.
+call in one journal record), so the master holds it exactly as one from
+``get_task``: a dead worker's leased tasks are re-queued by ``recover_tasks``, a
+straggler's reassigned after the timeout, an evaluation or an epoch barrier
+waits for them.
 
 The contract that makes a lease safe to retry: a worker asks only once it holds
 nothing (every task it was given is reported, in the same request or before).

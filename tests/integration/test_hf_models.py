@@ -12,9 +12,9 @@ exported ``model.pt`` loads into ``GPT2LMHeadModel`` unchanged (strict) and give
 final validation loss. Local reads the records in order and must match the in-order loop;
 the two-worker jobs' minibatch order depends on which worker takes which task, and order
 alone moves this short run's perplexity by several percent, so they must land inside the
-plain loop's range over 8 minibatch orders (2% either side). ``gpt2_datasets`` reads the same tokens from a ``datasets``
-``save_to_disk`` directory through the built-in Arrow reader, with a ``feed`` returning a
-dict: it must match the Local job.
+plain loop's range over 8 minibatch orders (2% either side). ``gpt2_datasets`` reads the
+same tokens from a ``datasets`` ``save_to_disk`` directory through the built-in Arrow
+reader, with a ``feed`` returning a dict: it must match the Local job.
 """
 
 from __future__ import annotations
