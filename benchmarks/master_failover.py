@@ -22,12 +22,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.integration.helpers import journal_records, wait_for  # noqa: E402
+from tests.integration.helpers import journal_records, task_events, wait_for  # noqa: E402
 
 
 def reports_after(job_dir: str, seq: int) -> list[dict]:
     """Task results the master acknowledged after journal record ``seq``."""
-    return [r for r in journal_records(job_dir, seq) if r["op"] == "report"]
+    return [r for r in task_events(job_dir, seq) if r["op"] == "report"]
 
 
 def last_seq(job_dir: str) -> int:

@@ -68,6 +68,22 @@ def journal_records(job_dir: str, after_seq: int = 0) -> list[dict]:
     return out
 
 
+def task_events(job_dir: str, after_seq: int = 0) -> list[dict]:
+    """:func:`journal_records` with a lease's hand-outs and a batch's results
+    spelled out one task each, as ``{"op": "get", "seq", "w", "task": [...]}`` and
+    ``{"op": "report", "seq", "w", "task": id, "ok"}`` (the other records as they are)."""
+    out = []
+    for r in journal_records(job_dir, after_seq):
+        if r["op"] == "lease":
+            out += [{"op": "get", "seq": r["seq"], "w": r["w"], "task": t} for t in r["tasks"]]
+        elif r["op"] == "reports":
+            out += [{"op": "report", "seq": r["seq"], "w": r["w"], "task": x[0], "ok": x[1]}
+                    for x in r["results"]]
+        else:
+            out.append(r)
+    return out
+
+
 def read_json(path: str) -> Optional[dict]:
     try:
         with open(path) as f:

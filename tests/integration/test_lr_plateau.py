@@ -20,10 +20,10 @@ import torch
 
 from tests.conftest import FIXTURE_ZOO, MODEL_ZOO
 from tests.integration.helpers import (
-    journal_records,
     kill_job_tree,
     read_json,
     start_cli,
+    task_events,
     wait_for,
 )
 
@@ -127,7 +127,7 @@ def _training_of_epoch_out(job_dir: str, epoch: int) -> bool:
     """A training task of ``epoch`` went out: the evaluation that ended the epoch
     before it completed (the epoch barrier) and its reduction was decided."""
     return any(r["op"] == "get" and r["task"][1] == 1 and r["task"][5] >= epoch
-               for r in journal_records(job_dir))
+               for r in task_events(job_dir))
 
 
 def test_plateau_rate_survives_a_master_kill(digits_data, tmp_path):

@@ -20,10 +20,10 @@ import pytest
 
 from elasticdl.worker.ps_trainer import KILL_AFTER_STEPS_ENV
 from tests.integration.helpers import (
-    journal_records,
     kill_job_tree,
     read_json,
     start_cli,
+    task_events,
     wait_for,
 )
 from tests.integration.test_chaos import pid_of, train_args
@@ -88,7 +88,7 @@ def test_master_killed_while_leases_are_out(digits_data, tmp_path):
         def leases_out() -> bool:   # both workers hold several tasks of epoch 1 or later
             got: dict[int, set[int]] = {}
             reported: set[int] = set()
-            for r in journal_records(job_dir):
+            for r in task_events(job_dir):
                 if r["op"] == "get" and r["task"][1] == 1 and r["task"][5] >= 1:
                     got.setdefault(r["w"], set()).add(r["task"][0])
                 elif r["op"] == "report":
