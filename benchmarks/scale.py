@@ -26,9 +26,14 @@ dict`` run in the child, and the figure names that must stay flat):
 The journal runs with ``fsync=False`` (a disk's fsync is a constant per call,
 not what grows; the dispatch benchmark measures it).
 
+After the sections, ``--dispatch_workers`` simulated workers (1,000) get and
+report tasks over gRPC from a real master with its journal and metrics on
+(:func:`master_dispatch.run_dispatch`): tasks per second and get_tasks p99.
+
 Run: python benchmarks/scale.py [--quick | --smoke] [--sizes 1e4,1e5,1e6,1e7]
 The last line is one JSON object (max_growth_ratio, snapshot_lock_ms,
-master_rss_mib, restore_s, and per size the figures).
+master_rss_mib, restore_s, dispatch_tasks_per_s, dispatch_p99_ms, and per size
+the figures).
 """
 
 from __future__ import annotations
@@ -270,11 +275,18 @@ def main() -> None:
     ap.add_argument("--after_snapshot", type=int, default=2000,
                     help="tasks done after the last snapshot (replayed by the restore)")
     ap.add_argument("--timeout_s", type=float, default=7200)
+    ap.add_argument("--dispatch_workers", type=int, default=1000,
+                    help="simulated workers of the dispatch measurement (0: skip it)")
+    ap.add_argument("--dispatch_task_ms", type=float, default=333.0,
+                    help="a task's simulated work (1,000 workers x 333 ms: 3,000 tasks/s)")
+    ap.add_argument("--dispatch_lease_s", type=float, default=4.0)
+    ap.add_argument("--dispatch_seconds", type=float, default=10.0)
     ap.add_argument("--child", default="")
     args = ap.parse_args()
     if args.smoke:
         args.sizes, args.workers, args.ckpt_every = "2e3,2e4", 50, 500
         args.snapshot_every, args.after_snapshot, args.window, args.restores = 500, 200, 1000, 1
+        args.dispatch_workers, args.dispatch_task_ms, args.dispatch_seconds = 50, 50.0, 2.0
     elif args.quick:
         args.sizes = "1e4,1e5,1e6"
     sizes = [int(float(s)) for s in args.sizes.split(",")]
@@ -303,6 +315,19 @@ def main() -> None:
                       restore_cpu_s=top["restore_cpu_s"], tasks_done=top["tasks_done"])
     result["max_growth_ratio"] = max(ratios.values()) if ratios else None
     result["growth"] = ratios
+    if args.dispatch_workers:
+        # dispatch at a rate over gRPC (benchmarks/master_dispatch.py has the details)
+        from master_dispatch import run_dispatch
+
+        d = run_dispatch(args.dispatch_workers, args.dispatch_seconds,
+                         task_ms=args.dispatch_task_ms, lease_s=args.dispatch_lease_s,
+                         procs=2 if args.smoke else 4)
+        print(f"dispatch: {args.dispatch_workers} workers, tasks of {args.dispatch_task_ms} "
+              f"ms: {d['tasks_per_s']:.0f} tasks/s, get_tasks p50 {d['p50_ms']:.1f} ms, p99 "
+              f"{d['p99_ms']:.1f} ms, master {d['master_cpu_us_per_task']:.0f} us CPU per "
+              f"task, load {d['load']:.1f}", flush=True)
+        result.update(dispatch_tasks_per_s=round(d["tasks_per_s"]),
+                      dispatch_p99_ms=round(d["p99_ms"], 1), dispatch=d)
     print(json.dumps(result))
 
 

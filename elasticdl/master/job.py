@@ -57,6 +57,15 @@ from elasticdl.master.task_manager import TaskManager
 logger = logging.getLogger(__name__)
 
 
+class Refusal(NamedTuple):
+    """A result of a batch refused (:meth:`JobCore.report_tasks`): its index, why,
+    and whether the request was invalid (else the worker may not report it)."""
+
+    index: int
+    reason: str
+    invalid: bool
+
+
 class TaskResult(NamedTuple):
     """One task outcome of a batch (:meth:`JobCore.report_tasks`), in the order of
     :meth:`JobCore.report_task`'s arguments after the worker."""
@@ -226,9 +235,9 @@ class JobCore(Journaled, Recovery):
             return task
 
     def _get_locked(self, worker_id: int, task_type: Optional[TaskType],
-                    request_id: int = 0) -> Task:
+                    request_id: int = 0, reassign: bool = True) -> Task:
         self._maybe_start_evaluation()
-        task = self.tm.get(worker_id, task_type, request_id)
+        task = self.tm.get(worker_id, task_type, request_id, reassign)
         if task.type == TaskType.TRAINING:
             self._minibatches_out += -(-task.num_records // self.minibatch_size)
         return task
@@ -243,7 +252,8 @@ class JobCore(Journaled, Recovery):
             got: list[Task] = []
             cap = max_tasks
             while len(got) < cap:
-                task = self._get_locked(worker_id, task_type)
+                # stragglers are looked for once: the call's gets share one time
+                task = self._get_locked(worker_id, task_type, reassign=not got)
                 got.append(task)
                 if task.type in (TaskType.WAIT, TaskType.NONE):
                     break
@@ -274,24 +284,33 @@ class JobCore(Journaled, Recovery):
                             loss=loss, learning_rate=learning_rate, version=self.version)
 
     def report_tasks(self, worker_id: int, results: Sequence[TaskResult]
-                     ) -> list[tuple[int, str]]:
+                     ) -> list[Refusal]:
         """Several of ``worker_id``'s task outcomes, in order, in one call and one
-        journal record (what a lease's next call carries). Returns ``(index,
-        reason)`` of the ones refused for a version from the future (nothing
-        recorded for them; the rest are)."""
-        refused: list[tuple[int, str]] = []
+        journal record (what a lease's next call carries). Returns the ones refused,
+        nothing recorded for them (the rest are): an unknown task id or a version
+        from the future (``invalid``), a task the worker does not hold (held by
+        another worker, that is, reassigned away and not reassigned from it)."""
+        refused: list[Refusal] = []
         with self._lock, self._at() as t:
             kept, trained = [], []
             for i, r in enumerate(results):
+                if not self.tm.task_exists(r.task_id):
+                    refused.append(Refusal(i, f"unknown task_id {r.task_id}", True))
+                    continue
+                task, holders = self.tm.held_task(r.task_id)
+                if task is not None and worker_id not in holders:
+                    refused.append(Refusal(i, f"worker {worker_id} does not hold task "
+                                           f"{r.task_id} (held by {sorted(holders)})", False))
+                    continue
                 try:
-                    task = self._report_locked(r.task_id, worker_id, *r[1:])
+                    done = self._report_locked(r.task_id, worker_id, *r[1:])
                 except VersionError as e:
-                    refused.append((i, str(e)))
+                    refused.append(Refusal(i, str(e), True))
                     continue
                 kept.append([r.task_id, r.success, r.error, r.traceback, r.fatal,
                              dict(r.counters or {}), r.model_version, r.loss, r.learning_rate])
-                if task is not None:
-                    trained.append((task, r.loss, r.learning_rate))
+                if done is not None:
+                    trained.append((done, r.loss, r.learning_rate))
             if kept:
                 self._log("reports", t=t, w=worker_id, results=kept)
             for task, loss, lr in trained:

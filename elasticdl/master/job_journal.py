@@ -279,9 +279,9 @@ def _replay_get(core: Any, rec: dict[str, Any]) -> None:
 def _replay_lease(core: Any, rec: dict[str, Any]) -> None:
     tt = rec["type"]
     with core._lock:
-        for want in rec["tasks"]:
+        for i, want in enumerate(rec["tasks"]):
             got = task_state.task_to_json(core._get_locked(
-                rec["w"], None if tt is None else TaskType(tt)))
+                rec["w"], None if tt is None else TaskType(tt), reassign=i == 0))
             if got != want:
                 raise JournalError(f"journal record {rec['seq']}: replayed get_tasks gave "
                                    f"task {got}, the journal says {want}")

@@ -199,21 +199,19 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     def _report(self, worker_id: int, request: pb.ReportTaskResultRequest) -> None:
         """Validate one task result and hand it to the core (journaled). Raises
-        _Invalid / VersionError / _Denied (nothing recorded)."""
-        self.core.report_task(worker_id=worker_id, **self._result(worker_id, request)._asdict())
+        _Invalid / _Denied (nothing recorded)."""
+        for refusal in self.core.report_tasks(worker_id, [self._result(worker_id, request)]):
+            raise (_Invalid if refusal.invalid else _Denied)(refusal.reason)
 
-    def _result(self, worker_id: int, request: pb.ReportTaskResultRequest) -> TaskResult:
-        """One task result, validated. Raises _Invalid / _Denied."""
+    @staticmethod
+    def _result(worker_id: int, request: pb.ReportTaskResultRequest) -> TaskResult:
+        """One task result, its fields validated (whether the task exists and the
+        worker holds it is the core's check). Raises _Invalid / _Denied."""
         if request.worker_id != worker_id:
             raise _Denied(f"worker {worker_id} may not report for worker {request.worker_id}")
-        self._known_task(request.task_id)
         _text("err_message", request.err_message)
         _text("err_traceback", request.err_traceback)
         _count("counters", len(request.counters))
-        task, holders = self.core.held_task(request.task_id)
-        if task is not None and worker_id not in holders:
-            raise _Denied(f"worker {worker_id} does not hold task {request.task_id} "
-                          f"(held by {sorted(holders)})")
         counters = {}
         for c in request.counters:
             if c.name not in COUNTERS or not 0 <= c.value <= MAX_COUNTER:
@@ -245,10 +243,12 @@ class MasterServicer(pb_grpc.MasterServicer):
             except _Denied as e:
                 logger.warning("report of task %d refused: %s", r.task_id, short(str(e), 300))
                 refused.append(pb.ReportRefusal(task_id=r.task_id, reason=short(str(e))))
-        if valid:
-            for i, reason in self.core.report_tasks(worker_id, valid):  # versions ahead
-                refused.append(pb.ReportRefusal(task_id=valid[i].task_id,
-                                                reason=short(reason), invalid=True))
+        for i, reason, invalid in self.core.report_tasks(worker_id, valid) if valid else ():
+            if not invalid:
+                logger.warning("report of task %d refused: %s", valid[i].task_id,
+                               short(reason, 300))
+            refused.append(pb.ReportRefusal(task_id=valid[i].task_id, reason=short(reason),
+                                            invalid=invalid))
         return refused
 
     @_validated

@@ -201,7 +201,7 @@ class TaskManager(TaskQueues):
 
     # ------------------------------------------------------------ dispatch
     def get(self, worker_id: int, task_type: Optional[TaskType] = None,
-            request_id: int = 0) -> Task:
+            request_id: int = 0, reassign: bool = True) -> Task:
         """Next task for ``worker_id``: a real task, ``WAIT_TASK`` or ``NO_MORE_TASKS``.
 
         Evaluation tasks go first. ``task_type`` restricts the kind served. A
@@ -219,7 +219,8 @@ class TaskManager(TaskQueues):
                         logger.info("worker %d retried get_task %d: task %d again",
                                     worker_id, request_id, last[1].task_id)
                         return last[1]
-            self._reassign_stragglers()
+            if reassign:   # False: a later get of one call at one time (nothing new)
+                self._reassign_stragglers()
             task = self._pop(task_type)
             if task is None:
                 return WAIT_TASK if not self._finished_locked() else NO_MORE_TASKS

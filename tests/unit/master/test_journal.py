@@ -238,10 +238,10 @@ def test_leases_and_batched_reports_restore_at_any_cut(tmp_path):
             results.append(TaskResult(results[0].task_id, True, model_version=10**6))
         seq0 = journal.seq
         refused = a.report_tasks(w, results) if results else []
-        assert [r for r, _ in refused] == ([len(results) - 1] if bad else [])
+        assert [r.index for r in refused] == ([len(results) - 1] if bad else [])
         refused_seen += len(refused)
         if refused:
-            assert "ahead" in refused[0][1]
+            assert "ahead" in refused[0].reason and refused[0].invalid
         got = a.get_tasks(w, None, 3)
         # worker 2 never reports evaluation tasks: stragglers, reassigned after 3 s
         held[w] = [t for t in got if t.type == TaskType.TRAINING or
@@ -259,3 +259,14 @@ def test_leases_and_batched_reports_restore_at_any_cut(tmp_path):
     assert [e["records_completed"] for e in a.tm.epochs_report()] == [120, 120]
     with pytest.raises(VersionError):   # the single-report path refuses alike
         a.report_task(a.get(0).task_id, 0, True, model_version=10**6)
+    # a task another worker holds, and an id never handed out: refused, nothing recorded
+    c = make_core()
+    other = Journal(str(tmp_path / "other"))
+    c.attach_journal(other)
+    held_by_0 = c.get(0)
+    seq0 = other.seq
+    refused = c.report_tasks(1, [TaskResult(held_by_0.task_id, True),
+                                 TaskResult(10**9, True)])
+    assert [(r.index, r.invalid) for r in refused] == [(0, False), (1, True)]
+    assert "does not hold" in refused[0].reason and "unknown task_id" in refused[1].reason
+    assert other.seq == seq0 and c.held_task(held_by_0.task_id)[1] == {0}
