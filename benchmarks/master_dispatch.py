@@ -171,7 +171,9 @@ def _client(addr: str, ids: list[int], lease: float, task_s: float, seconds: flo
 class Master:
     """The real master of a training job of ``tasks`` one-record tasks."""
 
-    def __init__(self, tasks: int, journal: bool, metrics: bool):
+    def __init__(self, tasks: int, journal: bool, metrics: bool,
+                 snapshot_every_s: float = SNAPSHOT_EVERY_S):
+        self.snapshot_every_s = snapshot_every_s
         self.tm = TaskManager([("bench", 0, tasks)], records_per_task=1)
         self.core = JobCore.for_tasks(self.tm, EvaluationAggregator())
         self.core.report = JobReport("bench", "ParameterServerStrategy", "local", 1000, 1,
@@ -198,13 +200,13 @@ class Master:
             self._scraper.start()
         self.snapshot_lock_ms: list[float] = []
         self._snapshotter = threading.Thread(target=self._snapshots, daemon=True)
-        if journal:
+        if journal and snapshot_every_s > 0:
             self._snapshotter.start()
 
     def _snapshots(self) -> None:
         """What the job controller does every report interval: a journal snapshot and
         the report refreshed (both take the core's lock)."""
-        while not self._stop.wait(SNAPSHOT_EVERY_S):
+        while not self._stop.wait(self.snapshot_every_s):
             self.core.snapshot()
             self.snapshot_lock_ms.append(1000 * self.core.snapshot_lock_s)
             with self.core._lock:
@@ -273,14 +275,17 @@ def measure(master: Master, num_workers: int, seconds: float, lease: float, task
 
 def run_dispatch(num_workers: int, seconds: float, journal: bool = True,
                  metrics: bool = True, lease: bool = True, task_ms: float = 250.0,
-                 procs: int = 4, lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
+                 procs: int = 4, lease_s: float = DEFAULT_LEASE_S,
+                 snapshot_every_s: float = SNAPSHOT_EVERY_S) -> dict[str, Any]:
     """One measurement of a fresh master (see the module): ``tasks_per_s``,
     ``p50_ms``, ``p99_ms`` (of the call that gets tasks), ``master_cpu``
     (cores), ``master_cpu_us_per_task``, ``load``. ``lease``: the lease path
-    (``lease_s`` of work per call), else the single-task one."""
+    (``lease_s`` of work per call), else the single-task one; ``snapshot_every_s``
+    0: no periodic snapshot."""
     task_s = task_ms / 1000
     offered = num_workers / task_s if task_s > 0 else 20_000
-    master = Master(int(offered * (seconds + 30)) + 10_000, journal, metrics)
+    master = Master(int(offered * (seconds + 30)) + 10_000, journal, metrics,
+                    snapshot_every_s)
     try:
         return measure(master, num_workers, seconds, lease_s if lease else 0.0, task_s, procs)
     finally:
@@ -438,6 +443,8 @@ def main() -> None:
     ap.add_argument("--no-journal", dest="journal", action="store_false")
     ap.add_argument("--no-metrics", dest="metrics", action="store_false")
     ap.add_argument("--paths", default="lease,single")
+    ap.add_argument("--snapshot-every-s", type=float, default=SNAPSHOT_EVERY_S,
+                    help="the journal snapshot + report refresh period (0: none)")
     ap.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S,
                     help="seconds of work leased per call (--task_lease_s)")
     ap.add_argument("--smoke", action="store_true", help="a few seconds, 50 workers")
@@ -458,7 +465,7 @@ def main() -> None:
     for r in range(a.rounds):
         for path in paths:
             res = run_dispatch(a.workers, a.seconds, a.journal, a.metrics, path == "lease",
-                               a.task_ms, a.procs, a.lease_s)
+                               a.task_ms, a.procs, a.lease_s, a.snapshot_every_s)
             runs[path].append(res)
             print(f"round {r} {path:6s}: {res['tasks_per_s']:7.0f} tasks/s, get p50 "
                   f"{res['p50_ms']:6.1f} ms p99 {res['p99_ms']:7.1f} ms ({res['calls']} "
