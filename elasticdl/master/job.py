@@ -58,10 +58,11 @@ logger = logging.getLogger(__name__)
 
 
 class Refusal(NamedTuple):
-    """A result of a batch refused (:meth:`JobCore.report_tasks`): its index, why,
-    and whether the request was invalid (else the worker may not report it)."""
+    """A result of a batch refused (:meth:`JobCore.report_tasks`): its position in
+    the batch, why, and whether the request was invalid (else the worker may not
+    report it)."""
 
-    index: int
+    position: int
     reason: str
     invalid: bool
 

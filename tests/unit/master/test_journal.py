@@ -238,7 +238,7 @@ def test_leases_and_batched_reports_restore_at_any_cut(tmp_path):
             results.append(TaskResult(results[0].task_id, True, model_version=10**6))
         seq0 = journal.seq
         refused = a.report_tasks(w, results) if results else []
-        assert [r.index for r in refused] == ([len(results) - 1] if bad else [])
+        assert [r.position for r in refused] == ([len(results) - 1] if bad else [])
         refused_seen += len(refused)
         if refused:
             assert "ahead" in refused[0].reason and refused[0].invalid
@@ -267,6 +267,6 @@ def test_leases_and_batched_reports_restore_at_any_cut(tmp_path):
     seq0 = other.seq
     refused = c.report_tasks(1, [TaskResult(held_by_0.task_id, True),
                                  TaskResult(10**9, True)])
-    assert [(r.index, r.invalid) for r in refused] == [(0, False), (1, True)]
+    assert [(r.position, r.invalid) for r in refused] == [(0, False), (1, True)]
     assert "does not hold" in refused[0].reason and "unknown task_id" in refused[1].reason
     assert other.seq == seq0 and c.held_task(held_by_0.task_id)[1] == {0}
