@@ -16,7 +16,9 @@ of the interrupted epoch exactly once. Two files make that possible:
   of older versions have one ``{"t": id, "s": shard, "a": start, "b": end,
   "e": epoch}`` line per task; they are still read.) A resumed run starts its
   table with a ``{"base": ...}`` line: the data position it resumed from
-  (epochs created, per-epoch counts of the records already in the model).
+  (epochs created, per-epoch counts of the records already in the model),
+  then the tasks of earlier runs it resumed whole under their own ids
+  (per-task lines, below; see :func:`position`).
   Appends are single ``write`` calls of one line, so a killed master leaves at
   most a torn last line, which is skipped.
 * ``<checkpoint_dir>/version-N/data_position.json``: a single writer that has
@@ -45,7 +47,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from elasticdl.checkpoint.paths import CheckpointError, resolve, version_of
 from elasticdl.common.intervals import IntervalSet
@@ -97,11 +99,16 @@ def write_trained_compact(version_dir: str, writer: str, generation: int,
 
 class TrainedSet:
     """What a checkpoint's model holds: every task in ``closed`` whole and, per
-    other task, ``{offset: records}`` (common to every writer)."""
+    other task, ``{offset: records}`` (common to every writer). ``writers``:
+    each writer's name and own ``(closed, entries)``, in name order (several
+    PS need not hold the same pushes at one version: async PS, or sync PS whose
+    groups formed in another order)."""
 
-    def __init__(self, closed: IntervalSet, entries: Trained):
+    def __init__(self, closed: IntervalSet, entries: Trained,
+                 writers: Optional[list[tuple[str, IntervalSet, Trained]]] = None):
         self.closed = closed
         self.entries = entries
+        self.writers = writers or []
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TrainedSet) and self.closed == other.closed and \
@@ -133,6 +140,8 @@ def read_trained_set(version_dir: str) -> Optional[TrainedSet]:
     if not names:
         return None
     parts = [_read_writer(os.path.join(version_dir, n)) for n in names]
+    writers = [(_TRAINED.match(n).group(1), c, e)  # type: ignore[union-attr]
+               for n, (c, e) in zip(names, parts)]
     closed = parts[0][0]
     for c, _ in parts[1:]:
         closed = closed.intersection(c)
@@ -149,7 +158,7 @@ def read_trained_set(version_dir: str) -> Optional[TrainedSet]:
                 {o: r for o, r in common.items() if o in mine}
         if common:
             out[task] = common
-    return TrainedSet(closed, out)
+    return TrainedSet(closed, out, writers)
 
 
 def read_trained(version_dir: str) -> Optional[Trained]:
@@ -173,10 +182,11 @@ def write_position(version_dir: str, state: dict[str, Any]) -> str:
     return path
 
 
-def read_position(version_dir: str) -> Optional[dict[str, Any]]:
+def read_position(version_dir: str, carry: Optional[Carry] = None) -> Optional[dict[str, Any]]:
     """The data position a version directory records, in either form
     (``data_position.json``, or trained records + the directory's task table);
-    None when it records none.
+    None when it records none. ``carry``: the resuming run's PS (see
+    :func:`position`).
 
     Raises:
         CheckpointError: trained records without a task table.
@@ -189,7 +199,7 @@ def read_position(version_dir: str) -> Optional[dict[str, Any]]:
     if trained is None:
         return None
     base, blocks, sources = read_table_blocks(os.path.dirname(os.path.normpath(version_dir)))
-    return position(base, blocks, trained, sources)
+    return position(base, blocks, trained, sources, carry)
 
 
 # ---------------------------------------------------------------- task table
@@ -198,11 +208,12 @@ class TaskTable:
 
     Creating one starts a fresh table in ``checkpoint_dir`` (replacing an older
     one atomically) whose first lines are ``base`` when the run resumed and
-    ``pieces`` (how the training shards are cut, :class:`PieceSource`).
+    ``pieces`` (how the training shards are cut, :class:`PieceSource`), then
+    one per-task line per earlier run's task resumed under its own id.
     """
 
     def __init__(self, checkpoint_dir: str, base: Optional[dict[str, Any]] = None,
-                 pieces: Optional[PieceSource] = None):
+                 pieces: Optional[PieceSource] = None, carried: Iterable[list[Any]] = ()):
         os.makedirs(checkpoint_dir, exist_ok=True)
         self.path = os.path.join(checkpoint_dir, TABLE)
         tmp = self.path + ".tmp"
@@ -211,6 +222,9 @@ class TaskTable:
                 f.write(json.dumps({"base": base}, separators=(",", ":")) + "\n")
             if pieces is not None:
                 f.write(json.dumps({"pieces": pieces.to_json()}, separators=(",", ":")) + "\n")
+            for shard, a, b, e, task_id in carried:   # an earlier run's tasks, resumed whole
+                f.write(json.dumps({"t": task_id, "s": shard, "a": a, "b": b, "e": e},
+                                   separators=(",", ":")) + "\n")
         os.replace(tmp, self.path)
         # unbuffered: each line reaches the file in one write before the task is handed out
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
@@ -314,12 +328,41 @@ def _empty_led() -> dict[str, int]:
             "tasks_completed": 0}
 
 
+class Carry(NamedTuple):
+    """How the resuming run pushes: ``num_ps`` PS restoring their own shard's
+    ledger, minibatches of ``minibatch_size`` records (the ledger's identities
+    ``(task, k)`` name the same records only then)."""
+
+    num_ps: int
+    minibatch_size: int
+
+    def fits(self, trained: TrainedSet) -> bool:
+        names = sorted(w for w, _, _ in trained.writers)
+        return self.num_ps > 0 and self.minibatch_size > 0 and \
+            names == sorted(f"ps-{i}-of-{self.num_ps}" for i in range(self.num_ps))
+
+
+def _aligned(task: Task, views: list[dict[int, int]], minibatch: int) -> bool:
+    n = task.end - task.start
+    return all(o % minibatch == 0 and r == min(minibatch, n - o)
+               for view in views for o, r in view.items())
+
+
 def position(base: Optional[dict[str, Any]], blocks: list[Block], trained: TrainedSet,
-             sources: dict[str, Any]) -> dict[str, Any]:
+             sources: dict[str, Any], carry: Optional[Carry] = None) -> dict[str, Any]:
     """The :meth:`TaskManager.load_state_dict` state: ``base`` plus, per task of
     the table's blocks, its trained records counted and its untrained ranges
     pending. Costs O(tasks not closed), not O(tasks): the closed ones of a block
-    count as its records less those of the others."""
+    count as its records less those of the others.
+
+    A task the writers (PS) hold differently — one PS applied a minibatch the
+    other had not yet when each wrote this version — has no range that is
+    pending everywhere and trained nowhere. With ``carry`` (the resuming run's
+    PS restore these shards' ledgers, same minibatch size) it is pending whole
+    under its own id, ``[shard, start, end, epoch, task_id]``, and counts
+    nothing yet: each PS skips the minibatches its ledger holds, as for a task
+    re-issued within a run. Without (another number of PS, another strategy) the
+    minibatches only some PS hold are trained again on those PS (warned)."""
     base = base or {}
     ledger: dict[int, dict[str, int]] = {
         int(e): {"records_completed": int(v.get("records_completed", 0)),
@@ -329,6 +372,8 @@ def position(base: Optional[dict[str, Any]], blocks: list[Block], trained: Train
         for e, v in base.get("ledger", {}).items()}
     epochs = int(base.get("epochs_created", 0))
     pending: list[list[Any]] = []
+    can_carry = carry is not None and carry.fits(trained)
+    carried = twice = 0
     for block in blocks:
         # the block's whole records and tasks per epoch, less those not closed below
         whole: dict[int, list[int]] = {}
@@ -342,9 +387,23 @@ def position(base: Optional[dict[str, Any]], blocks: list[Block], trained: Train
         for lo, hi in gaps(trained.closed, block.base, block.base + block.count):
             for task_id in range(lo, hi):
                 task = block.task(task_id - block.base, sources)
-                left = untrained_ranges(task, trained.entries.get(task_id, {}))
-                untrained = sum(b - a for a, b in left)
                 w = whole[task.epoch]
+                # each writer's own view of the task: its untrained ranges
+                views = [e.get(task_id, {}) for _, c, e in trained.writers if task_id not in c]
+                lefts = {() if task_id in c else tuple(untrained_ranges(task, e.get(task_id, {})))
+                         for _, c, e in trained.writers}
+                if len(lefts) > 1 and can_carry and \
+                        _aligned(task, views, carry.minibatch_size):  # type: ignore[union-attr]
+                    pending.append([task.shard_name, task.start, task.end, task.epoch, task_id])
+                    w[0] -= task.end - task.start
+                    w[1] -= 1
+                    carried += 1
+                    continue
+                left = untrained_ranges(task, trained.entries.get(task_id, {}))
+                if len(lefts) > 1:
+                    twice += sum(b - a for a, b in left) - \
+                        min(sum(b - a for a, b in x) for x in lefts)
+                untrained = sum(b - a for a, b in left)
                 w[0] -= untrained
                 w[1] -= 1 if left else 0
                 pending.extend([task.shard_name, a, b, task.epoch] for a, b in left)
@@ -356,10 +415,18 @@ def position(base: Optional[dict[str, Any]], blocks: list[Block], trained: Train
             led["tasks_completed"] += tasks
     for e in range(epochs):
         ledger.setdefault(e, _empty_led())
+    if carried:
+        logger.info("%d task(s) are held differently by the PS of this checkpoint: pending "
+                    "whole under their own ids (each PS skips what its ledger holds)", carried)
+    if twice:
+        logger.warning("this checkpoint's PS hold some minibatches differently and this run "
+                       "cannot restore their ledgers (another number of PS, another strategy "
+                       "or minibatch size): up to %d record(s) will be trained a second time "
+                       "on the PS that hold them", twice)
     return {"epochs_created": epochs, "pending": pending, "ledger": ledger}
 
 
-def resume_state(init_path: str) -> Optional[dict[str, Any]]:
+def resume_state(init_path: str, carry: Optional[Carry] = None) -> Optional[dict[str, Any]]:
     """The data position to resume from for ``--checkpoint_dir_for_init``: the
     newest complete checkpoint there (or that version directory) and the task
     table of its directory. None (with a warning: the data starts over) when
@@ -369,7 +436,7 @@ def resume_state(init_path: str) -> Optional[dict[str, Any]]:
         CheckpointError: no complete checkpoint, or trained records but no table.
     """
     vdir = resolve(init_path)
-    found = read_position(vdir)
+    found = read_position(vdir, carry)
     if found is None:
         logger.warning("checkpoint %s records no data position; training data starts over "
                        "from the first epoch", vdir)
@@ -385,14 +452,16 @@ def resume_state(init_path: str) -> Optional[dict[str, Any]]:
     return state
 
 
-def attach(task_manager: Any, checkpoint_dir: str, init_path: str = "") -> Optional[TaskTable]:
+def attach(task_manager: Any, checkpoint_dir: str, init_path: str = "",
+           carry: Optional[Carry] = None) -> Optional[TaskTable]:
     """Resume ``task_manager`` from ``init_path``'s data position (if any) and
-    record its training tasks in ``checkpoint_dir``'s table (if set).
+    record its training tasks in ``checkpoint_dir``'s table (if set; the tasks
+    pending under their own ids, ``carry``, are in it from the start).
 
     The call site of the master: the table is read before a new one replaces
     it (when both directories are the same).
     """
-    state = resume_state(init_path) if init_path else None
+    state = resume_state(init_path, carry) if init_path else None
     table = None
     if checkpoint_dir:
         base = None if state is None else {"epochs_created": state["epochs_created"],
@@ -400,7 +469,8 @@ def attach(task_manager: Any, checkpoint_dir: str, init_path: str = "") -> Optio
                                            "from": os.path.abspath(init_path)}
         pieces = getattr(task_manager, "_train_pieces", None)
         table = TaskTable(checkpoint_dir, base,
-                          pieces if isinstance(pieces, PieceSource) else None)
+                          pieces if isinstance(pieces, PieceSource) else None,
+                          [] if state is None else [p for p in state["pending"] if len(p) == 5])
         task_manager.block_created_callbacks.append(table.record)
     if state is not None:
         task_manager.load_state_dict(state)

@@ -114,8 +114,11 @@ def build_core(spec: JobSpec, restoring: bool = False) -> JobCore:
     # the worker bounds, before a restore: replayed resizes land in it (docs/elastic.md)
     core.attachments["scaling"] = WorkerCounts(spec.workers_min, spec.num_workers)
     if spec.job_type == JobType.TRAIN and not restoring:
-        # resume the data position; record this run's tasks
-        data_position.attach(core.tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init)
+        # resume the data position; record this run's tasks. PS restore their own
+        # shard's ledger: a task they hold differently resumes under its own id
+        num_ps = entry_for(spec.distribution_strategy).num_ps(spec)
+        data_position.attach(core.tm, spec.checkpoint_dir, spec.checkpoint_dir_for_init,
+                             data_position.Carry(num_ps, spec.minibatch_size) if num_ps else None)
     return core
 
 

@@ -229,13 +229,20 @@ def load_data_position(tm: TaskManager, state: dict[str, Any]) -> None:
         tm.ledger = {int(e): EpochLedger(**{"records_applied": v["records_completed"],
                                               **v}) for e, v in state["ledger"].items()}
         tm._epoch_open_tasks = {e: 0 for e in tm.ledger}
-        pieces = [(str(n), int(a), int(b), int(e)) for n, a, b, e in state["pending"]]
-        for piece in pieces:
+        pieces = [(str(p[0]), int(p[1]), int(p[2]), int(p[3])) for p in state["pending"]
+                  if len(p) == 4]
+        # an earlier run's tasks its PS hold differently: whole, under their own ids (the
+        # restored ledgers name them; data_position.position), first out
+        carried = [Task(int(p[4]), TaskType.TRAINING, str(p[0]), int(p[1]), int(p[2]),
+                        int(p[3])) for p in state["pending"] if len(p) == 5]
+        for piece in pieces + [(t.shard_name, t.start, t.end, t.epoch) for t in carried]:
             tm._epoch_open_tasks[piece[3]] = tm._epoch_open_tasks.get(piece[3], 0) + 1
+        tm._requeued.extend(carried)
         if pieces:
             tm._new_block(len(pieces), TaskType.TRAINING, pieces, -1)
-        logger.info("resumed data position: epoch %d, %d pending task(s)",
-                    max(tm._epochs_created - 1, 0), len(pieces))
+        logger.info("resumed data position: epoch %d, %d pending task(s) (%d of an earlier "
+                    "run, under their own ids)", max(tm._epochs_created - 1, 0),
+                    len(pieces) + len(carried), len(carried))
 
 
 def applied_short(tm: TaskManager, task: Task, applied: int,

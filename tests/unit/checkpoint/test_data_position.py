@@ -188,3 +188,90 @@ def test_a_local_checkpoint_resumes_a_distributed_job_and_the_reverse(tmp_path):
     state = single.load_single(ar_dir)
     assert state["data_position"] == dp.read_position(version_dir(ar_dir, 30))
     assert state["data_position"]["ledger"][1]["records_completed"] == 24
+
+
+# ------------------------------------------- PS that hold one version differently
+class _PS:
+    """A PS as far as the data position goes: its applied-identity ledger and how
+    often its parameters saw each record (``(task, k)`` applied at most once)."""
+
+    def __init__(self) -> None:
+        self.ledger: set[tuple[int, int]] = set()
+        self.count: dict[tuple[str, int], int] = {}
+
+    def push(self, task: Task, k: int) -> None:
+        if (task.task_id, k) in self.ledger:
+            return   # a duplicate: answered, nothing applied
+        self.ledger.add((task.task_id, k))
+        for r in range(task.start + (k - 1) * MB, min(task.start + k * MB, task.end)):
+            self.count[(task.shard_name, r)] = self.count.get((task.shard_name, r), 0) + 1
+
+    def restored(self) -> _PS:
+        ps = _PS()
+        ps.ledger, ps.count = set(self.ledger), dict(self.count)
+        return ps
+
+    def entries(self) -> list[tuple[int, int, int]]:
+        return [(t, (k - 1) * MB, MB) for t, k in self.ledger]
+
+
+def _train(tm: TaskManager, pss: list[_PS], stop_after: int = -1) -> None:
+    """Hand out and train tasks, every minibatch pushed to every PS."""
+    done = 0
+    while done != stop_after:
+        task = tm.get(0)
+        if task.type != TaskType.TRAINING:
+            return
+        for k in range(1, (task.end - task.start + MB - 1) // MB + 1):
+            for ps in pss:
+                ps.push(task, k)
+        tm.report(task.task_id, 0, True)
+        done += 1
+
+
+def _parted_checkpoint(tmp_path) -> tuple[str, list[_PS]]:
+    """Run 1: an epoch and a half, then a version its two PS wrote holding different
+    pushes (PS 0 applied minibatches 1-2 of a task, PS 1 minibatch 1 of it and
+    minibatch 1 of another task that PS 0 had not received yet)."""
+    ckpt = str(tmp_path / "run1")
+    tm = _tm()
+    dp.attach(tm, ckpt)
+    pss = [_PS(), _PS()]
+    _train(tm, pss, stop_after=5)
+    a, b = tm.get(0), tm.get(1)
+    pss[0].push(a, 1)
+    pss[0].push(a, 2)
+    pss[1].push(a, 1)
+    pss[1].push(b, 1)
+    _done(ckpt, 9, {f"ps-{i}-of-2": ps.entries() for i, ps in enumerate(pss)})
+    return ckpt, pss
+
+
+def test_a_task_the_ps_hold_differently_resumes_whole_under_its_own_id(tmp_path):
+    ckpt, pss = _parted_checkpoint(tmp_path)
+    tm = _tm(first_task_id=5000)
+    dp.attach(tm, str(tmp_path / "run2"), ckpt, dp.Carry(num_ps=2, minibatch_size=MB))
+    restored = [ps.restored() for ps in pss]   # each PS restores its own shard's ledger
+    _train(tm, restored)
+    for i, ps in enumerate(restored):
+        wrong = {k: v for k, v in ps.count.items() if v != 2}
+        assert len(ps.count) == 64 and not wrong, (i, wrong)
+    assert [e["records_completed"] for e in tm.epochs_report()] == [64, 64]
+    # the tasks resumed under their own ids are in the new run's table: a third run
+    # resumed from a checkpoint of the second names their records
+    _, tasks = dp.read_table(str(tmp_path / "run2"))
+    assert sum(t.task_id < 5000 for t in tasks) == 2
+
+
+def test_without_the_ledgers_the_minibatches_some_ps_hold_train_again_there(tmp_path, caplog):
+    """Another number of PS (or another strategy) cannot restore the ledgers: the
+    resume takes what every PS holds and says how much one PS trains twice."""
+    ckpt, pss = _parted_checkpoint(tmp_path)
+    for carry in (None, dp.Carry(num_ps=3, minibatch_size=MB), dp.Carry(2, 2 * MB)):
+        tm = _tm(first_task_id=5000)
+        dp.attach(tm, "", ckpt, carry)
+        restored = [ps.restored() for ps in pss]
+        _train(tm, restored)
+        assert max(restored[0].count.values()) == 3 and max(restored[1].count.values()) == 3
+        assert min(min(ps.count.values()) for ps in restored) == 2
+    assert "trained a second time" in caplog.text
