@@ -67,7 +67,8 @@ class RuntimeContext:
     host: str = "127.0.0.1"
 
     def resolved_device(self) -> torch.device:
-        return self.device if self.device is not None else select_device(self.job_spec.device)
+        return self.device if self.device is not None else \
+            select_device(self.job_spec.device, self.worker_id)
 
 
 TRAIN_LOOP_STRATEGIES = (Strategy.LOCAL.value, Strategy.ALLREDUCE.value)

@@ -24,13 +24,22 @@ from elasticdl.worker.sequence_state import SequenceState
 logger = logging.getLogger(__name__)
 
 
-def select_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present; ``cuda`` without CUDA is an error."""
+def select_device(name: str, ordinal: int = 0) -> torch.device:
+    """``auto`` picks CUDA when present; ``cuda`` without CUDA is an error.
+
+    A CUDA device always has an index (``torch.cuda.set_device`` and NCCL's
+    ``init_process_group(device_id=)`` refuse a bare ``cuda``): ``cuda`` and
+    ``auto`` take GPU ``ordinal % device_count`` of the visible ones (the worker
+    id: the workers of a local job on a multi-GPU machine spread over its GPUs;
+    a pod sees its own GPUs from 0), ``cuda:N`` that one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device=cuda but CUDA is not available on this machine")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"--device={name} but CUDA is not available on this machine")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", ordinal % torch.cuda.device_count())
+    return device
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
