@@ -27,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from elasticdl.checkpoint import data_position
+from elasticdl.checkpoint import data_position, paths
 from elasticdl.checkpoint import single as ckpt
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.ps import ledger as ps_ledger
@@ -134,7 +134,12 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
     """
     shards = load_shards(version_dir)
     cfg = shard.config
-    version = int(shards[0]["version"])
+    # the directory names the version (a sync job's final checkpoint may hold a shard
+    # written by a PS whose count of applied updates was lower: PS versions parted)
+    try:
+        version = paths.version_of(version_dir)
+    except ckpt.CheckpointError:   # not a version-N directory (a copy of the files)
+        version = int(shards[0]["version"])
     same_layout = len(shards) == cfg.num_ps
     dense: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}

@@ -311,13 +311,17 @@ class PServicer(pb_grpc.PServerServicer):
     @_guard
     def save_checkpoint(self, request: pb.SaveCheckpointRequest,
                         context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:
-        """Write this shard's current version into the job's checkpoint directory
-        with the job's retention; the request carries nothing to choose."""
+        """Write this shard's current state into the job's checkpoint directory with
+        the job's retention, as its current version or ``version_at_least`` when that
+        is higher (the directory only: see :func:`ps_ckpt.save_shard`)."""
         cfg = self.shard.config
         if not cfg.checkpoint_dir:
             raise NotInitializedError("save_checkpoint: the job has no --checkpoint_dir")
         self._require_init()
-        path = ps_ckpt.save_shard(self.shard, cfg.checkpoint_dir, None, cfg.keep_checkpoint_max)
+        check_range("version_at_least", request.version_at_least, 0, 2**62)
+        at = max(self.shard.version, request.version_at_least) \
+            if request.version_at_least else None
+        path = ps_ckpt.save_shard(self.shard, cfg.checkpoint_dir, at, cfg.keep_checkpoint_max)
         version = ckpt_paths.version_of(os.path.dirname(path))  # the version it wrote
         return pb.SaveCheckpointResponse(path=path, version=version)
 

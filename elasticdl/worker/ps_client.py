@@ -324,12 +324,29 @@ class PSClient:
         return common or {}, -1 if oldest is None else oldest, closed
 
     def save_checkpoint(self) -> str:
-        """Every PS writes its shard of its current version into the job's checkpoint
-        directory (the PS's own configuration); returns the version directory."""
+        """Every PS writes its shard into the job's checkpoint directory (the PS's own
+        configuration) under one version; returns the version directory.
+
+        The versions of a sync job's PS can part (a worker died between its pushes
+        to two PS: each applies an identity once, their counts differ by the pushes
+        one of them missed). The PS behind then write their state again into the
+        highest version's directory: a version's shards may hold different pushes
+        (their trained-records files say which; a resume is exact per PS,
+        :mod:`elasticdl.checkpoint.data_position`), never a mix of directories."""
         resps = self._all(lambda i, s: s.save_checkpoint(
             pb.SaveCheckpointRequest(), timeout=self.rpc_timeout_s), "save_checkpoint")
+        top = max(r.version for r in resps)
+        behind = [i for i, r in enumerate(resps) if r.version != top]
+        if behind:
+            logger.warning("PS versions differ %s: PS %s also write version %d",
+                           [r.version for r in resps], behind, top)
+            req = pb.SaveCheckpointRequest(version_at_least=top)
+            again = self._all(lambda i, s: s.save_checkpoint(req, timeout=self.rpc_timeout_s),
+                              "save_checkpoint", behind)
+            for i, r in zip(behind, again):
+                resps[i] = r
         versions = {r.version for r in resps}
-        if len(versions) != 1:
+        if len(versions) != 1:  # a PS moved on meanwhile (training still running)
             raise PSVersionsDifferError(f"PS saved different versions {sorted(versions)}")
         return os.path.dirname(resps[0].path)
 

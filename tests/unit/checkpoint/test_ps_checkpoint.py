@@ -206,3 +206,41 @@ def test_async_trainer_pulls_every_get_model_steps():
             assert trainer.model_version == 5
         finally:
             trainer.close()
+
+
+def test_final_checkpoint_of_parted_ps_versions_is_one_complete_version(tmp_path):
+    """A sync job's PS versions part when a worker dies between its pushes to two PS
+    (PS 0 applied a minibatch PS 1 never got). The final checkpoint used to be
+    skipped (no one version named it); now the PS behind also writes the highest
+    version's directory: one complete version, each shard's own state and its own
+    trained records, restored at that version on every PS."""
+    mod = _spec().module
+    ckpt_dir = str(tmp_path / "ckpt")
+    with local_ps(2, _spec().optimizer, checkpoint_dir=ckpt_dir, minibatch_size=16) as cluster:
+        trainer = _trainer(cluster.addrs)
+        try:
+            for features, labels in mod.make_batches(3, 16, seed=1):
+                trainer.train_minibatch(features, labels)
+            lone = cluster.shards[0]     # the dead worker's push reached PS 0 only
+            lone.push_gradients(GradientPush(
+                version=lone.version, dense={k: torch.ones_like(v) for k, v in
+                                             lone.params.dense.items()},
+                task_id=99, minibatch=1, num_records=16))
+            versions = [s.version for s in cluster.shards]
+            assert versions == [4, 3]
+            behind = {k: v.detach().clone() for k, v in cluster.shards[1].params.dense.items()}
+            vdir = trainer.save_checkpoint()
+        finally:
+            trainer.close()
+    assert os.path.basename(vdir) == "version-4" and ckpt.complete_versions(ckpt_dir) == [4]
+    from elasticdl.checkpoint import data_position as dp
+
+    found = dp.read_trained_set(vdir)
+    held = {name: set(entries) for name, _, entries in found.writers}
+    assert 99 in held["ps-0-of-2"] and 99 not in held["ps-1-of-2"], held
+    for i in range(2):
+        shard = PSShard(ShardConfig(ps_id=i, num_ps=2), _spec().optimizer)
+        assert ps_ckpt.restore_shard(shard, vdir) == 4 and shard.version == 4
+        if i == 1:
+            for k, v in behind.items():
+                assert torch.equal(shard.params.dense[k], v), k
