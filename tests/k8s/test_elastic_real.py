@@ -2,7 +2,8 @@
 kube-scheduler decides which worker pods run, with GPUs (``nvidia.com/gpu``) as
 the scarce resource.
 
-* A ``--num_workers=2:4`` async PS job on a node with 2 GPUs starts with 2 workers
+* A ``--num_workers=2:4`` job (async PS, sync PS with a group of 4, allreduce) on a
+  node with 2 GPUs starts with 2 workers
   (2 pending, with the scheduler's reason in the report), grows to 4 when a second
   node with 2 GPUs is registered (served by a second test kubelet), shrinks when a
   high-priority pod preempts 2 of its low-priority workers (reported as
@@ -81,20 +82,30 @@ def _add_node(server, tmp_path, kubelet_env) -> tuple[str, FakeKubelet]:
                              node=name, namespaces={server.namespace})
 
 
+STRATEGIES = {
+    "ps-async": ("--distribution_strategy=ParameterServerStrategy", "--use_async=true",
+                 "--num_ps_pods=1"),
+    # a sync group of 4 pushes: while fewer run, the PS complete it at the running count
+    "ps-sync": ("--distribution_strategy=ParameterServerStrategy", "--grads_to_wait=4",
+                "--num_ps_pods=1"),
+    "allreduce": ("--distribution_strategy=AllreduceStrategy",),
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_elastic_job_starts_at_min_grows_with_a_node_and_shrinks_when_preempted(
-        server, kubelet, port_base, tmp_path):
+        strategy, server, kubelet, port_base, tmp_path):
     from kubernetes import client
 
     if not server.plane.own:
         pytest.skip("registers a node: needs the tier's own control plane")
     core = client.CoreV1Api(server.admin)
-    job, report_path = "elastic-grow", str(tmp_path / "out" / "job_report.json")
+    job, report_path = f"elastic-{strategy}", str(tmp_path / "out" / "job_report.json")
     _gpus(core, NODE, 2)
     extra: list[tuple[str, FakeKubelet]] = []
     try:
-        cli = _submit(server, port_base, tmp_path, job,
-                      "--distribution_strategy=ParameterServerStrategy", "--use_async=true",
-                      "--num_ps_pods=1", "--num_workers=2:4", f"--num_epochs={EPOCHS}",
+        cli = _submit(server, port_base, tmp_path, job, *STRATEGIES[strategy],
+                      "--num_workers=2:4", f"--num_epochs={EPOCHS}",
                       "--minibatch_size=4", "--num_minibatches_per_task=8",
                       f"--envs=COUNT_RECORDS={RECORDS},COUNT_RECORDS_DELAY_S=0.3")
         assert cli.returncode == 0, cli.stdout + cli.stderr
