@@ -12,7 +12,9 @@ Processes inherit both variables (a local job) or get them with ``--envs``.
 
 Points (grep ``faults.point``): master ``before_start``, ``after_launch_intent``,
 ``after_relaunch``, ``after_ps_launched``, ``after_rollback_start``,
-``after_ps_rollback``, ``after_requeue``; ps ``after_version`` (each model
+``after_ps_rollback``, ``after_requeue``, ``after_export_claim`` (a worker
+named the exporter, journaled, the order not yet sent), ``after_export_written``
+(the export's report journaled, not yet answered); ps ``after_version`` (each model
 version it makes), ``after_restore`` (inside the rollback RPC, before it
 answers); worker / exporter
 ``before_export``, ``after_export`` (written, not yet reported).

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from concurrent import futures
 from typing import Any, Optional
 
 import grpc
 
-from elasticdl.common import auth
+from elasticdl.common import auth, faults
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
 from elasticdl.common.task import WAIT_TASK, Task, TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
@@ -92,6 +93,10 @@ def _validated(method):
             with self.core.deferred_writes():
                 reply = method(self, request, context)
             self.core.durable()  # every transition of this call on disk before the reply
+            point = getattr(self._after_durable, "point", None)
+            if point is not None:   # a fault point of the call: its records on disk, no reply
+                self._after_durable.point = None
+                faults.point(point)
             return reply
         except (_Invalid, VersionError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(e)))
@@ -119,6 +124,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         self.rendezvous = rendezvous
         self.require_identity = require_identity
         self._closed = ClosedSnapshot(core)   # sent to allreduce members with tasks
+        self._after_durable = threading.local()  # .point: fired once the call is durable
         self._snapshotted_plan = -1
         self.leases = LeaseBook(core)
 
@@ -162,7 +168,10 @@ class MasterServicer(pb_grpc.MasterServicer):
         if task.type == TaskType.EVALUATION_FINALIZE:
             msg.metric_states.extend(self.core.evaluation_states(task.model_version))
         if task.type == TaskType.NONE:
-            if self.core.claim_export(worker_id) or self.core.exporter() == worker_id:
+            if self.core.claim_export(worker_id):
+                msg.extended_config["export_model"] = "true"
+                self._after_durable.point = "after_export_claim"
+            elif self.core.exporter() == worker_id:
                 msg.extended_config["export_model"] = "true"
             elif self.core.export_pending():
                 # training is done, the final model not written yet: stay, in case the
@@ -175,8 +184,14 @@ class MasterServicer(pb_grpc.MasterServicer):
         worker_id = _worker(request.worker_id)
         path = _text("path", request.path)
         if not self.core.export_written(worker_id, path):
-            logger.warning("worker %d reported an export it does not hold (replaced as "
-                           "exporter?): ignored", worker_id)
+            if self.core.exported == path:   # its retry after a lost reply (master restart)
+                logger.info("worker %d reported its export of %s again: already recorded",
+                            worker_id, path)
+            else:
+                logger.warning("worker %d reported an export it does not hold (replaced as "
+                               "exporter?): ignored", worker_id)
+        else:
+            self._after_durable.point = "after_export_written"
         return pb.Empty()
 
     @_validated

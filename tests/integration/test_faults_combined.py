@@ -69,6 +69,20 @@ def test_case8_exporter_dies_and_is_replaced(id_data, tmp_path, point):
     assert report["status"] == "succeeded"
 
 
+@pytest.mark.parametrize("point", ["after_export_claim", "after_export_written"])
+def test_master_dies_during_the_final_export(id_data, tmp_path, point):
+    """The master dies with the export claim journaled but its order not yet sent (the
+    restarted master gives the claimant the order again when it asks), or with the
+    export's report journaled but not answered (the restarted master ends the job):
+    the model is exported once, exact, and the job ends succeeded."""
+    run = ps_job(tmp_path, id_data, f"export-{point}".replace("_", "-"), f"master:{point}")
+    report = assert_trained_exactly(run, EPOCHS, (f"master_{point}@1",))
+    assert report["status"] == "succeeded"
+    log = logs_of(run["job_dir"], "master")
+    assert "restored the job core" in log
+    assert "does not hold" not in log   # a retried report is recognised as such
+
+
 def test_case8_last_worker_exporting_dies(id_data, tmp_path):
     """With one worker, its death while exporting leaves nobody: a worker is launched
     for the export (PS hold the model)."""
