@@ -423,7 +423,11 @@ def position(base: Optional[dict[str, Any]], blocks: list[Block], trained: Train
                        "cannot restore their ledgers (another number of PS, another strategy "
                        "or minibatch size): up to %d record(s) will be trained a second time "
                        "on the PS that hold them", twice)
-    return {"epochs_created": epochs, "pending": pending, "ledger": ledger}
+    # the earlier runs' task ids: this run's start above them (a clock set back between
+    # runs would otherwise reuse ids the restored PS ledgers hold)
+    floor = max((b.base + b.count for b in blocks), default=int(base.get("id_floor", 0)))
+    return {"epochs_created": epochs, "pending": pending, "ledger": ledger,
+            "id_floor": max(floor, int(base.get("id_floor", 0)))}
 
 
 def resume_state(init_path: str, carry: Optional[Carry] = None) -> Optional[dict[str, Any]]:
@@ -444,6 +448,7 @@ def resume_state(init_path: str, carry: Optional[Carry] = None) -> Optional[dict
     state = position({"epochs_created": found["epochs_created"], "ledger": found["ledger"]},
                      [], TrainedSet(IntervalSet(), {}), {})
     state["pending"] = [list(p) for p in found["pending"]]
+    state["id_floor"] = int(found.get("id_floor", 0))
     state["from_version"] = version_of(vdir)
     done = {e: v["records_completed"] for e, v in sorted(state["ledger"].items())}
     logger.info("resuming the data position of %s: %d epoch(s) created, records in the "
@@ -466,6 +471,7 @@ def attach(task_manager: Any, checkpoint_dir: str, init_path: str = "",
     if checkpoint_dir:
         base = None if state is None else {"epochs_created": state["epochs_created"],
                                            "ledger": state["ledger"],
+                                           "id_floor": state["id_floor"],
                                            "from": os.path.abspath(init_path)}
         pieces = getattr(task_manager, "_train_pieces", None)
         table = TaskTable(checkpoint_dir, base,

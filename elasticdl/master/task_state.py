@@ -238,6 +238,9 @@ def load_data_position(tm: TaskManager, state: dict[str, Any]) -> None:
         for piece in pieces + [(t.shard_name, t.start, t.end, t.epoch) for t in carried]:
             tm._epoch_open_tasks[piece[3]] = tm._epoch_open_tasks.get(piece[3], 0) + 1
         tm._requeued.extend(carried)
+        # new ids above every earlier run's (the restored PS ledgers hold those)
+        tm._next_id = max(tm._next_id, int(state.get("id_floor", 0)),
+                          max((t.task_id + 1 for t in carried), default=0))
         if pieces:
             tm._new_block(len(pieces), TaskType.TRAINING, pieces, -1)
         logger.info("resumed data position: epoch %d, %d pending task(s) (%d of an earlier "

@@ -275,3 +275,28 @@ def test_without_the_ledgers_the_minibatches_some_ps_hold_train_again_there(tmp_
         assert max(restored[0].count.values()) == 3 and max(restored[1].count.values()) == 3
         assert min(min(ps.count.values()) for ps in restored) == 2
     assert "trained a second time" in caplog.text
+
+
+def test_a_run_started_on_a_clock_set_back_takes_ids_above_the_earlier_runs(tmp_path):
+    """Task ids are per run (time-based); the restored PS ledgers hold the earlier
+    run's. A run whose clock gives it a lower start still hands out new ids above
+    every id of the resumed table, so no new task matches an old ledger identity."""
+    ckpt, pss = _parted_checkpoint(tmp_path)
+    _, old = dp.read_table(ckpt)
+    tm = _tm(first_task_id=10)
+    dp.attach(tm, str(tmp_path / "run2"), ckpt, dp.Carry(num_ps=2, minibatch_size=MB))
+    restored = [ps.restored() for ps in pss]
+    old_ids = {t.task_id for t in old}
+    seen = []
+    while True:
+        task = tm.get(0)
+        if task.type != TaskType.TRAINING:
+            break
+        seen.append(task.task_id)
+        for k in range(1, (task.end - task.start + MB - 1) // MB + 1):
+            for ps in restored:
+                ps.push(task, k)
+        tm.report(task.task_id, 0, True)
+    new = [t for t in seen if t not in old_ids]
+    assert new and min(new) > max(old_ids)
+    assert all(v == 2 for ps in restored for v in ps.count.values())
