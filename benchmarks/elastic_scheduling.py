@@ -19,7 +19,14 @@ ends) and mean job completion time, gang and elastic, and the elastic/gang ratio
 medians over pairs. Pairs alternate which mode runs first. Every job must end with
 every record trained exactly once (checked from its exported model).
 
+``--model digits`` trains the digits CNN (``model_zoo/digits``, with the same sleep
+per minibatch standing in for GPU time) instead of the record-counting model, and
+reports each job's final validation accuracy against the same job's gang run, which
+trained at the fixed size of 4 workers throughout (``accuracy_gap``: the largest
+|elastic - gang| of the pair's two jobs).
+
 Run:   python benchmarks/elastic_scheduling.py [--pairs 3] [--strategies ps,allreduce]
+       [--model count|digits]
 Smoke: python benchmarks/elastic_scheduling.py --smoke   (one tiny pair, PS only)
 """
 
@@ -50,10 +57,10 @@ STRATEGY_FLAGS = {
 
 class Bench:
     def __init__(self, work: str, records: int, delay_s: float, epochs: int, min_workers: int,
-                 plane: Optional[realcluster.ControlPlane] = None):
+                 plane: Optional[realcluster.ControlPlane] = None, model: str = "count"):
         """``plane``: a running control plane to use (a test's), else one is started."""
         self.work, self.records, self.delay_s = work, records, delay_s
-        self.epochs, self.min_workers = epochs, min_workers
+        self.epochs, self.min_workers, self.model = epochs, min_workers, model
         self.own_plane = plane is None
         if plane is None:
             reason = realcluster.unavailable()
@@ -84,6 +91,9 @@ class Bench:
         import numpy as np
 
         np.save(os.path.join(self.data, "ids.npy"), np.arange(records, dtype=np.int64))
+        self.zoo = FIXTURE_ZOO
+        if model == "digits":
+            self.zoo, self.data, self.val = _digits_zoo(work)
         node_api = config.new_client_from_config(config_file=self.plane.node_kubeconfig,
                                                  persist_config=False)
         os.makedirs(os.path.join(work, "node"), exist_ok=True)
@@ -110,9 +120,12 @@ class Bench:
         env = dict(os.environ, KUBECONFIG=self.plane.admin_kubeconfig, PYTHONPATH=ROOT,
                    ELASTICDL_K8S_PORT_BASE=str(port_base),
                    ELASTICDL_HOME=os.path.join(self.work, "home"))
+        model = ["--model_def=toy.count_records.custom_model"] if self.model == "count" else [
+            "--model_def=digits_delay.custom_model", f"--validation_data={self.val}",
+            "--shuffle", "--seed=0"]
         cmd = [sys.executable, "-m", "elasticdl_client.main", "train",
                "--image_name=registry.local/toy:v1", "--image_pull_policy=IfNotPresent",
-               f"--model_zoo={FIXTURE_ZOO}", "--model_def=toy.count_records.custom_model",
+               f"--model_zoo={self.zoo}", *model,
                f"--training_data={self.data}", f"--output={out}", f"--job_name={job}",
                f"--namespace={self.ns}", f"--num_workers={workers}",
                f"--num_epochs={self.epochs}", "--minibatch_size=8",
@@ -151,6 +164,12 @@ class Bench:
 
         with open(os.path.join(out, "job_report.json")) as f:
             report = json.load(f)
+        if self.model == "digits":   # every record of every epoch trained, once
+            done = [e["records_completed"] for e in report["epochs"]]
+            applied = [e.get("records_applied") for e in report["epochs"]]
+            if len(done) != self.epochs or len(set(done)) != 1 or applied != done:
+                raise AssertionError(f"{out}: records per epoch {done}, applied {applied}")
+            return report
         state = torch.load(os.path.join(out, "model.pt"), weights_only=True)
         for name in ("even", "odd"):
             bad = int((state[name] != self.epochs).sum())
@@ -158,7 +177,7 @@ class Bench:
                 raise AssertionError(f"{out}: {bad} records not trained {self.epochs} times")
         return report
 
-    def run(self, mode: str, strategy: str) -> dict[str, float]:
+    def run(self, mode: str, strategy: str) -> dict[str, Any]:
         self.seq += 1
         a, b = f"{mode[0]}{self.seq}a-{strategy}", f"{mode[0]}{self.seq}b-{strategy}"
         t0 = time.monotonic()
@@ -172,17 +191,17 @@ class Bench:
             out_a = self.submit(a, strategy, spec, 10000)
             out_b = self.submit(b, strategy, spec, 12000)
             end_a, end_b = self.wait_end(a), self.wait_end(b)
-        for out in (out_a, out_b):
-            self.check(out)
+        reports = [self.check(out) for out in (out_a, out_b)]
         done = [end_a - t0, end_b - t0]
-        return {"makespan_s": max(done), "mean_completion_s": statistics.mean(done)}
+        return {"makespan_s": max(done), "mean_completion_s": statistics.mean(done),
+                "accuracy": [r.get("final_metrics", {}).get("accuracy") for r in reports]}
 
 
 def run(a: argparse.Namespace, plane: Optional[realcluster.ControlPlane] = None
         ) -> dict[str, list[dict[str, Any]]]:
     """Every pair of every strategy (rows printed as they complete)."""
     work = a.workdir or tempfile.mkdtemp(prefix="elastic-sched-")
-    bench = Bench(work, a.records, a.delay_s, a.epochs, a.min_workers, plane)
+    bench = Bench(work, a.records, a.delay_s, a.epochs, a.min_workers, plane, a.model)
     results: dict[str, list[dict[str, Any]]] = {}
     try:
         for strategy in a.strategies.split(","):
@@ -190,11 +209,18 @@ def run(a: argparse.Namespace, plane: Optional[realcluster.ControlPlane] = None
                 order = ("gang", "elastic") if i % 2 == 0 else ("elastic", "gang")
                 pair = {mode: bench.run(mode, strategy) for mode in order}
                 row = {"strategy": strategy, "pair": i, "order": "/".join(order),
-                       **{f"{m}_{k}": round(v, 1) for m in pair for k, v in pair[m].items()},
+                       **{f"{m}_{k}": round(v, 1) for m in pair for k, v in pair[m].items()
+                          if k != "accuracy"},
                        "makespan_ratio": round(pair["elastic"]["makespan_s"] /
                                                pair["gang"]["makespan_s"], 3),
                        "completion_ratio": round(pair["elastic"]["mean_completion_s"] /
                                                  pair["gang"]["mean_completion_s"], 3)}
+                if a.model == "digits":
+                    row["accuracy"] = {m: [round(x, 4) for x in pair[m]["accuracy"]]
+                                       for m in pair}
+                    row["accuracy_gap"] = round(max(
+                        abs(e - g) for e, g in zip(pair["elastic"]["accuracy"],
+                                                   pair["gang"]["accuracy"])), 4)
                 results.setdefault(strategy, []).append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -204,7 +230,10 @@ def run(a: argparse.Namespace, plane: Optional[realcluster.ControlPlane] = None
               f"{statistics.median(r['makespan_ratio'] for r in rows):.3f}, mean completion "
               f"{statistics.median(r['completion_ratio'] for r in rows):.3f} "
               f"({len(rows)} pair(s), {a.records} records x {a.epochs} epoch(s), "
-              f"{a.delay_s} s/minibatch)", flush=True)
+              f"{a.delay_s} s/minibatch)" + (
+                  f"; accuracy gap to the fixed-size (gang) run: largest "
+                  f"{max(r['accuracy_gap'] for r in rows):.4f}" if a.model == "digits"
+                  else ""), flush=True)
     return results
 
 
@@ -218,11 +247,48 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--min_workers", type=int, default=1)
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--model", choices=("count", "digits"), default="count",
+                    help="digits: the digits CNN, final accuracy vs the gang run")
     ap.add_argument("--smoke", action="store_true", help="one tiny pair, PS only (CI)")
     a = ap.parse_args(argv)
     if a.smoke:
         a.pairs, a.strategies, a.records, a.delay_s = 1, "ps", 64, 0.01
     return a
+
+
+DIGITS_DELAY = '''"""digits.digits_cnn with a sleep per training minibatch (GPU time)."""
+import os
+import time
+
+from digits.digits_cnn import custom_model, eval_metrics_fn, feed, optimizer  # noqa: F401
+from digits.digits_cnn import loss as _loss
+
+DELAY_S = float(os.environ.get("COUNT_RECORDS_DELAY_S", "0"))
+
+
+def loss(labels, outputs):
+    if DELAY_S and outputs.requires_grad:
+        time.sleep(DELAY_S)
+    return _loss(labels, outputs)
+'''
+
+
+def _digits_zoo(work: str) -> tuple[str, str, str]:
+    """A model zoo holding ``digits`` and ``digits_delay``; the data prepared in ``work``."""
+    import shutil
+
+    zoo = os.path.join(work, "zoo")
+    if not os.path.isdir(zoo):
+        for pkg in ("digits", "mnist"):   # digits_cnn builds on mnist_cnn
+            shutil.copytree(os.path.join(ROOT, "model_zoo", pkg), os.path.join(zoo, pkg))
+        with open(os.path.join(zoo, "digits_delay.py"), "w") as f:
+            f.write(DIGITS_DELAY)
+    data = os.path.join(work, "digits-data")
+    if not os.path.isdir(os.path.join(data, "train")):
+        subprocess.run([sys.executable, os.path.join(ROOT, "model_zoo", "digits",
+                                                     "prepare_data.py"), f"--output={data}"],
+                       check=True, stdout=subprocess.DEVNULL, timeout=300)
+    return zoo, os.path.join(data, "train"), os.path.join(data, "val")
 
 
 def main() -> int:
