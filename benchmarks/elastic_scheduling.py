@@ -51,6 +51,9 @@ GPU = "nvidia.com/gpu"
 STRATEGY_FLAGS = {
     "ps": ["--distribution_strategy=ParameterServerStrategy", "--use_async=true",
            "--num_ps_pods=1"],
+    # a sync group of 4 pushes, completed at the running count while fewer run
+    "ps-sync": ["--distribution_strategy=ParameterServerStrategy", "--grads_to_wait=4",
+                "--num_ps_pods=1"],
     "allreduce": ["--distribution_strategy=AllreduceStrategy"],
 }
 
@@ -229,7 +232,9 @@ def run(a: argparse.Namespace, plane: Optional[realcluster.ControlPlane] = None
         print(f"{strategy}: median elastic/gang makespan "
               f"{statistics.median(r['makespan_ratio'] for r in rows):.3f}, mean completion "
               f"{statistics.median(r['completion_ratio'] for r in rows):.3f} "
-              f"({len(rows)} pair(s), {a.records} records x {a.epochs} epoch(s), "
+              f"({len(rows)} pair(s), "
+              f"{'the digits set' if a.model == 'digits' else f'{a.records} records'} x "
+              f"{a.epochs} epoch(s), "
               f"{a.delay_s} s/minibatch)" + (
                   f"; accuracy gap to the fixed-size (gang) run: largest "
                   f"{max(r['accuracy_gap'] for r in rows):.4f}" if a.model == "digits"
