@@ -425,9 +425,8 @@ def position(base: Optional[dict[str, Any]], blocks: list[Block], trained: Train
                        "on the PS that hold them", twice)
     # the earlier runs' task ids: this run's start above them (a clock set back between
     # runs would otherwise reuse ids the restored PS ledgers hold)
-    floor = max((b.base + b.count for b in blocks), default=int(base.get("id_floor", 0)))
-    return {"epochs_created": epochs, "pending": pending, "ledger": ledger,
-            "id_floor": max(floor, int(base.get("id_floor", 0)))}
+    floor = max([int(base.get("id_floor", 0))] + [b.base + b.count for b in blocks])
+    return {"epochs_created": epochs, "pending": pending, "ledger": ledger, "id_floor": floor}
 
 
 def resume_state(init_path: str, carry: Optional[Carry] = None) -> Optional[dict[str, Any]]:

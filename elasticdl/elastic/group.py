@@ -90,9 +90,6 @@ class ElasticGroup:
         self.host = host
         self.port = port
         self.backend = backend
-        if device.type == "cuda" and device.index is None:
-            # set_device and init_process_group(device_id=) need an index
-            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.rendezvous_timeout_s = rendezvous_timeout_s

@@ -235,8 +235,8 @@ def load_data_position(tm: TaskManager, state: dict[str, Any]) -> None:
         # restored ledgers name them; data_position.position), first out
         carried = [Task(int(p[4]), TaskType.TRAINING, str(p[0]), int(p[1]), int(p[2]),
                         int(p[3])) for p in state["pending"] if len(p) == 5]
-        for piece in pieces + [(t.shard_name, t.start, t.end, t.epoch) for t in carried]:
-            tm._epoch_open_tasks[piece[3]] = tm._epoch_open_tasks.get(piece[3], 0) + 1
+        for epoch in [p[3] for p in pieces] + [t.epoch for t in carried]:
+            tm._epoch_open_tasks[epoch] = tm._epoch_open_tasks.get(epoch, 0) + 1
         tm._requeued.extend(carried)
         # new ids above every earlier run's (the restored PS ledgers hold those)
         tm._next_id = max(tm._next_id, int(state.get("id_floor", 0)),
