@@ -56,10 +56,11 @@ class ProtocolExecutor:
         self.max_export_attempts = max_export_attempts
         self._inflight: dict[int, _InFlight] = {}
         self._retry_at: dict[int, float] = {}
+        self._source_checked = False
 
     def observed(self) -> Observed:
         live = frozenset(self.core.replicas.live_workers)
-        only_trained = self.core.export_requires_training
+        only_trained = self.core.export_requires_training and self.core.export_source() is None
         if only_trained:   # who may export: a worker that trained (allreduce)
             live = frozenset(w for w in live if self.core.has_worked(w))
         return Observed(self.core.protocols.incarnation, live, time.time(),
@@ -68,6 +69,7 @@ class ProtocolExecutor:
 
     def advance(self) -> None:
         """One pass: at most one action per open protocol."""
+        self._export_source()
         for p in self.core.open_protocols():
             run = self._inflight.get(p.pid)
             if run is not None:
@@ -84,6 +86,33 @@ class ProtocolExecutor:
                 logger.info("protocol %d (%s at %s): %s %s", p.pid, p.kind.value,
                             p.step.value, action.act.value, action.reason)
             self._apply(p, action)
+
+    def _export_source(self) -> None:
+        """Training is over, the final model is not exported, and no live worker
+        that trained holds it (allreduce: every member that trained is gone, the
+        exporter last): open the export with the final checkpoint as its source
+        when the job's newest checkpoint holds every record (any worker may then
+        load it and export), else without one (the export protocol fails on its
+        budget, naming why). Looked for once: the exporter writes the final
+        checkpoint before it exports, so it is there now or never."""
+        core = self.core
+        if not core.export_requires_training or self._source_checked or \
+                not core.finished() or not core.export_pending():
+            return
+        live = core.replicas.live_workers
+        if any(core.has_worked(w) for w in live) or core.exporter() in live:
+            return
+        from elasticdl.master.restore import final_checkpoint
+
+        self._source_checked = True
+        source = final_checkpoint(self.c.spec, core.version)
+        core.open_export(source)
+        if source is not None:
+            logger.warning("no live worker holds the trained model: the final export loads "
+                           "the final checkpoint %s", source)
+        else:
+            logger.warning("no live worker holds the trained model and the job's newest "
+                           "checkpoint is not the final model")
 
     # ---------------------------------------------------------------- actions
     def _apply(self, p: Protocol, action: Action) -> None:

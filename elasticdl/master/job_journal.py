@@ -261,6 +261,7 @@ class Op(str, enum.Enum):
     PROTOCOL_CLOSE = "protocol_close"
     EXPORT_WRITTEN = "export_written"
     EXPORT_LOST = "export_lost"
+    EXPORT_OPEN = "export_open"
     LAUNCH = "launch"
     GONE = "gone"
     NOTE_EXIT = "note_exit"
@@ -344,6 +345,7 @@ HANDLERS: dict[Op, Handler] = {
     Op.PROTOCOL_CLOSE: lambda core, rec: core.protocol_close(rec["pid"]),
     Op.EXPORT_WRITTEN: lambda core, rec: core.export_written(rec["w"], rec["path"]),
     Op.EXPORT_LOST: lambda core, rec: core.export_lost(rec["pid"]),
+    Op.EXPORT_OPEN: lambda core, rec: core.open_export(rec["source"]),
     Op.LAUNCH: _replay_launch,
     Op.GONE: lambda core, rec: core.replica_gone(rec["w"], rec["ok"], rec["key"],
                                                  rec["counts"]),

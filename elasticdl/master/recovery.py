@@ -146,14 +146,19 @@ class Recovery:
             if not (self.job_type == JobType.TRAIN and self.finished()) or \
                     self.protocols.exported is not None:
                 return False
-            if self.export_requires_training and not self.tm.has_worked(worker_id):
-                return False   # e.g. an allreduce worker launched after training
             p = self.protocols.find(Kind.EXPORT)
             if p is not None and p.step != Step.OPEN:
                 return False
+            load = None
+            if self.export_requires_training and not self.tm.has_worked(worker_id):
+                # e.g. an allreduce worker launched after training: it holds no model,
+                # but may load the final checkpoint when there is one
+                load = None if p is None else p.data.get("source")
+                if load is None:
+                    return False
             if p is None:
                 p = self.protocols.start(Kind.EXPORT, Step.OPEN, {}, t)
-            self.protocols.step(p.pid, Step.CLAIMED, worker=worker_id)
+            self.protocols.step(p.pid, Step.CLAIMED, worker=worker_id, load=load)
             self.protocols.export_attempts += 1
             self._log("export", t=t, w=worker_id)
             logger.info("worker %d exports the final model (attempt %d)", worker_id,
@@ -165,6 +170,33 @@ class Recovery:
         with self._lock:
             p = self.protocols.find(Kind.EXPORT)
             return p.data.get("worker") if p is not None and p.step == Step.CLAIMED else None
+
+    def exporter_load(self) -> Optional[str]:
+        """The checkpoint the claimant loads before it exports (it did not train)."""
+        with self._lock:
+            p = self.protocols.find(Kind.EXPORT)
+            return p.data.get("load") if p is not None and p.step == Step.CLAIMED else None
+
+    def export_source(self) -> Optional[str]:
+        """The final model's checkpoint a worker that did not train may export from
+        (see :meth:`open_export`)."""
+        with self._lock:
+            p = self.protocols.find(Kind.EXPORT)
+            return None if p is None else p.data.get("source")
+
+    def open_export(self, source: Optional[str]) -> None:
+        """The export is open (no live worker holds a claim), and ``source``, when
+        given, is a complete checkpoint of the final model (its data position holds
+        every record of every epoch): any worker may claim the export and load it
+        first, so an allreduce job whose trained members are all gone still
+        exports. Without a source only a worker that trained may claim."""
+        with self._lock, self._at() as t:
+            p = self.protocols.find(Kind.EXPORT)
+            if p is None:
+                p = self.protocols.start(Kind.EXPORT, Step.OPEN, {}, t)
+            if source is not None:
+                p.data["source"] = source
+            self._log("export_open", t=t, source=source)
 
     def export_pending(self) -> bool:
         """The job is done training but its final model is not written yet."""

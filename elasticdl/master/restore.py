@@ -81,3 +81,40 @@ def allowed(spec: Any, version_dir: str) -> bool:
     if spec.checkpoint_dir and os.path.dirname(vdir) == os.path.abspath(spec.checkpoint_dir):
         return True
     return bool(spec.checkpoint_dir_for_init) and vdir == init_dir(spec)
+
+
+def final_checkpoint(spec: Any, min_version: int) -> Optional[str]:
+    """A complete checkpoint that holds the final model, or None: the newest
+    version of the job's directory, else the init checkpoint (a resumed job with
+    nothing left to train), that is at least ``min_version`` (the newest version
+    this run's workers reported: never an older run's model) and whose data
+    position leaves nothing pending in any of the job's epochs. What an
+    allreduce job exports from when no member that trained is left (the
+    exporter writes the final checkpoint before it exports,
+    :mod:`elasticdl.worker.main`). Reads a version's trained records and its
+    task table: O(tasks not closed).
+    """
+    from elasticdl.checkpoint import data_position
+
+    candidates = []
+    versions = paths.complete_versions(spec.checkpoint_dir) if spec.checkpoint_dir else []
+    if versions:
+        candidates.append(paths.version_dir(spec.checkpoint_dir, versions[-1]))
+    try:
+        init = init_dir(spec)
+    except paths.CheckpointError:
+        init = None
+    if init is not None:
+        candidates.append(init)
+    for vdir in candidates:
+        vdir = os.path.abspath(vdir)
+        if paths.version_of(vdir) < min_version:
+            continue
+        try:
+            found = data_position.read_position(vdir)
+        except (paths.CheckpointError, OSError, ValueError):
+            continue
+        if found is not None and not found["pending"] and \
+                int(found["epochs_created"]) >= spec.num_epochs:
+            return vdir
+    return None

@@ -168,11 +168,14 @@ class MasterServicer(pb_grpc.MasterServicer):
         if task.type == TaskType.EVALUATION_FINALIZE:
             msg.metric_states.extend(self.core.evaluation_states(task.model_version))
         if task.type == TaskType.NONE:
-            if self.core.claim_export(worker_id):
+            claimed = self.core.claim_export(worker_id)
+            if claimed or self.core.exporter() == worker_id:
                 msg.extended_config["export_model"] = "true"
-                self._after_durable.point = "after_export_claim"
-            elif self.core.exporter() == worker_id:
-                msg.extended_config["export_model"] = "true"
+                load = self.core.exporter_load()
+                if load:   # it did not train: it loads the final checkpoint first
+                    msg.extended_config["export_from"] = load
+                if claimed:
+                    self._after_durable.point = "after_export_claim"
             elif self.core.export_pending():
                 # training is done, the final model not written yet: stay, in case the
                 # exporter dies and this worker takes the export over

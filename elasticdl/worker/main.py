@@ -106,7 +106,15 @@ def run_worker(args: WorkerArgs) -> int:
             if client.export_model and spec.job_type == JobType.TRAIN:
                 from elasticdl.common.job_dirs import job_dir_for
 
-                if spec.checkpoint_dir and spec.checkpoint_steps:  # the final model, as Local
+                if client.export_from:
+                    # this worker did not train (allreduce: every member that did is
+                    # gone): the master names the final model's checkpoint
+                    from elasticdl.checkpoint import api as ckpt
+
+                    runtime.load_state_dict(ckpt.load(client.export_from, "cpu"))
+                    logger.info("exporting the final checkpoint %s (model version %d)",
+                                client.export_from, runtime.model_version)
+                elif spec.checkpoint_dir and spec.checkpoint_steps:  # the final model
                     logger.info("final checkpoint: %s", runtime.save_final_checkpoint())
                 faults.point("before_export", exporting=True)
                 paths = runtime.export(job_dir_for(spec))

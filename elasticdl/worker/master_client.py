@@ -55,6 +55,8 @@ class MasterClient(TaskSource):
                                             replica=f"worker-{worker_id}")
         self._stub = pb_grpc.MasterStub(self._channel)
         self.export_model = False
+        # the final checkpoint to load before exporting (this worker did not train)
+        self.export_from = ""
         self._request_id = 0
         self._leases = True   # False once the master answered UNIMPLEMENTED (older one)
         # the worker's model version, sent with every task result (set once the
@@ -93,8 +95,7 @@ class MasterClient(TaskSource):
         req = pb.GetTaskRequest(worker_id=self.worker_id, task_type=wanted,
                                 request_id=self._request_id)
         msg = self._call(self._stub.get_task, req)
-        if msg.extended_config.get("export_model") == "true":
-            self.export_model = True
+        self._note_export(msg)
         return task_from_proto(msg)
 
     def report_request(self, task: Task, error: str = "", traceback: str = "",
@@ -148,9 +149,15 @@ class MasterClient(TaskSource):
             self._leases = False
             return self.get_tasks(task_type, max_tasks, reports)
         _check_refused(reply.refused)
-        if any(m.extended_config.get("export_model") == "true" for m in reply.tasks):
-            self.export_model = True
+        for m in reply.tasks:
+            self._note_export(m)
         return [task_from_proto(m) for m in reply.tasks]
+
+    def _note_export(self, msg: Any) -> None:
+        """The master's export order, when a task message carries it."""
+        if msg.extended_config.get("export_model") == "true":
+            self.export_model = True
+            self.export_from = msg.extended_config.get("export_from", "")
 
     def report_tasks(self, reports: Sequence[pb.ReportTaskResultRequest]) -> None:
         """Several task results in one call (applied and journaled in order).

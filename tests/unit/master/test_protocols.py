@@ -207,3 +207,55 @@ def test_allreduce_export_only_by_a_worker_that_trained():
     action = next_action(core.open_protocols()[0], seen, 1)
     assert action.act == Act.FAIL and "no live worker holds the trained model" in \
         action.reason
+
+
+@pytest.mark.parametrize("claimed_first", [True, False])
+def test_allreduce_export_from_the_final_checkpoint_survives_cuts(tmp_path, claimed_first):
+    """Every member that trained is gone (the exporter last, or before anyone claimed):
+    the master opens the export with the final checkpoint as its source; a worker that
+    did not train claims it and is told to load that checkpoint first. The source and
+    the claim replay from the journal."""
+    FakeWorker.shared["version"] = 0
+    live = make_core()
+    live.export_requires_training = True
+    live.attach_journal(Journal(str(tmp_path / "live")))
+    live.begin()
+    w = FakeWorker(live, 0)
+    while not live.finished():
+        (w.finish if w.held else w.take)()
+    if claimed_first:
+        assert live.claim_export(0)
+        live.export_lost(live.open_protocols()[0].pid)   # died after writing the checkpoint
+    assert not live.claim_export(7)                       # no source yet: refused
+    live.open_export("/ckpt/version-40")
+    assert live.export_source() == "/ckpt/version-40"
+    seen = Observed(incarnation=0, live_workers=frozenset(), can_launch_exporter=True)
+    assert next_action(live.open_protocols()[0], seen, 1).act == Act.LAUNCH_EXPORTER
+    assert live.claim_export(7) and live.exporter() == 7
+    assert live.exporter_load() == "/ckpt/version-40"
+    copy = tmp_path / "cut"
+    shutil.copytree(tmp_path / "live", copy)
+    restored = make_core()
+    restored.export_requires_training = True
+    restored.restore(Journal(str(copy)))
+    assert [p.to_json() for p in restored.open_protocols()] == \
+        [p.to_json() for p in live.open_protocols()]
+    assert restored.exporter_load() == "/ckpt/version-40"
+    assert live.export_written(7, "/out/model.pt")
+
+
+def test_no_final_checkpoint_leaves_the_export_to_its_budget(tmp_path):
+    """Without a source the opened export fails naming its budget, and only a worker
+    that trained could claim it."""
+    FakeWorker.shared["version"] = 0
+    core = make_core()
+    core.export_requires_training = True
+    core.begin()
+    w = FakeWorker(core, 0)
+    while not core.finished():
+        (w.finish if w.held else w.take)()
+    core.open_export(None)
+    assert core.export_source() is None and not core.claim_export(7)
+    seen = Observed(incarnation=0, live_workers=frozenset(), can_launch_exporter=False)
+    action = next_action(core.open_protocols()[0], seen, 0)
+    assert action.act == Act.FAIL and "export budget" in action.reason
