@@ -1,8 +1,9 @@
 """The third-party table of issue 23, re-run: models as published, against a plain loop.
 
-(The mnist ``Net`` in PS and allreduce was tried too: 0.9611 / 0.9500 against a plain
-loop at 0.9667 after 5 epochs on digits, within the loop's own seed-to-seed spread but not
-reliably within 0.01 on 360 validation images; not asserted here.)
+(The mnist ``Net`` is in tests/integration/test_dataset_jobs.py: Local against the in-order
+loop, PS and allreduce against the loop's band over minibatch orders, since two workers
+train in an order no seed fixes and on 360 validation images order alone moves accuracy
+by about 0.02.)
 
 * torchfm DeepFM (``model_zoo/deepfm/deepfm_torchfm.py``) on a small generated click log
   (``gen_data.py``'s format; ids from a few frequent values per field so that 1,500 records
