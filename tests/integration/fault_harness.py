@@ -36,14 +36,15 @@ PS_FLAGS = {"distribution_strategy": "ParameterServerStrategy", "num_workers": 2
 def run_job(tmp_path, data: str, name: str, points: str, epochs: int = 2,
             delay_s: float = 0.02, timeout_s: float = 420,
             during: Optional[Callable[[Any, str], None]] = None,
-            **flags: Any) -> dict[str, Any]:
-    """Run a counting job with fault ``points``; returns {"code", "report", "state",
-    "fired", "log", "job_dir"} (``state``: the exported model, or None)."""
+            env: Optional[dict[str, str]] = None, **flags: Any) -> dict[str, Any]:
+    """Run a counting job with fault ``points`` (``env``: more variables for every
+    process); returns {"code", "report", "state", "fired", "log", "job_dir"}
+    (``state``: the exported model, or None)."""
     job_dir = str(tmp_path / name)
     fault_dir = str(tmp_path / f"{name}-faults")
     log_path = str(tmp_path / f"{name}.log")
     env = {"COUNT_RECORDS": str(RECORDS), "COUNT_RECORDS_DELAY_S": str(delay_s),
-           faults.POINTS_ENV: points, faults.DIR_ENV: fault_dir}
+           faults.POINTS_ENV: points, faults.DIR_ENV: fault_dir, **(env or {})}
     proc = start_cli(count_args(data, job_dir, name, epochs, **flags),
                      str(tmp_path / "home"), log_path, **env)
     try:

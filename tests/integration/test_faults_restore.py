@@ -1,6 +1,7 @@
 """Issue 21: faults in combination, continued (tests/integration/test_faults_combined.py
 has cases 1, 2, 4, 8, 9 under PS; split so that no one file holds up a parallel test run):
-the restore rule (cases 5, 6), a custom loop's checkpoints (case 3), the combined
+the restore rule (cases 5, 6), a custom loop's checkpoints (case 3), a PS killed during an
+evaluation (case 7), the allreduce export from the final checkpoint, the combined
 campaign's smoke, and the allreduce variants of cases 4 and 8. Every test asserts on the
 exported model, with the record-counting fixture, that each record was trained exactly
 once per epoch (tests/integration/fault_harness.py)."""
@@ -181,6 +182,54 @@ def test_case8_allreduce_exporter_dies_and_a_member_takes_over(id_data, tmp_path
                   distribution_strategy="AllreduceStrategy", num_workers=2,
                   collective_timeout_s=10)
     assert_trained_exactly(run, EPOCHS, ("exporter_before_export@1",))
+
+
+def test_case7_ps_killed_during_an_evaluation(id_data, tmp_path):
+    """A PS is SIGKILLed while the epoch-0-end evaluation runs (evaluation batches are
+    slowed so that it lasts seconds; the kill comes once the master has created the
+    evaluation's tasks). Every PS rolls back to the newest checkpoint; the interrupted
+    evaluation's metrics (of a model the PS no longer hold) are dropped, the work the
+    rollback erased is trained again, and the epoch end is evaluated again, labelled
+    with a version after the rollback. The evaluated models are checked by what they
+    hold: ``mean_count`` (how often the validation records were trained, read from the
+    model evaluated; each step adds 1 to both counting parameters) is ``2 (k + 1)`` for
+    the epoch-``k``-end evaluation, one per epoch; every record is trained exactly twice
+    in the exported model."""
+    import os
+    import signal
+    import time
+
+    from tests.integration.helpers import pid_of
+
+    killed: list[bool] = []
+
+    def kill_ps_mid_evaluation(proc, job_dir):
+        deadline = time.monotonic() + 300
+        logs = os.path.join(job_dir, "logs")
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.isdir(logs) and "evaluation of model version" in logs_of(job_dir,
+                                                                                "master"):
+                pid = pid_of(job_dir, "ps-1")
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(True)
+                    return
+            time.sleep(0.05)
+
+    run = run_job(tmp_path, id_data, "case7", "", epochs=EPOCHS, during=kill_ps_mid_evaluation,
+                  env={"COUNT_EVAL_DELAY_S": "0.15"}, model_def="toy.count_eval.custom_model",
+                  validation_data=id_data, checkpoint_dir=str(tmp_path / "ckpt"), **PS_FLAGS)
+    assert killed, "no evaluation started"
+    report = assert_trained_exactly(run, EPOCHS)
+    rollbacks = report["ps_rollbacks"]
+    assert len(rollbacks) == 1, rollbacks
+    evaluations = report["evaluations"]
+    assert sorted(e["epoch"] for e in evaluations) == list(range(EPOCHS)), evaluations
+    for e in evaluations:
+        assert abs(e["metrics"]["mean_count"] - 2 * (e["epoch"] + 1)) < 1e-6, evaluations
+    first = next(e for e in evaluations if e["epoch"] == 0)
+    # labelled after the rollback: the kill did interrupt it (else it would be below)
+    assert first["model_version"] >= rollbacks[0]["new_version"], (rollbacks, evaluations)
 
 
 def test_allreduce_export_from_the_final_checkpoint_when_no_member_that_trained_is_left(
