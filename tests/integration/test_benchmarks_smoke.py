@@ -32,7 +32,6 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.integration
 
 
-
 def _is_script(path: str) -> bool:
     """A benchmark script runs as ``__main__``; a module only the scripts import
     (e.g. chaos_combined.py, behind ``chaos_campaign.py --combined``) is not one."""
@@ -40,9 +39,16 @@ def _is_script(path: str) -> bool:
         return "__name__ == \"__main__\"" in f.read()
 
 
+# scripts whose smoke another test runs (where it needs what that test already has up)
+SMOKED_ELSEWHERE = {
+    # its smoke pair on the real-cluster tier's control plane (tests/k8s/test_elastic_real.py::
+    # test_elastic_scheduling_benchmark_smoke, ~60 s); here it would start a plane of its
+    # own, ~230 s of this module's wall time on a loaded machine
+    "elastic_scheduling.py": "tests/k8s/test_elastic_real.py",
+}
 BENCHMARKS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "benchmarks",
                                                                          "*.py"))
-                    if _is_script(p))
+                    if _is_script(p) and os.path.basename(p) not in SMOKED_ELSEWHERE)
 TIMEOUT_S = 420.0          # per script: whole jobs (master, PS, workers) on a loaded machine
 SLOW_FIRST = ("chaos_campaign.py", "master_failover.py", "allreduce_recovery.py",
               "end_to_end.py", "training_features.py", "ps_step.py", "fuzz_rpc.py")
@@ -145,6 +151,15 @@ def _leaves(value: Any) -> list[Any]:
 
 def test_benchmarks_are_found():
     assert len(BENCHMARKS) >= 15, BENCHMARKS
+
+
+@pytest.mark.parametrize("script", sorted(SMOKED_ELSEWHERE))
+def test_benchmarks_smoked_elsewhere_are(script):
+    """A script left out here has its ``--smoke`` run by the test named for it."""
+    assert has_smoke(script), script
+    with open(os.path.join(ROOT, SMOKED_ELSEWHERE[script]), encoding="utf-8") as f:
+        text = f.read()
+    assert os.path.splitext(script)[0] in text and '"--smoke"' in text, script
 
 
 @pytest.mark.parametrize("script", BENCHMARKS)
