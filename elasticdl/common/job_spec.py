@@ -112,6 +112,13 @@ class JobSpec:
     on_min_workers_timeout: str = _f("wait", "wait (log, report and keep waiting) or fail "
                                      "(fail the job naming the scheduler's reason)",
                                      "distribution", choices=("wait", "fail"))
+    autoscale: float = _f(0.0, "With --num_workers=MIN:MAX: start at MIN and add a worker "
+                          "only while each raises measured throughput by at least this "
+                          "fraction of the per-worker rate (0: off; docs/elastic.md)",
+                          "distribution", min=0)
+    autoscale_window_s: float = _f(20.0, "--autoscale: seconds each size's throughput is "
+                                   "measured over (a new size first settles half that)",
+                                   "distribution", min=1)
     num_ps_pods: int = _f(1, "Number of parameter servers (ParameterServerStrategy)",
                           "distribution", min=1)
     grads_to_wait: int = _f(1, "Sync PS: pushes averaged per model version", "distribution",
@@ -269,6 +276,12 @@ class JobSpec:
         if self.min_workers > self.num_workers:
             raise JobSpecError("num_workers", f"MIN {self.min_workers} is above MAX "
                                f"{self.num_workers}")
+        if self.autoscale:
+            if self.autoscale > 1:
+                raise JobSpecError("autoscale", f"is a fraction in (0, 1], got {self.autoscale}")
+            if self.workers_min >= self.num_workers:
+                raise JobSpecError("autoscale", "needs a range to size within: "
+                                   "--num_workers=MIN:MAX with MIN < MAX")
         if self.sequential_tasks and self.shuffle:
             raise JobSpecError("sequential_tasks", "keeps tasks in data order: drop --shuffle")
         if self.sequential_tasks and self.distribution_strategy == Strategy.ALLREDUCE:
@@ -295,6 +308,11 @@ class JobSpec:
     def workers_min(self) -> int:
         """Workers the job needs running to train (MIN of --num_workers=MIN:MAX)."""
         return self.min_workers or self.num_workers
+
+    @property
+    def initial_workers(self) -> int:
+        """Workers the job launches at start: MIN with --autoscale, else MAX."""
+        return self.workers_min if self.autoscale else self.num_workers
 
     @property
     def records_per_task(self) -> int:

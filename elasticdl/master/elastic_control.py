@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from elasticdl.cluster.api import ClusterError, Phase, ReplicaEvent, ReplicaInfo, ReplicaType
 from elasticdl.common.job_spec import JobSpecError, parse_worker_range
+from elasticdl.master.autoscale import AutoScaler
 from elasticdl.master.protocols import Kind as ProtocolKind
 from elasticdl.master.scaling import Kind, ScalingPolicy, WorkerCounts
 
@@ -42,10 +43,24 @@ class ElasticControl:
         if existing is not None:  # attached before a restore (master/main.py): as restored
             self.counts: WorkerCounts = existing
         else:
-            self.counts = WorkerCounts(spec.workers_min, spec.num_workers)
+            self.counts = WorkerCounts(spec.workers_min, spec.initial_workers)
             core.attachments["scaling"] = self.counts   # snapshotted with the core
             if core.restored_extra.get("scaling"):
                 self.counts.load_state_dict(core.restored_extra["scaling"])
+        self.auto: Optional[AutoScaler] = None
+        if spec.autoscale:
+            # restored: the size the journal holds; the bounds of the last resize a
+            # user asked for (elasticdl scale), else the job's MIN:MAX
+            floor, ceiling = spec.workers_min, spec.num_workers
+            for r in self.counts.resizes:
+                if not r["reason"].startswith("autoscale"):
+                    floor, ceiling = parse_worker_range(r["to"])
+            window = spec.autoscale_window_s
+            self.auto = AutoScaler(spec.autoscale, floor, ceiling, settle_s=window / 2,
+                                   window_s=window, start_timeout_s=max(9 * window, 60.0),
+                                   hold_s=15 * window,
+                                   target=min(max(self.counts.max_workers, floor), ceiling))
+        self._resizes_seen = self.counts.resizes_total
         self._retired_at: dict[int, float] = {}
         self._stopping: set[int] = set()
         self._said_pending: dict[int, str] = {}
@@ -107,10 +122,42 @@ class ElasticControl:
         self.c.core.durable()
         logger.info("resize to %d:%d requested", low, high)
 
+    def _autoscale(self) -> None:
+        """--autoscale: follow a user's resize, then let the autoscaler decide the size."""
+        auto, c, counts = self.auto, self.c, self.counts
+        if auto is None:
+            return
+        now = time.monotonic()
+        if counts.resizes_total != self._resizes_seen:
+            last = counts.resizes[-1] if counts.resizes else None
+            if last is not None and not last["reason"].startswith("autoscale"):
+                target = auto.rebound(counts.min_workers, counts.max_workers, now)
+                if target != counts.max_workers:
+                    c.core.resize_workers(counts.min_workers, target,
+                                          f"autoscale: from {target} within the new range "
+                                          f"{counts.min_workers}:{auto.ceiling}")
+                    c.core.durable()
+            self._resizes_seen = counts.resizes_total
+        if c.core.finished():
+            return
+        # training: running, not retiring, and given a task (built its model: a worker
+        # still importing torch would count as a worker adding nothing)
+        with counts._lock:
+            live = counts.running - counts.retiring
+        training = sum(1 for w in live if c.tm.has_worked(w))
+        decision = auto.step(now, c.tm.training_records_done(), training)
+        if decision is not None:
+            target, reason = decision
+            c.core.resize_workers(auto.floor, target, reason)
+            c.core.durable()
+            self._resizes_seen = counts.resizes_total
+            logger.info("%s", reason)
+
     def step(self) -> None:
         """Decide from the current view and apply the decisions (one pass)."""
         c = self.c
         self._requested()
+        self._autoscale()
         spec = c.spec
         live = tuple(sorted(c.book.live_workers))
         exporting = any(p.kind == ProtocolKind.EXPORT for p in c.core.open_protocols())
@@ -169,4 +216,9 @@ class ElasticControl:
 
     # ------------------------------------------------------------ report
     def report(self) -> dict[str, Any]:
-        return self.counts.report()
+        out = self.counts.report()
+        if self.auto is not None:
+            out["autoscale"] = self.auto.state()
+            out["max"] = self.auto.ceiling   # the job's MAX; "requested": the size now
+            out["requested"] = self.counts.max_workers
+        return out

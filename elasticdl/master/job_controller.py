@@ -137,7 +137,7 @@ class JobController:
         num_ps = self._endpoints()
         for i in range(num_ps):
             self._launch_ps(i)
-        for _ in range(self.spec.num_workers):
+        for _ in range(self.spec.initial_workers):
             self._launch_worker()
         self.core.snapshot()
 
@@ -168,7 +168,7 @@ class JobController:
                     self.rendezvous.remove_worker(int(w))
         # a master that died while launching the job's workers: the rest of them
         # (relaunches take ids only after every initial worker has one)
-        missing = self.spec.num_workers - self.book.next_worker_id
+        missing = self.spec.initial_workers - self.book.next_worker_id
         if missing > 0 and self.report.failure is None:
             logger.warning("the job's first launch was cut short: launching %d more "
                            "worker(s)", missing)

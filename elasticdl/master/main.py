@@ -112,7 +112,7 @@ def build_core(spec: JobSpec, restoring: bool = False) -> JobCore:
     core = JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
                              start_version=start)
     # the worker bounds, before a restore: replayed resizes land in it (docs/elastic.md)
-    core.attachments["scaling"] = WorkerCounts(spec.workers_min, spec.num_workers)
+    core.attachments["scaling"] = WorkerCounts(spec.workers_min, spec.initial_workers)
     if spec.job_type == JobType.TRAIN and not restoring:
         # resume the data position; record this run's tasks. PS restore their own
         # shard's ledger: a task they hold differently resumes under its own id

@@ -340,6 +340,11 @@ class TaskManager(TaskQueues):
             self.settled_version = max(self.settled_version, checkpoint_version)
             return len(gone)
 
+    def training_records_done(self) -> int:
+        """Training records completed so far, every epoch (O(epochs))."""
+        with self._lock:
+            return sum(led.records_completed for led in self.ledger.values())
+
     def unsettled(self) -> int:
         """Closed training tasks a rollback may still re-open."""
         with self._lock:

@@ -101,3 +101,46 @@ def test_scale_up_and_down_mid_epoch_trains_every_record_once(id_data, tmp_path,
         wrong = (counts != EPOCHS).nonzero().flatten().tolist()
         assert not wrong, (f"{strategy}: {name}: records trained != {EPOCHS} times: "
                            f"{[(i, counts[i].item()) for i in wrong[:20]]} ({len(wrong)})")
+
+
+def test_autoscale_grows_while_workers_pay_and_gives_back_the_one_that_does_not(tmp_path):
+    """``--num_workers=1:3 --autoscale=0.5`` on a job whose throughput saturates at about
+    1.9 workers (a lock every worker's minibatches share, toy/count_bottleneck.py: 0.09 s
+    alone, 0.11 s locked per minibatch, so the lock saturates at 9 minibatches/s while one
+    worker makes 4-5): the job starts with 1 worker, the 2nd raises throughput by ~0.9 of
+    a worker's and stays, the 3rd adds at most ~0.25 and is given back (retired, its task
+    returned). Every record is still trained exactly once per epoch."""
+    import numpy as np
+
+    records, epochs = 2048, 3
+    data = tmp_path / "ids"
+    data.mkdir()
+    np.save(data / "ids.npy", np.arange(records, dtype=np.int64))
+    job, job_dir = "autoscale", str(tmp_path / "job")
+    args = ["train", f"--model_zoo={FIXTURE_ZOO}", "--model_def=toy.count_bottleneck.custom_model",
+            f"--training_data={data}", f"--output={job_dir}", f"--job_name={job}",
+            "--cluster=local", "--num_workers=1:3", "--autoscale=0.5",
+            "--autoscale_window_s=6", "--minibatch_size=8", "--num_minibatches_per_task=4",
+            f"--num_epochs={epochs}", *STRATEGIES["ps-async"]]
+    proc = start_cli(args, str(tmp_path / "home"), str(tmp_path / "cli.log"),
+                     COUNT_RECORDS=str(records), COUNT_RECORDS_DELAY_S="0.09",
+                     COUNT_BOTTLENECK_S="0.11", COUNT_BOTTLENECK_LOCK=str(tmp_path / "lock"))
+    try:
+        assert proc.wait(timeout=480) == 0, (tmp_path / "cli.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, job_dir)
+    report = read_json(os.path.join(job_dir, "job_report.json"))
+    assert report["status"] == "succeeded", report.get("failure")
+    assert [e["records_completed"] for e in report["epochs"]] == [records] * epochs
+    w = report["workers"]
+    sizes = [(r["to"], r["reason"]) for r in w["resizes"]]
+    assert [to for to, _ in sizes][:3] == ["1:2", "1:3", "1:2"], sizes
+    assert "trying 2" in sizes[0][1] and "trying 3" in sizes[1][1], sizes
+    assert "given back" in sizes[2][1], sizes
+    assert w["autoscale"]["rates"].keys() >= {"1", "2"}, w["autoscale"]
+    assert w["max"] == 3 and max(p[1] for p in w["timeline"]) == 3
+    assert report["relaunches"] == [], report["relaunches"]   # given back: not replaced
+    state = torch.load(os.path.join(job_dir, "model.pt"), weights_only=True)
+    for name in ("even", "odd"):
+        wrong = (state[name][:records] != epochs).nonzero().flatten().tolist()
+        assert not wrong, (name, wrong[:20], len(wrong))

@@ -145,3 +145,15 @@ def test_check_job_flags_accepts_fire_forms():
         check_job_flags("train", ["--num_workers=3", "junk"])
     with pytest.raises(UsageError, match=r"unknown flag --zzz \(see"):
         check_job_flags("train", ["--zzz=1"])
+
+
+def test_autoscale_needs_a_range_and_a_fraction():
+    ps = {"distribution_strategy": "ParameterServerStrategy"}
+    s = spec(**ps, num_workers="2:5", autoscale="0.25")
+    assert (s.autoscale, s.workers_min, s.num_workers) == (0.25, 2, 5)
+    assert s.initial_workers == 2
+    assert spec(**ps, num_workers="2:5").initial_workers == 5
+    with pytest.raises(JobSpecError, match="--autoscale.*MIN:MAX with MIN < MAX"):
+        spec(**ps, num_workers="3", autoscale="0.2")
+    with pytest.raises(JobSpecError, match="--autoscale.*fraction"):
+        spec(**ps, num_workers="1:3", autoscale="1.5")
