@@ -55,6 +55,10 @@ STRATEGY_FLAGS = {
     "ps-sync": ["--distribution_strategy=ParameterServerStrategy", "--grads_to_wait=4",
                 "--num_ps_pods=1"],
     "allreduce": ["--distribution_strategy=AllreduceStrategy"],
+    # the global batch kept at MAX x minibatch whatever the membership (micro-batches
+    # accumulated): every step the same as the fixed-size run's (docs/elastic.md)
+    "allreduce-fixed": ["--distribution_strategy=AllreduceStrategy",
+                        "--fixed_global_batch_size=true"],
 }
 
 
