@@ -33,6 +33,14 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 
+REASON = "autoscale"   # every resize this module asks for has a reason starting so
+
+
+def is_autoscale(reason: str) -> bool:
+    """Whether a resize's reason is the autoscaler's (not a user's ``elasticdl scale``)."""
+    return reason.startswith(REASON)
+
+
 class Phase(str, enum.Enum):
     SETTLE = "settle"     # waiting for the target size to run and the rate to settle
     MEASURE = "measure"   # measuring the rate at the target size
@@ -116,18 +124,18 @@ class AutoScaler:
                                        f"{per_worker:.1f} per worker")
         if self.target >= self.ceiling:
             self._enter(Phase.HOLD, now)
-            logger.info("autoscale: %.1f records/s at %d workers (MAX)", rate, self.target)
+            logger.info("%s: %.1f records/s at %d workers (MAX)", REASON, rate, self.target)
             return None
         self.target += 1
         self._enter(Phase.SETTLE, now, grown=True)
-        return self.target, (f"autoscale: {rate:.1f} records/s at {self.target - 1} "
+        return self.target, (f"{REASON}: {rate:.1f} records/s at {self.target - 1} "
                              f"worker(s); trying {self.target}")
 
     def _give_back(self, now: float, why: str) -> tuple[int, str]:
         self.rates.pop(self.target, None)
         self.target -= 1
         self._enter(Phase.HOLD, now, grown=False)
-        return self.target, f"autoscale: {why}: given back, holding {self.target}"
+        return self.target, f"{REASON}: {why}: given back, holding {self.target}"
 
     def state(self) -> dict[str, object]:
         """For the report: the size, the phase and the rates measured."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from elasticdl.cluster.api import ClusterError, Phase, ReplicaEvent, ReplicaInfo, ReplicaType
 from elasticdl.common.job_spec import JobSpecError, parse_worker_range
-from elasticdl.master.autoscale import AutoScaler
+from elasticdl.master.autoscale import REASON, AutoScaler, is_autoscale
 from elasticdl.master.protocols import Kind as ProtocolKind
 from elasticdl.master.scaling import Kind, ScalingPolicy, WorkerCounts
 
@@ -53,7 +53,7 @@ class ElasticControl:
             # user asked for (elasticdl scale), else the job's MIN:MAX
             floor, ceiling = spec.workers_min, spec.num_workers
             for r in self.counts.resizes:
-                if not r["reason"].startswith("autoscale"):
+                if not is_autoscale(r["reason"]):
                     floor, ceiling = parse_worker_range(r["to"])
             window = spec.autoscale_window_s
             self.auto = AutoScaler(spec.autoscale, floor, ceiling, settle_s=window / 2,
@@ -130,11 +130,11 @@ class ElasticControl:
         now = time.monotonic()
         if counts.resizes_total != self._resizes_seen:
             last = counts.resizes[-1] if counts.resizes else None
-            if last is not None and not last["reason"].startswith("autoscale"):
+            if last is not None and not is_autoscale(last["reason"]):
                 target = auto.rebound(counts.min_workers, counts.max_workers, now)
                 if target != counts.max_workers:
                     c.core.resize_workers(counts.min_workers, target,
-                                          f"autoscale: from {target} within the new range "
+                                          f"{REASON}: from {target} within the new range "
                                           f"{counts.min_workers}:{auto.ceiling}")
                     c.core.durable()
             self._resizes_seen = counts.resizes_total
@@ -142,9 +142,7 @@ class ElasticControl:
             return
         # training: running, not retiring, and given a task (built its model: a worker
         # still importing torch would count as a worker adding nothing)
-        with counts._lock:
-            live = counts.running - counts.retiring
-        training = sum(1 for w in live if c.tm.has_worked(w))
+        training = sum(1 for w in counts.training() if c.tm.has_worked(w))
         decision = auto.step(now, c.tm.training_records_done(), training)
         if decision is not None:
             target, reason = decision

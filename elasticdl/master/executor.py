@@ -58,11 +58,15 @@ class ProtocolExecutor:
         self._retry_at: dict[int, float] = {}
         self._source_checked = False
 
+    def _trained_live(self) -> frozenset[int]:
+        """Live workers that were given a task (allreduce: they hold the model)."""
+        return frozenset(w for w in self.core.replicas.live_workers if self.core.has_worked(w))
+
     def observed(self) -> Observed:
         live = frozenset(self.core.replicas.live_workers)
         only_trained = self.core.export_requires_training and self.core.export_source() is None
         if only_trained:   # who may export: a worker that trained (allreduce)
-            live = frozenset(w for w in live if self.core.has_worked(w))
+            live = self._trained_live()
         return Observed(self.core.protocols.incarnation, live, time.time(),
                         self.rollback_budget_s, self.max_export_attempts,
                         can_launch_exporter=not only_trained)
@@ -99,8 +103,7 @@ class ProtocolExecutor:
         if not core.export_requires_training or self._source_checked or \
                 not core.finished() or not core.export_pending():
             return
-        live = core.replicas.live_workers
-        if any(core.has_worked(w) for w in live) or core.exporter() in live:
+        if self._trained_live() or core.exporter() in core.replicas.live_workers:
             return
         from elasticdl.master.restore import final_checkpoint
 

@@ -201,10 +201,13 @@ class WorkerCounts:
         with self._lock:
             return len(self.running)
 
-    def num_training(self) -> int:
+    def training(self) -> set[int]:
         """Running workers not being retired (those that push gradients)."""
         with self._lock:
-            return len(self.running - self.retiring)
+            return self.running - self.retiring
+
+    def num_training(self) -> int:
+        return len(self.training())
 
     def num_pending(self) -> int:
         with self._lock:

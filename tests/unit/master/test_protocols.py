@@ -112,14 +112,22 @@ def test_master_cut_after_every_protocol_step_restores_that_step(tmp_path, snaps
         {"checkpoint_version": 10, "new_version": 300}]
 
 
-def test_export_claim_lost_and_taken_over_survives_cuts(tmp_path):
+def finished_core(journal_dir=None, export_requires_training: bool = False):
+    """A core whose one worker (0) trained every task: the job is done, the export due."""
     FakeWorker.shared["version"] = 0
-    live = make_core()
-    live.attach_journal(Journal(str(tmp_path / "live")))
-    live.begin()
-    w = FakeWorker(live, 0)
-    while not live.finished():
+    core = make_core()
+    core.export_requires_training = export_requires_training
+    if journal_dir is not None:
+        core.attach_journal(Journal(str(journal_dir)))
+    core.begin()
+    w = FakeWorker(core, 0)
+    while not core.finished():
         (w.finish if w.held else w.take)()
+    return core
+
+
+def test_export_claim_lost_and_taken_over_survives_cuts(tmp_path):
+    live = finished_core(tmp_path / "live")
     assert live.claim_export(0) and not live.claim_export(1)
     assert live.exporter() == 0 and live.export_pending()
     pid = live.open_protocols()[0].pid
@@ -192,13 +200,7 @@ def test_allreduce_export_only_by_a_worker_that_trained():
     a task, so it holds no trained model) claimed the export of a dead exporter and
     wrote an untrained model. Only workers that trained may claim; with none left
     the job fails naming the export budget (a PS job launches one instead)."""
-    FakeWorker.shared["version"] = 0
-    core = make_core()
-    core.export_requires_training = True
-    core.begin()
-    w = FakeWorker(core, 0)
-    while not core.finished():
-        (w.finish if w.held else w.take)()
+    core = finished_core(export_requires_training=True)
     assert not core.claim_export(7)           # relaunched after training: refused
     assert core.claim_export(0)
     seen = Observed(incarnation=0, live_workers=frozenset(), can_launch_exporter=False)
@@ -215,14 +217,7 @@ def test_allreduce_export_from_the_final_checkpoint_survives_cuts(tmp_path, clai
     the master opens the export with the final checkpoint as its source; a worker that
     did not train claims it and is told to load that checkpoint first. The source and
     the claim replay from the journal."""
-    FakeWorker.shared["version"] = 0
-    live = make_core()
-    live.export_requires_training = True
-    live.attach_journal(Journal(str(tmp_path / "live")))
-    live.begin()
-    w = FakeWorker(live, 0)
-    while not live.finished():
-        (w.finish if w.held else w.take)()
+    live = finished_core(tmp_path / "live", export_requires_training=True)
     if claimed_first:
         assert live.claim_export(0)
         live.export_lost(live.open_protocols()[0].pid)   # died after writing the checkpoint
@@ -247,13 +242,7 @@ def test_allreduce_export_from_the_final_checkpoint_survives_cuts(tmp_path, clai
 def test_no_final_checkpoint_leaves_the_export_to_its_budget(tmp_path):
     """Without a source the opened export fails naming its budget, and only a worker
     that trained could claim it."""
-    FakeWorker.shared["version"] = 0
-    core = make_core()
-    core.export_requires_training = True
-    core.begin()
-    w = FakeWorker(core, 0)
-    while not core.finished():
-        (w.finish if w.held else w.take)()
+    core = finished_core(export_requires_training=True)
     core.open_export(None)
     assert core.export_source() is None and not core.claim_export(7)
     seen = Observed(incarnation=0, live_workers=frozenset(), can_launch_exporter=False)
