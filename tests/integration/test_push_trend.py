@@ -1,12 +1,15 @@
 """Issue 20's end-to-end check on a small run: a push-bound async PS job through the CLI
 (benchmarks/push_trend.py), a worker killed in epoch 1 and the PS in epoch 2; every
-epoch's records_completed and records_applied are the dataset size, and the last epoch
-(no kill in it) keeps the first's pace.
+epoch's records_completed and records_applied are the dataset size, and the PS's
+bookkeeping stays sized by the live work, not by the pushes it has applied.
 
-The bound is loose on purpose: 12,000 records make epochs of a few seconds, which a
-loaded machine stretches at random. The bookkeeping this guards against grew with every
-push (the old ledger scan made a 3-epoch job of 37.5k pushes per epoch run its last epoch
-at 0.55x the first's); the real figure, >= 1e5 pushes per PS, is the README's.
+What made the old job slow down was a ledger of every push, scanned per push. Its
+effect, the pace, is a wall-clock ratio of epochs that last a few seconds here, and a
+loaded CI machine moved it to 0.27 on code that holds 0.93 on the benchmark's 1e5
+pushes: the pace is the benchmark's figure (README), not this test's. What this test
+checks is load-independent: every checkpoint the job wrote (thousands of pushes in)
+holds a ledger of the pushes since the master's last settle (every 2 s) and those out,
+a fraction of its history, and a closed set of a few intervals.
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ import os
 import sys
 
 import pytest
+import torch
 
+from elasticdl.checkpoint.paths import complete_versions, version_dir
+from elasticdl.checkpoint.ps_shards import shard_path
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-
-def test_push_bound_ps_job_keeps_its_pace_and_applies_every_record_once(tmp_path):
+def test_push_bound_ps_job_applies_every_record_once_with_a_ledger_sized_by_live_work(
+        tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import push_trend
@@ -36,5 +42,16 @@ def test_push_bound_ps_job_keeps_its_pace_and_applies_every_record_once(tmp_path
         assert e["records_completed"] == records == e["records_applied"], out["per_epoch"]
     assert out["exact"]
     # every push of the job reached the PS (plus those a rollback undid and made again)
-    assert out["pushes_per_ps"] >= records * epochs // 8
-    assert out["trend_last_over_first"] >= 0.5, out["per_epoch"]
+    pushes = out["pushes_per_ps"]
+    assert pushes >= records * epochs // 8
+    ckpt = os.path.join(str(tmp_path), "ckpt")
+    versions = complete_versions(ckpt)
+    assert versions, "the job wrote no checkpoint"
+    for v in versions:   # keep_checkpoint_max=2: the newest two, the last near the end
+        state = torch.load(shard_path(version_dir(ckpt, v), 0, 1), weights_only=False)
+        ledger = state["ledger"]
+        live, closed_bounds = ledger["log"].shape[0], ledger["closed"].numel()
+        # the full ledger held every push before v (async: v of them); this one holds
+        # the last settle interval's (~2-4 s of pushes, 567 of 6,000 on a quiet machine)
+        assert v >= 1000 and live <= v // 4, (v, live, pushes)
+        assert closed_bounds <= 2 * 32, (v, closed_bounds)
