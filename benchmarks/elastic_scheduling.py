@@ -23,7 +23,11 @@ every record trained exactly once (checked from its exported model).
 per minibatch standing in for GPU time) instead of the record-counting model, and
 reports each job's final validation accuracy against the same job's gang run, which
 trained at the fixed size of 4 workers throughout (``accuracy_gap``: the largest
-|elastic - gang| of the pair's two jobs).
+|elastic - gang| of the pair's two jobs). Pair ``i`` trains with ``--seed=i`` (initial
+model and data order), so the gang runs sample the spread the data order alone gives,
+and the target is every elastic job within 0.01 of the band of the gang runs. After the
+jobs, the baseline: the same model in a plain PyTorch loop (batch 32) over
+``--plain_orders`` seeded orders, in this process.
 
 Run:   python benchmarks/elastic_scheduling.py [--pairs 3] [--strategies ps,allreduce]
        [--model count|digits]
@@ -122,14 +126,15 @@ class Bench:
         if self.own_plane:
             self.plane.close()
 
-    def submit(self, job: str, strategy: str, workers: str, port_base: int) -> str:
+    def submit(self, job: str, strategy: str, workers: str, port_base: int,
+               seed: int = 0) -> str:
         out = os.path.join(self.work, "out", job)
         env = dict(os.environ, KUBECONFIG=self.plane.admin_kubeconfig, PYTHONPATH=ROOT,
                    ELASTICDL_K8S_PORT_BASE=str(port_base),
                    ELASTICDL_HOME=os.path.join(self.work, "home"))
         model = ["--model_def=toy.count_records.custom_model"] if self.model == "count" else [
             "--model_def=digits_delay.custom_model", f"--validation_data={self.val}",
-            "--shuffle", "--seed=0"]
+            "--shuffle", f"--seed={seed}"]
         cmd = [sys.executable, "-m", "elasticdl_client.main", "train",
                "--image_name=registry.local/toy:v1", "--image_pull_policy=IfNotPresent",
                f"--model_zoo={self.zoo}", *model,
@@ -184,19 +189,20 @@ class Bench:
                 raise AssertionError(f"{out}: {bad} records not trained {self.epochs} times")
         return report
 
-    def run(self, mode: str, strategy: str) -> dict[str, Any]:
+    def run(self, mode: str, strategy: str, seed: int = 0) -> dict[str, Any]:
+        """Jobs a and b of one mode; ``seed`` (the data order: --shuffle's) for both."""
         self.seq += 1
         a, b = f"{mode[0]}{self.seq}a-{strategy}", f"{mode[0]}{self.seq}b-{strategy}"
         t0 = time.monotonic()
         if mode == "gang":
-            out_a = self.submit(a, strategy, "4", 10000)
+            out_a = self.submit(a, strategy, "4", 10000, seed)
             end_a = self.wait_end(a)
-            out_b = self.submit(b, strategy, "4", 12000)
+            out_b = self.submit(b, strategy, "4", 12000, seed)
             end_b = self.wait_end(b)
         else:
             spec = f"{self.min_workers}:4"
-            out_a = self.submit(a, strategy, spec, 10000)
-            out_b = self.submit(b, strategy, spec, 12000)
+            out_a = self.submit(a, strategy, spec, 10000, seed)
+            out_b = self.submit(b, strategy, spec, 12000, seed)
             end_a, end_b = self.wait_end(a), self.wait_end(b)
         reports = [self.check(out) for out in (out_a, out_b)]
         done = [end_a - t0, end_b - t0]
@@ -214,7 +220,9 @@ def run(a: argparse.Namespace, plane: Optional[realcluster.ControlPlane] = None
         for strategy in a.strategies.split(","):
             for i in range(a.pairs):
                 order = ("gang", "elastic") if i % 2 == 0 else ("elastic", "gang")
-                pair = {mode: bench.run(mode, strategy) for mode in order}
+                # pair i trains in data order i (both modes): the fixed-size runs of the
+                # pairs sample the spread the data order alone gives a job's accuracy
+                pair = {mode: bench.run(mode, strategy, seed=i) for mode in order}
                 row = {"strategy": strategy, "pair": i, "order": "/".join(order),
                        **{f"{m}_{k}": round(v, 1) for m in pair for k, v in pair[m].items()
                           if k != "accuracy"},
@@ -243,13 +251,20 @@ def run(a: argparse.Namespace, plane: Optional[realcluster.ControlPlane] = None
                   f"; accuracy gap to the fixed-size (gang) run: largest "
                   f"{max(r['accuracy_gap'] for r in rows):.4f}; {_band(rows)}"
                   if a.model == "digits" else ""), flush=True)
+    if a.model == "digits" and a.plain_orders > 0:   # after the jobs: no CPU taken from them
+        accs = plain_band(bench.zoo, bench.data, bench.val, a.epochs, a.plain_orders)
+        results["plain_loop"] = [{"orders": len(accs), "accuracy": [round(x, 4) for x in accs]}]
+        print(f"plain PyTorch loop (batch 32, {len(accs)} seeded orders): accuracy "
+              f"{min(accs):.4f}..{max(accs):.4f}, median {statistics.median(accs):.4f}",
+              flush=True)
     return results
 
 
 def _band(rows: list[dict[str, Any]]) -> str:
     """Every elastic job's accuracy against the band of this strategy's fixed-size (gang)
-    runs, 0.01 either side: two identical gang jobs of one pair already differ by about
-    as much as the 0.01 asked for (one validation image is 0.0028)."""
+    runs over the pairs' data orders, 0.01 either side. The data order alone moves a
+    fixed-size job's accuracy by about 0.02 on these 360 validation images (one image is
+    0.0028): a single fixed-size run is no yardstick, its spread over orders is."""
     gang = [x for r in rows for x in r["accuracy"]["gang"]]
     elastic = [x for r in rows for x in r["accuracy"]["elastic"]]
     low, high = min(gang), max(gang)
@@ -257,6 +272,53 @@ def _band(rows: list[dict[str, Any]]) -> str:
     return (f"elastic accuracies {min(elastic):.4f}..{max(elastic):.4f} against the gang runs' "
             f"{low:.4f}..{high:.4f}: {len(elastic) - len(out)} of {len(elastic)} within 0.01 "
             "of that band")
+
+
+def plain_band(zoo: str, train: str, val: str, epochs: int, orders: int,
+               batch: int = 32) -> list[float]:
+    """The baseline: the digits CNN in a plain PyTorch loop in this process (the module's
+    model, loss, optimizer and feed; minibatches of ``batch`` = 4 workers x 8, the
+    fixed-size job's global batch), once per order ``i`` (initial model and data order
+    seeded ``i``, as ``--seed=i`` seeds a job); returns the validation accuracies."""
+    import glob
+
+    import numpy as np
+    import torch
+
+    if zoo not in sys.path:
+        sys.path.insert(0, zoo)
+    from digits import digits_cnn as m
+
+    def tensors(d: str) -> tuple[Any, Any]:
+        records = []
+        for path in sorted(glob.glob(os.path.join(d, "*.npz"))):
+            z = np.load(path)
+            records += [{"image": x, "label": y} for x, y in zip(z["image"], z["label"])]
+        return m.feed(records, "training")
+
+    (xt, yt), (xv, yv) = tensors(train), tensors(val)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # the jobs' workers run one thread each too
+    accs = []
+    try:
+        for order in range(orders):
+            torch.manual_seed(order)
+            model = m.custom_model()
+            opt = m.optimizer(model.parameters())
+            gen = torch.Generator().manual_seed(order)
+            for _ in range(epochs):
+                perm = torch.randperm(len(yt), generator=gen)
+                for i in range(0, len(perm), batch):
+                    idx = perm[i:i + batch]
+                    opt.zero_grad()
+                    m.loss(yt[idx], model(xt[idx])).backward()
+                    opt.step()
+            with torch.no_grad():
+                accs.append(float((model(xv).argmax(1) == yv).float().mean()))
+            print(f"plain loop, order {order}: accuracy {accs[-1]:.4f}", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    return accs
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -271,6 +333,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--workdir", default="")
     ap.add_argument("--model", choices=("count", "digits"), default="count",
                     help="digits: the digits CNN, final accuracy vs the gang run")
+    ap.add_argument("--plain_orders", type=int, default=8,
+                    help="digits: the plain PyTorch loop's accuracy over this many seeded "
+                    "orders, in this process after the jobs (0: skip)")
     ap.add_argument("--smoke", action="store_true", help="one tiny pair, PS only (CI)")
     a = ap.parse_args(argv)
     if a.smoke:

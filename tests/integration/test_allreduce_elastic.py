@@ -270,3 +270,116 @@ def test_a_hung_member_is_timed_out_left_out_and_rejoins_when_it_wakes(monkeypat
     assert res[0]["version"] == res[1]["version"]
     for name, value in res[0]["params"].items():
         torch.testing.assert_close(res[1]["params"][name], value, rtol=0, atol=0)
+
+
+# ------------------------------------------------- resize with a fixed global batch
+def _logging_worker(address, worker_id: int, spec_json: str, n_records: int,
+                    go: Optional[Any] = None) -> dict:
+    """A member that logs, for every step it took part in, the record ranges of its
+    own microbatches (the union over members is the step's global batch)."""
+    if go is not None and not go.wait(60):
+        raise TimeoutError("never told to join")
+    spec = JobSpec.from_json(spec_json)
+    from elasticdl.elastic.runner import RoundStatus
+    from elasticdl.worker.allreduce_trainer import AllreduceTrainer
+
+    rdzv = connect(address).rdzv()
+    trainer = AllreduceTrainer(load_model_spec(FIXTURE_ZOO, "toy.linear_adam.custom_model"),
+                               spec, worker_id, torch.device("cpu"),
+                               FakeComm(rdzv, worker_id), "127.0.0.1")
+    steps: dict[int, list[tuple[int, int]]] = {}
+    worlds: dict[int, int] = {}
+    after_round = trainer.runner.on_round
+
+    def logging_round(result) -> None:
+        if result.status == RoundStatus.STEPPED and result.tags:
+            mb = spec.minibatch_size
+            steps[result.version] = [(t.state.task.start + t.index * mb, t.records)
+                                     for t in result.tags]
+            worlds[result.version] = trainer.group.world_size
+        after_round(result)
+
+    trainer.runner.on_round = logging_round
+    trainer.runner.start()
+    joined_at_version = trainer.model_version
+    stats = trainer.run(FakeSource(connect(address).tm(), worker_id),
+                        {TaskType.TRAINING: MemoryReader(n_records)})
+    return {"steps": steps, "worlds": worlds, "joined_at_version": joined_at_version,
+            "version": trainer.model_version, "trained_steps": stats.steps,
+            "params": {k: v.clone() for k, v in trainer.model.state_dict().items()}}
+
+
+def test_a_group_grown_mid_epoch_with_a_fixed_global_batch_trains_what_one_process_would(
+        monkeypatch):
+    """Issue 22: a job sized for 4 with --fixed_global_batch_size starts with 2 members
+    (2 accumulated minibatches each per step) and grows to 4 mid-epoch (1 each). Every
+    step's global batch is read back from the members' own logs; one process replaying
+    those batches, one Adam step each, from the same initial model, ends with the
+    members' parameters: the resize (re-form, state and optimizer moments broadcast to
+    the joiners, quotas changed) adds nothing and loses nothing."""
+    n_records, epochs = 2048, 2   # ~25 s of minibatches at 2 members: the joiners are in
+    monkeypatch.setenv("TOY_FEED_DELAY_S", "0.05")
+    spec = _job_spec(minibatch_size=8, num_minibatches_per_task=4, num_epochs=epochs,
+                     num_workers=4, fixed_global_batch_size=True, collective_timeout_s=10.0)
+    rdzv = Rendezvous("127.0.0.1", free_port, settle_s=0.3, checkin_timeout_s=20,
+                      initial_workers=2)
+    tm = TaskManager(training_shards=[("mem", 0, n_records)],
+                     records_per_task=spec.records_per_task, num_epochs=epochs,
+                     max_task_retries=3)
+    master = MasterStandIn(rdzv, tm)
+    procs = Procs()
+    try:
+        go = procs.ctx.Event()
+        for w in range(4):
+            procs.start(w, _logging_worker, master.address, w, spec.to_json(), n_records,
+                        go if w >= 2 else None)
+        deadline = time.monotonic() + 120
+        while tm.counts()["completed"] < 6:
+            assert time.monotonic() < deadline, "training did not start"
+            assert tm.failure is None
+            time.sleep(0.05)
+        go.set()   # two more workers join the running group, mid-epoch 0
+        res = procs.collect([0, 1, 2, 3], timeout_s=150)
+    finally:
+        procs.close()
+        master.close()
+
+    assert tm.finished() and tm.failure is None
+    assert all(e["records_completed"] == n_records for e in tm.epochs_report())
+    final = {res[w]["version"] for w in res}
+    assert len(final) == 1
+    last = final.pop()
+    batches: dict[int, list[tuple[int, int]]] = {}
+    worlds: dict[int, set[int]] = {}
+    for w in res:
+        for v, ranges in res[w]["steps"].items():
+            batches.setdefault(v, []).extend(ranges)
+            worlds.setdefault(v, set()).add(res[w]["worlds"][v])
+    assert sorted(batches) == list(range(1, last + 1)), "a step without a global batch"
+    assert all(len(s) == 1 for s in worlds.values()), worlds
+    # both sizes trained: 2 members x 2 minibatches, then 4 x 1; never more than 4
+    by_world = {w: [v for v, s in worlds.items() if w in s] for w in (2, 4)}
+    assert by_world[2] and by_world[4], worlds
+    assert max(by_world[2]) < min(by_world[4])
+    # the global batch is 4 x 8 at either size (seen: 127 of 129 steps; a member flushes
+    # a short step where it ran out of tasks, at the resize and the epochs' ends)
+    sizes = [sum(n for _, n in r) for r in batches.values()]
+    assert all(len(r) <= 4 for r in batches.values())
+    assert sum(s != 32 for s in sizes) <= 6, {k: sizes.count(k) for k in set(sizes)}
+    assert res[2]["joined_at_version"] > 0 and res[3]["joined_at_version"] > 0
+    # every record in exactly `epochs` steps
+    seen = torch.zeros(n_records, dtype=torch.int64)
+    for ranges in batches.values():
+        for start, n in ranges:
+            seen[start:start + n] += 1
+    assert bool((seen == epochs).all()), seen.unique(return_counts=True)
+    # the replay: one process, the logged global batches in version order
+    data = MemoryReader(n_records)
+    ref = LocalTrainer(load_model_spec(FIXTURE_ZOO, "toy.linear_adam.custom_model"),
+                       torch.device("cpu"), seed=spec.seed)
+    for v in range(1, last + 1):
+        idx = [i for start, n in sorted(batches[v]) for i in range(start, start + n)]
+        ref.train_minibatch(torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx]))
+    for w in res:
+        for name, value in ref.model.state_dict().items():
+            torch.testing.assert_close(res[w]["params"][name], value, rtol=1e-4, atol=1e-5)
