@@ -10,7 +10,8 @@ the scarce resource.
   ``preempted``, not failures) and grows back when that pod ends; every record is
   trained exactly once per epoch (the record-counting model).
   ``elasticdl scale --num_workers=2`` (the annotation path, as the user bound to the
-  Role of ``elasticdl rbac``) then retires 2 workers mid-epoch; none is replaced.
+  Role of ``elasticdl rbac``) then retires 2 workers mid-epoch, none replaced, and
+  ``--num_workers=3`` launches one that joins the running job.
 * A job none of whose workers can ever be scheduled fails after
   ``--min_workers_timeout_s`` naming the scheduler's reason (never waits forever).
 """
@@ -34,7 +35,7 @@ from tests.k8s.test_e2e import master_pod, pod_log, read_report, wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real]
 
-RECORDS = 1024
+RECORDS = 1536   # time left for the last resize (up to 3) before the end
 EPOCHS = 2
 GPU = "nvidia.com/gpu"
 
@@ -147,6 +148,13 @@ def test_elastic_job_starts_at_min_grows_with_a_node_and_shrinks_when_preempted(
         wait_for(lambda: (w := _workers(report_path)).get("running") == 2 and
                  not w.get("retiring") or server.phase(master) == "Succeeded", 120,
                  "2 workers retired", log)
+        # ... and up to 3, mid-epoch: the master launches a worker, which joins the job
+        scaled = subprocess.run([sys.executable, "-m", "elasticdl_client.main", "scale", job,
+                                 "--num_workers=3", f"--namespace={server.namespace}",
+                                 "--cluster=k8s"], env=env, cwd=ROOT, capture_output=True,
+                                text=True, timeout=60)
+        assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+        wait_for(lambda: _workers(report_path).get("running") == 3, 120, "3 running", log)
         wait_for(lambda: server.phase(master) in ("Succeeded", "Failed"), 400, "the job end",
                  log)
         assert server.phase(master) == "Succeeded", log()
@@ -161,11 +169,12 @@ def test_elastic_job_starts_at_min_grows_with_a_node_and_shrinks_when_preempted(
     reasons = {r["reason"] for r in report["relaunches"]}
     assert reasons == {"preempted"}, report["relaunches"]
     w = report["workers"]
-    assert w["preempted"] >= 1 and (w["min"], w["max"]) == (2, 2)
-    assert [(r["from"], r["to"]) for r in w["resizes"]] == [("2:4", "2:2")]
+    assert w["preempted"] >= 1 and (w["min"], w["max"]) == (3, 3)
+    assert [(r["from"], r["to"]) for r in w["resizes"]] == [("2:4", "2:2"), ("2:2", "3:3")]
     running = [p[1] for p in w["timeline"]]
-    top = running.index(4)   # 2 -> 4 (node added) -> 2 (preempted) -> 4 -> 2 (scaled)
-    assert 2 in running[:top] and 4 in running[running.index(2, top):], w["timeline"]
+    top = running.index(4)   # 2 -> 4 (node added) -> 2 (preempted) -> 4 -> 2 -> 3 (scaled)
+    back = running.index(4, running.index(2, top))
+    assert 2 in running[:top] and 3 in running[running.index(2, back):], w["timeline"]
     assert w["time_under_min_s"] < 5, w  # 2 of MIN 2 ran from the start
     state = torch.load(os.path.join(tmp_path / "out", "model.pt"), weights_only=True)
     for name in ("even", "odd"):
