@@ -12,7 +12,7 @@ the scarce resource.
   ``elasticdl scale --num_workers=2`` (the annotation path, as the user bound to the
   Role of ``elasticdl rbac``) then retires 2 workers mid-epoch, none replaced, and
   ``--num_workers=3`` launches one that joins the running job.
-* A job none of whose workers can ever be scheduled fails after
+* A job (each strategy) none of whose workers can ever be scheduled fails after
   ``--min_workers_timeout_s`` naming the scheduler's reason (never waits forever).
 """
 
@@ -182,10 +182,11 @@ def test_elastic_job_starts_at_min_grows_with_a_node_and_shrinks_when_preempted(
         assert not wrong, f"{name}: {len(wrong)} records not trained {EPOCHS} times"
 
 
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_all_workers_unschedulable_fails_after_the_bound_naming_the_reason(
-        server, kubelet, port_base, tmp_path):
-    job, report_path = "elastic-never", str(tmp_path / "out" / "job_report.json")
-    cli = _submit(server, port_base, tmp_path, job, "--distribution_strategy=AllreduceStrategy",
+        strategy, server, kubelet, port_base, tmp_path):
+    job, report_path = f"never-{strategy}", str(tmp_path / "out" / "job_report.json")
+    cli = _submit(server, port_base, tmp_path, job, *STRATEGIES[strategy],
                   "--num_workers=1:2", "--min_workers_timeout_s=5",
                   "--on_min_workers_timeout=fail", gpus=64)
     assert cli.returncode == 0, cli.stdout + cli.stderr
