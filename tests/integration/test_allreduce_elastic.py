@@ -38,11 +38,12 @@ def _job_spec(**kw) -> JobSpec:
                    distribution_strategy="AllreduceStrategy", job_name="elastic-test", **kw)
 
 
-def _trainer(address, worker_id: int, spec: JobSpec, device: str = "cpu"):
+def _trainer(address, worker_id: int, spec: JobSpec, device: str = "cpu",
+             model_def: str = MODEL_DEF):
     from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 
     rdzv = connect(address).rdzv()
-    model_spec = load_model_spec(FIXTURE_ZOO, MODEL_DEF)
+    model_spec = load_model_spec(FIXTURE_ZOO, model_def)
     dev = torch.device("cuda", worker_id) if device == "cuda" else torch.device("cpu")
     return AllreduceTrainer(model_spec, spec, worker_id, dev, FakeComm(rdzv, worker_id),
                             "127.0.0.1")
@@ -273,20 +274,19 @@ def test_a_hung_member_is_timed_out_left_out_and_rejoins_when_it_wakes(monkeypat
 
 
 # ------------------------------------------------- resize with a fixed global batch
+ADAM_MODEL_DEF = "toy.linear_adam.custom_model"
+
+
 def _logging_worker(address, worker_id: int, spec_json: str, n_records: int,
                     go: Optional[Any] = None) -> dict:
     """A member that logs, for every step it took part in, the record ranges of its
     own microbatches (the union over members is the step's global batch)."""
     if go is not None and not go.wait(60):
         raise TimeoutError("never told to join")
-    spec = JobSpec.from_json(spec_json)
     from elasticdl.elastic.runner import RoundStatus
-    from elasticdl.worker.allreduce_trainer import AllreduceTrainer
 
-    rdzv = connect(address).rdzv()
-    trainer = AllreduceTrainer(load_model_spec(FIXTURE_ZOO, "toy.linear_adam.custom_model"),
-                               spec, worker_id, torch.device("cpu"),
-                               FakeComm(rdzv, worker_id), "127.0.0.1")
+    spec = JobSpec.from_json(spec_json)
+    trainer = _trainer(address, worker_id, spec, model_def=ADAM_MODEL_DEF)
     steps: dict[int, list[tuple[int, int]]] = {}
     worlds: dict[int, int] = {}
     after_round = trainer.runner.on_round
@@ -375,7 +375,7 @@ def test_a_group_grown_mid_epoch_with_a_fixed_global_batch_trains_what_one_proce
     assert bool((seen == epochs).all()), seen.unique(return_counts=True)
     # the replay: one process, the logged global batches in version order
     data = MemoryReader(n_records)
-    ref = LocalTrainer(load_model_spec(FIXTURE_ZOO, "toy.linear_adam.custom_model"),
+    ref = LocalTrainer(load_model_spec(FIXTURE_ZOO, ADAM_MODEL_DEF),
                        torch.device("cpu"), seed=spec.seed)
     for v in range(1, last + 1):
         idx = [i for start, n in sorted(batches[v]) for i in range(start, start + n)]

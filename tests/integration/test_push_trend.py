@@ -26,6 +26,7 @@ from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
+
 def test_push_bound_ps_job_applies_every_record_once_with_a_ledger_sized_by_live_work(
         tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
