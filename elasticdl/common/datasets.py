@@ -29,7 +29,7 @@ def create_readers(spec: Any, custom_reader: Optional[Callable[..., DataReader]]
         from elasticdl.data.torch_dataset import dataset_readers, pin_memory_default
 
         made = dataset_readers(model_spec, data_flags(spec), spec.data_loader_workers,
-                               pin_memory_default(spec.device))
+                               pin_memory_default(spec.device), spec.data_loader_timeout_s)
         return {_TYPES[mode]: reader for mode, reader in made.items()}
     params = spec.reader_params
     readers: dict[TaskType, DataReader] = {}

@@ -83,6 +83,10 @@ class JobSpec:
     data_loader_workers: int = _f(0, "Worker processes of the torch DataLoader that loads a "
                                   "model module's dataset(path, mode) (0: in a background "
                                   "thread of the worker)", "data", min=0)
+    data_loader_timeout_s: float = _f(120.0, "Longest wait for one minibatch of a module's "
+                                      "dataset(path, mode); past it the task fails (and is "
+                                      "retried) naming the DataLoader (0: wait forever)",
+                                      "data", min=0)
     prediction_output_format: str = _f("npz", "Default prediction writer format: npz or csv",
                                        "data", choices=("npz", "csv"))
     # --- training

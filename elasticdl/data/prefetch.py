@@ -6,7 +6,10 @@ producer reaches the consumer at the item where it happened, as the same excepti
 object (its type, message naming the file and record, and traceback kept), after the
 items produced before it. :meth:`Prefetcher.close` stops the producer without waiting
 for it to finish its iterator: a consumer that gives up early (a failed step) never
-hangs. Torch-free.
+hangs. With ``item_timeout_s`` the consumer waits at most that long for one item and
+then raises :class:`PrefetchTimeout` naming the prefetcher (a producer stuck in user
+code cannot be interrupted from another thread; the error lets the caller fail its
+task and, the process ending, the stuck thread with it). Torch-free.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -25,16 +29,26 @@ _ITEM, _ERROR, _END = 0, 1, 2
 _POLL_S = 0.1
 
 
+class PrefetchTimeout(TimeoutError):
+    """The producer made no item within the prefetcher's ``item_timeout_s``."""
+
+
 class Prefetcher(Generic[T]):
     """Iterate ``items`` in a background thread, ``depth`` items ahead.
 
     Use as an iterator, and :meth:`close` it (or use ``with``) when done or giving up.
-    ``depth`` 0 iterates in the caller's thread (no thread, no look-ahead).
+    ``depth`` 0 iterates in the caller's thread (no thread, no look-ahead, no timeout).
+    ``item_timeout_s``: the longest wait for one item (None: forever; module docs).
     """
 
-    def __init__(self, items: Iterable[T], depth: int = 2, name: str = "prefetch"):
+    def __init__(self, items: Iterable[T], depth: int = 2, name: str = "prefetch",
+                 item_timeout_s: float | None = None):
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
+        if item_timeout_s is not None and item_timeout_s <= 0:
+            raise ValueError(f"item_timeout_s must be > 0 or None, got {item_timeout_s}")
+        self.name = name
+        self.item_timeout_s = item_timeout_s
         self._it: Iterator[T] = iter(items)
         self.depth = depth
         self._closed = False
@@ -86,6 +100,8 @@ class Prefetcher(Generic[T]):
             except StopIteration:
                 self._done = True
                 raise
+        deadline = None if self.item_timeout_s is None else \
+            time.monotonic() + self.item_timeout_s
         while True:
             try:
                 kind, value = self._queue.get(timeout=_POLL_S)
@@ -95,6 +111,11 @@ class Prefetcher(Generic[T]):
                     # the producer always ends with a message; this is a safety net
                     self._done = True
                     raise RuntimeError("the prefetch thread ended without a result") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    self.close()
+                    raise PrefetchTimeout(
+                        f"{self.name}: no item within {self.item_timeout_s:g} s (the "
+                        "producer is stuck reading or loading data)") from None
         if kind == _ITEM:
             return value
         self._done = True

@@ -10,6 +10,16 @@ minibatch (a batch sampler: minibatch k of a task holds the same records on ever
 ``--data_loader_workers`` worker processes (persistent across tasks), ``pin_memory`` on
 CUDA, and the module's ``collate_fn`` or ``default_collate``.
 
+Loader processes are never forked from the worker: a worker runs gRPC's threads, the
+prefetch thread and the trainer, and a lock one of them holds at a ``fork`` stays held
+forever in the child (its first ``logging`` call, allocator or import then blocks, and the
+DataLoader waits for a batch that never comes). They start from a ``forkserver`` (a
+clean single-threaded process that imports torch once; ``spawn`` where the platform has
+no forkserver), so they hold no lock of the worker's. Every batch is awaited for at most
+``--data_loader_timeout_s``: a stuck loader fails the task naming the DataLoader
+(:class:`LoaderTimeout`, a retryable error: the master re-queues the task), its
+processes stopped, instead of freezing the worker until the task's lease expires.
+
 Imports torch: workers and Local jobs only. The master learns the size without torch
 (:mod:`elasticdl.data.dataset_source`).
 """
@@ -17,6 +27,7 @@ Imports torch: workers and Local jobs only. The master learns the size without t
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Optional
@@ -29,11 +40,30 @@ from elasticdl.data.api import DataError, DataReader, MalformedRecordError, Shar
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchLoadError", "TorchDatasetReader", "check_map_style"]
+__all__ = ["BatchLoadError", "LoaderTimeout", "TorchDatasetReader", "check_map_style",
+           "loader_context"]
+
+DEFAULT_TIMEOUT_S = 120.0
 
 
 class BatchLoadError(DataError):
     """Loading a minibatch failed although every record of it loads and collates alone."""
+
+
+class LoaderTimeout(RuntimeError):
+    """The DataLoader delivered no batch within its timeout: a stuck loader, not bad
+    data (a retryable task failure)."""
+
+
+def loader_context() -> Any:
+    """The multiprocessing context of loader processes: ``forkserver`` (preloading
+    torch, so each process starts in milliseconds once the server runs), else
+    ``spawn``; never ``fork`` (module docs)."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.utils.data"])
+        return ctx
+    return multiprocessing.get_context("spawn")
 
 
 def check_map_style(dataset: Any, where: str) -> int:
@@ -82,17 +112,23 @@ class TorchDatasetReader(DataReader):
         collate_fn: the module's ``collate_fn``, or None for ``default_collate``.
         num_workers: DataLoader worker processes (0: load in the calling thread).
         pin_memory: pin collated tensors (set when training on CUDA).
-        size: the size the master sharded (checked against ``len(dataset)``).
+        timeout_s: the longest wait for one batch (loader processes: the DataLoader's own
+            ``timeout``; in-thread loading: the prefetching consumer's bound,
+            :attr:`item_timeout_s`); 0 waits forever.
     """
 
     def __init__(self, path: str, dataset: Any, collate_fn: Optional[Callable[..., Any]] = None,
-                 num_workers: int = 0, pin_memory: bool = False, where: str = "dataset"):
+                 num_workers: int = 0, pin_memory: bool = False, where: str = "dataset",
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         self.path = path
         self.dataset = dataset
         self.size = check_map_style(dataset, where)
         self.collate_fn = collate_fn
         self.num_workers = int(num_workers)
         self.pin_memory = bool(pin_memory)
+        if timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
         self._sampler = _Ranges()
         self._loader: Optional[DataLoader] = None
         self._lock = threading.Lock()   # one iteration of the loader at a time
@@ -120,6 +156,36 @@ class TorchDatasetReader(DataReader):
         """The items ``dataset[start:end]``, uncollated (one by one, no DataLoader)."""
         self.check_range(name, start, end)
         return [self._item(i) for i in range(start, end)]
+
+    @property
+    def item_timeout_s(self) -> Optional[float]:
+        """How long a consumer of :meth:`batches` waits for one batch (None: forever).
+        With loader processes the DataLoader's own timeout fires first and names the
+        records; this bound is then a backstop (a pin-memory thread, a collate in
+        this process) twice as long."""
+        if not self.timeout_s:
+            return None
+        return self.timeout_s if self.num_workers == 0 else 2 * self.timeout_s + 10.0
+
+    def close(self) -> None:
+        """Stop the loader processes (a new loader starts at the next :meth:`batches`);
+        a no-op, logged, while a :meth:`batches` iteration that does not end within a
+        few seconds holds the loader."""
+        if not self._lock.acquire(timeout=5.0):
+            logger.warning("%s: the DataLoader is in use; its processes were not stopped",
+                           self.path)
+            return
+        try:
+            self._drop_loader()
+        finally:
+            self._lock.release()
+
+    def _drop_loader(self) -> None:
+        loader, self._loader = self._loader, None
+        it = getattr(loader, "_iterator", None)
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:   # joins each process briefly, then terminates it
+            shutdown()
 
     # ------------------------------------------------------------------ loading
     def collate(self, items: list[Any]) -> Any:
@@ -166,8 +232,16 @@ class TorchDatasetReader(DataReader):
                     yield batch
                     done += 1
             except Exception as e:  # noqa: BLE001 - located, or re-raised as it is
-                self._loader = None   # a fresh loader (and worker processes) next time
+                self._drop_loader()   # a fresh loader (and worker processes) next time
                 start, stop = ranges[done]
+                if isinstance(e, RuntimeError) and "DataLoader timed out" in str(e):
+                    # a loader process is stuck (not the data: loading it again in this
+                    # thread could block the same way): fail the task, retryably
+                    raise LoaderTimeout(
+                        f"{self.path}: the DataLoader delivered no batch within "
+                        f"{self.timeout_s:g} s loading records {start}-{stop} "
+                        f"({self.num_workers} loader process(es), stopped); the task is "
+                        "handed back (--data_loader_timeout_s)") from e
                 logger.warning("%s: loading records %d-%d failed (%s: %s); loading them one "
                                "by one to find the record", self.path, start, stop,
                                type(e).__name__, e)
@@ -191,6 +265,8 @@ class TorchDatasetReader(DataReader):
                 collate_fn=self.collate_fn or torch_default_collate,
                 num_workers=workers, pin_memory=self.pin_memory and torch.cuda.is_available(),
                 persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
+                multiprocessing_context=loader_context() if workers > 0 else None,
+                timeout=self.timeout_s if workers > 0 else 0,
                 # its own generator: an iterator's base seed never draws from the global
                 # RNG, which the training thread's dropout uses (runs stay reproducible)
                 generator=torch.Generator().manual_seed(0))
@@ -203,7 +279,8 @@ def pin_memory_default(device: str) -> bool:
 
 
 def dataset_readers(model_spec: Any, paths: dict[Any, tuple[str, str]], num_workers: int,
-                    pin_memory: bool) -> dict[Any, TorchDatasetReader]:
+                    pin_memory: bool, timeout_s: float = DEFAULT_TIMEOUT_S
+                    ) -> dict[Any, TorchDatasetReader]:
     """``{key: reader}`` for ``{key: (path, mode)}`` from the module's ``dataset``.
 
     Raises:
@@ -220,5 +297,5 @@ def dataset_readers(model_spec: Any, paths: dict[Any, tuple[str, str]], num_work
         except Exception as e:  # noqa: BLE001 - user code; re-raised naming it
             raise DataError(f"{where} failed: {type(e).__name__}: {e}") from e
         out[key] = TorchDatasetReader(path, ds, model_spec.collate_fn, num_workers,
-                                      pin_memory, where=where)
+                                      pin_memory, where=where, timeout_s=timeout_s)
     return out

@@ -155,5 +155,7 @@ class TaskRecords:
         """The minibatches not in ``skip`` (0-based), in order, made ``depth`` ahead in a
         background thread; close it when done (or use ``with``)."""
         indices = [k for k in range(self.num_minibatches) if k not in skip]
+        timeout = self.dataset.item_timeout_s if self.dataset is not None else None
         return Prefetcher(self._iterate(indices), depth,
-                          name=f"minibatches-task-{self.task.task_id}")
+                          name=f"minibatches-task-{self.task.task_id}",
+                          item_timeout_s=timeout)

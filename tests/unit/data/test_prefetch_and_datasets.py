@@ -334,3 +334,96 @@ def test_a_dead_loader_process_is_a_retryable_error_not_bad_data():
         with records.produce() as batches:
             list(batches)
     assert not isinstance(caught.value, DataError)  # the task is retried, the job goes on
+
+
+# ------------------------------------------- loader processes and stuck loaders (#32)
+def _consume_within(records: TaskRecords, limit_s: float) -> list[list[int]]:
+    """The labels of every minibatch of ``records``, or a failure (not a hang) when
+    they do not all come within ``limit_s``."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            with records.produce() as batches:
+                out["labels"] = [mb.labels.tolist() for mb in batches]
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), f"the DataLoader hung (no result within {limit_s:.0f} s)"
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out["labels"]  # type: ignore[return-value]
+
+
+def test_loader_processes_do_not_inherit_a_lock_another_thread_holds():
+    """A thread of the worker (gRPC's, the prefetch thread) holds a lock while the
+    DataLoader starts its processes. Forked, each process inherits the lock held and
+    blocks on its first item forever (the hang of issue 32). Loader processes start
+    from a forkserver instead: the lock is theirs, free."""
+    from tests.unit.data.loader_datasets import LOCK, LockedSquares
+
+    reader = TorchDatasetReader("ds", LockedSquares(40), num_workers=2, timeout_s=60)
+    released = threading.Event()
+    taken = threading.Event()
+
+    def hold() -> None:
+        with LOCK:
+            taken.set()
+            released.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert taken.wait(10)
+    try:
+        records = TaskRecords(reader, _task(0, 40), "training", 16, _pair)
+        # the lock goes free in this process at once; a forked child's copy never does
+        threading.Timer(0.5, released.set).start()
+        for _ in range(2):   # persistent processes, reused by the next task
+            assert _consume_within(records, 90) == \
+                [[i * i for i in range(a, min(a + 16, 40))] for a in (0, 16, 32)]
+    finally:
+        released.set()
+        reader.close()
+
+
+def test_a_stuck_loader_process_fails_the_task_naming_the_dataloader():
+    """A batch that never comes is a named, retryable task failure within the
+    timeout (not bad data, not a freeze), and the loader's processes are stopped."""
+    from elasticdl.data.torch_dataset import LoaderTimeout
+    from tests.unit.data.loader_datasets import StuckInALoader
+
+    reader = TorchDatasetReader("/data/ds", StuckInALoader(32, stuck_at=20), num_workers=1,
+                                timeout_s=3)
+    records = TaskRecords(reader, _task(0, 32, shard="/data/ds"), "training", 8, _pair)
+    started = time.monotonic()
+    with pytest.raises(LoaderTimeout, match=r"/data/ds: the DataLoader delivered no batch "
+                                            r"within 3 s loading records 16-24") as caught:
+        _consume_within(records, 60)
+    assert time.monotonic() - started < 30
+    assert not isinstance(caught.value, DataError)   # retried, not the job failed
+    assert reader._loader is None   # its processes were shut down with it
+
+
+def test_a_stuck_in_thread_load_fails_the_task_within_the_timeout():
+    """Without loader processes the prefetch thread loads; a stuck item there cannot be
+    interrupted, but the consumer gives up after the timeout, naming the task."""
+    from elasticdl.data.prefetch import PrefetchTimeout
+
+    release = threading.Event()
+
+    class Stuck(Squares):
+        def __getitem__(self, i):
+            if i == 5:
+                release.wait(60)
+            return super().__getitem__(i)
+
+    reader = TorchDatasetReader("ds", Stuck(16), num_workers=0, timeout_s=2)
+    records = TaskRecords(reader, _task(0, 16), "training", 4, _pair)
+    try:
+        with pytest.raises(PrefetchTimeout, match=r"minibatches-task-\d+: no item within 2 s"):
+            _consume_within(records, 30)
+    finally:
+        release.set()
