@@ -20,6 +20,7 @@ Never imports torch.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -37,12 +38,20 @@ from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
+# the snapshot's age bound; the environment sets it only to drive the staleness in tests
+CLOSED_MAX_AGE_ENV = "ELASTICDL_CLOSED_MAX_AGE_S"
+
+
 class ClosedSnapshot:
     """:meth:`JobCore.closed_tasks` as ``(generation, flat intervals)``, refreshed at
-    most every ``max_age_s`` (what the servicer attaches to allreduce tasks)."""
+    most every ``max_age_s`` (what the servicer attaches to allreduce tasks: a copy of
+    the interval set per call would cost O(intervals) on every lease). Members may
+    so learn a set up to ``max_age_s`` old; the export order carries a fresh one."""
 
-    def __init__(self, core: Any, max_age_s: float = 1.0):
+    def __init__(self, core: Any, max_age_s: Optional[float] = None):
         self.core = core
+        if max_age_s is None:
+            max_age_s = float(os.environ.get(CLOSED_MAX_AGE_ENV, "1.0"))
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
         self._value: tuple[int, list[int]] = (-1, [])

@@ -174,6 +174,13 @@ class MasterServicer(pb_grpc.MasterServicer):
                 load = self.core.exporter_load()
                 if load:   # it did not train: it loads the final checkpoint first
                     msg.extended_config["export_from"] = load
+                elif self.rendezvous is not None:
+                    # what the job closed, fresh (not the snapshot tasks carry, which may
+                    # be older than the last tasks): the final checkpoint's data position
+                    generation, closed = self.core.closed_tasks()
+                    msg.closed_generation = generation
+                    msg.closed.extend(closed.to_flat())
+                    msg.has_closed = True
                 if claimed:
                     self._after_durable.point = "after_export_claim"
             elif self.core.export_pending():

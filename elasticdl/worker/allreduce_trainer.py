@@ -44,6 +44,7 @@ import torch.distributed as dist
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.checkpoint import api as ckpt
 from elasticdl.checkpoint import data_position
+from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
@@ -234,15 +235,30 @@ class AllreduceTrainer(Trainer):
         self._write_trained(ckpt.version_dir(js.checkpoint_dir, version))
         ckpt.save(js.checkpoint_dir, version, self.state_dict(), js.keep_checkpoint_max)
 
-    def save_final_checkpoint(self) -> Optional[str]:
+    def save_final_checkpoint(self, closed: Optional[tuple[int, Sequence[int]]] = None
+                              ) -> Optional[str]:
         """The exporting member (any rank: training is over, every member holds the
         same model and knows every member's trained records) writes the final
-        model's checkpoint, unless the periodic rule wrote that version already."""
+        model's checkpoint, unless the periodic rule wrote that version already.
+
+        ``closed``: the master's closed tasks sent with the export order. The sets
+        that come with training tasks are snapshots up to a second old, so a member
+        may end training knowing few or none of them (a job of a few seconds: every
+        task handed out within one snapshot). Its entries still hold every step
+        (a task leaves them only once known closed), so such a position resumes
+        exactly, but it is not compact; settled here, the final checkpoint records
+        every closed task as an interval and only the entries of the others (none,
+        training being over). A periodic checkpoint of the final version gets its
+        data position rewritten (atomically, the same minibatches)."""
         js, version = self.job_spec, self.state.model_version
         if not js.checkpoint_dir:
             return None
+        if closed is not None:
+            self.trained.settle(int(closed[0]), IntervalSet.from_flat(list(closed[1])))
         vdir = ckpt.version_dir(js.checkpoint_dir, version)
         if version in ckpt.complete_versions(js.checkpoint_dir):
+            if closed is not None:
+                self._write_trained(vdir)
             return vdir
         self.trained.last_saved = version
         self._write_trained(vdir)

@@ -115,7 +115,8 @@ def run_worker(args: WorkerArgs) -> int:
                     logger.info("exporting the final checkpoint %s (model version %d)",
                                 client.export_from, runtime.model_version)
                 elif spec.checkpoint_dir and spec.checkpoint_steps:  # the final model
-                    logger.info("final checkpoint: %s", runtime.save_final_checkpoint())
+                    logger.info("final checkpoint: %s",
+                                runtime.save_final_checkpoint(client.export_closed))
                 faults.point("before_export", exporting=True)
                 paths = runtime.export(job_dir_for(spec))
                 faults.point("after_export", exporting=True)

@@ -57,6 +57,8 @@ class MasterClient(TaskSource):
         self.export_model = False
         # the final checkpoint to load before exporting (this worker did not train)
         self.export_from = ""
+        # with the export order (allreduce): the master's closed tasks, (generation, flat)
+        self.export_closed: Optional[tuple[int, tuple[int, ...]]] = None
         self._request_id = 0
         self._leases = True   # False once the master answered UNIMPLEMENTED (older one)
         # the worker's model version, sent with every task result (set once the
@@ -158,6 +160,8 @@ class MasterClient(TaskSource):
         if msg.extended_config.get("export_model") == "true":
             self.export_model = True
             self.export_from = msg.extended_config.get("export_from", "")
+            if msg.has_closed:
+                self.export_closed = (int(msg.closed_generation), tuple(msg.closed))
 
     def report_tasks(self, reports: Sequence[pb.ReportTaskResultRequest]) -> None:
         """Several task results in one call (applied and journaled in order).

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 OnVersion = Callable[[int], None]
 Readers = dict[TaskType, DataReader]
+Closed = Optional[tuple[int, Sequence[int]]]   # the master's closed tasks: generation, flat
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,12 @@ class WorkerRuntime(ABC):
             ConnectionError: the parameters live elsewhere (PS) and cannot be read.
         """
 
-    def save_final_checkpoint(self) -> Optional[str]:
+    def save_final_checkpoint(self, closed: Closed = None) -> Optional[str]:
         """With ``--checkpoint_dir``: a checkpoint of the final model (training is
         over), whatever ``--checkpoint_steps`` left; the version directory, or None
-        where the strategy has none to write (the exporting worker calls it)."""
+        where the strategy has none to write (the exporting worker calls it).
+        ``closed``: the master's closed tasks sent with the export order,
+        ``(generation, flat intervals)``, for a data position that holds them."""
         return None
 
     @abstractmethod
@@ -247,7 +250,7 @@ class PSRuntime(TaskLoopRuntime):
         # the PS hold the newest parameters: pull them first
         return self.trainer.export_model(directory)
 
-    def save_final_checkpoint(self) -> Optional[str]:
+    def save_final_checkpoint(self, closed: Closed = None) -> Optional[str]:
         # every PS writes its shard (and its trained records) of the final version
         from elasticdl.worker.ps_client import PSVersionsDifferError
 
@@ -318,8 +321,8 @@ class AllreduceRuntime(WorkerRuntime):
         return ckpt.export_model(self.member.model, directory,
                                  self.member.job_spec.export_torchscript)
 
-    def save_final_checkpoint(self) -> Optional[str]:
-        return self.member.save_final_checkpoint()
+    def save_final_checkpoint(self, closed: Closed = None) -> Optional[str]:
+        return self.member.save_final_checkpoint(closed)
 
     def close(self) -> None:
         self.member.close()
