@@ -1,10 +1,12 @@
 """What the job core's parts share, and the rule they follow.
 
-:class:`~elasticdl.master.job.JobCore` is assembled from :class:`CoreBase`
-(its parts and its lock), the mixin :class:`~elasticdl.master.job_journal.Journaled`
-(write-ahead journal, snapshots, restore) and the mixin
-:class:`~elasticdl.master.recovery.Recovery` (protocol steps, replica
-identities, the final export). The rule, for every one of them:
+The job core is one chain of classes, each adding one concern:
+:class:`CoreBase` (its parts and its lock) <-
+:class:`~elasticdl.master.job_journal.Journaled` (write-ahead journal,
+snapshots, restore) <- :class:`~elasticdl.master.recovery.Recovery` (PS
+rollback and settle, protocol steps, replica identities, the final export) <-
+:class:`~elasticdl.master.job.JobCore` (dispatch, results, versions,
+evaluations, the report, the state). The rule, for every one of them:
 
 - **One lock.** ``_lock`` (re-entrant) guards the whole job state. Every
   method that reads or changes it takes ``_lock``; the parts it holds
