@@ -129,7 +129,7 @@ class ProtocolExecutor:
             core.protocol_step(p.pid, Step.PS_LAUNCHED, launch=[], launched=launch)
             faults.point("after_ps_launched")
             for index in launch:
-                self.c._launch_ps(index, ("--await_rollback",), restore_from=p.data["dir"])
+                self.c._launch_ps(index, await_rollback=True, restore_from=p.data["dir"])
             core.snapshot()
         elif act == Act.CHOOSE_VERSION:
             self._start(p, self._choose_version, p)

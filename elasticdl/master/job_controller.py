@@ -7,6 +7,12 @@ re-queued tasks: :class:`JobCore`, each a journaled transition taken before
 the launch or after the event it records), runs the recovery protocols (PS
 rollback, final export: :mod:`elasticdl.master.executor`), and writes the
 report the core keeps.
+
+Its loop is explicit: :attr:`JobController.phase` (a
+:class:`~elasticdl.master.job_phase.JobPhase`) moves only in :meth:`_step`,
+one pass of the loop, by the pure rule
+:func:`~elasticdl.master.job_phase.next_phase`; replicas are launched from
+typed specs (:mod:`elasticdl.master.replica_launcher`).
 """
 
 from __future__ import annotations
@@ -23,20 +29,20 @@ from elasticdl.cluster.api import (
     Phase,
     ReplicaEvent,
     ReplicaInfo,
-    ReplicaSpec,
     ReplicaType,
 )
 from elasticdl.common import faults
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec
-from elasticdl.common.resources import parse_envs, parse_resources
 from elasticdl.common.strategy import entry_for
 from elasticdl.master import restore
 from elasticdl.master.elastic_control import ElasticControl
 from elasticdl.master.executor import ProtocolExecutor
 from elasticdl.master.job import JobCore
+from elasticdl.master.job_phase import JobPhase, Observation, next_phase
 from elasticdl.master.policy import Action, RelaunchPolicy
 from elasticdl.master.rendezvous import RendezvousHandler
+from elasticdl.master.replica_launcher import PSLaunch, ReplicaLauncher, WorkerLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -67,39 +73,25 @@ class JobController:
         self.policy = policy or RelaunchPolicy(spec.relaunch_on_worker_failure)
         self.finish_timeout_s = finish_timeout_s
         self.report_interval_s = report_interval_s
-        self._finishing = False
+        self.phase = JobPhase.RUNNING
+        self._finishing_since: Optional[float] = None   # when FINISHING began
+        self._last_report = 0.0
+        self.launcher = ReplicaLauncher(spec, cluster, master_addr)
         self.ps_addrs: list[str] = []
         self._ps_ports: list[int] = []
         self.executor = ProtocolExecutor(self)
         self.elastic = ElasticControl(self)   # elastic scheduling (master/scaling.py)
 
     # ------------------------------------------------------------ replicas
-    def _common_flags(self) -> list[str]:
-        return [f"--master_addr={self.master_addr}", f"--job_spec={self.spec.to_json()}"]
-
-    def _replica(self, typ: ReplicaType, index: int, command: list[str], port: int = 0
-                 ) -> ReplicaSpec:
-        s = self.spec
-        req = {ReplicaType.WORKER: s.worker_resource_request,
-               ReplicaType.PS: s.ps_resource_request}[typ]
-        lim = {ReplicaType.WORKER: s.worker_resource_limit,
-               ReplicaType.PS: s.ps_resource_limit}[typ]
-        prio = {ReplicaType.WORKER: s.worker_pod_priority, ReplicaType.PS: s.ps_pod_priority}[typ]
-        return ReplicaSpec(job_name=s.job_name, type=typ, index=index, command=tuple(command),
-                           env=parse_envs(s.envs), resource_requests=parse_resources(req),
-                           resource_limits=parse_resources(lim), priority=prio, port=port)
-
-    def _launch_ps(self, index: int, extra: tuple[str, ...] = (),
+    def _launch_ps(self, index: int, await_rollback: bool = False,
                    restore_from: Optional[str] = None) -> None:
         """Create PS ``index``, restoring ``restore_from`` (the master's restore rule:
-        :mod:`elasticdl.master.restore`; None: the run's initial source)."""
-        port = self._ps_ports[index]
-        source = restore_from or restore.initial_source(self.spec)
-        cmd = ["python", "-m", "elasticdl.ps.main", f"--ps_id={index}",
-               f"--num_ps={self.spec.num_ps_pods}", f"--port={port}",
-               f"--restore_from={source}", f"--version_floor={self.core.start_version()}",
-               *extra] + self._common_flags()
-        self.cluster.create_replica(self._replica(ReplicaType.PS, index, cmd, port))
+        :mod:`elasticdl.master.restore`; None: the run's initial source);
+        ``await_rollback``: into an open PS rollback."""
+        self.launcher.launch(PSLaunch(
+            ps_id=index, num_ps=self.spec.num_ps_pods, port=self._ps_ports[index],
+            restore_from=restore_from or restore.initial_source(self.spec),
+            version_floor=self.core.start_version(), await_rollback=await_rollback))
         self.core.notify("on_replica", kind="ps", index=index, alive=True)
 
     def _relaunch_ps(self, index: int) -> None:
@@ -115,11 +107,7 @@ class JobController:
     def _launch_worker(self, lineage: Optional[int] = None) -> int:
         worker_id = self.core.launch_worker(lineage)   # journaled before the launch
         faults.point("after_launch_intent")
-        cmd = ["python", "-m", "elasticdl.worker.main", f"--worker_id={worker_id}"]
-        if self.ps_addrs:
-            cmd.append(f"--ps_addrs={','.join(self.ps_addrs)}")
-        self.cluster.create_replica(self._replica(ReplicaType.WORKER, worker_id,
-                                                  cmd + self._common_flags()))
+        self.launcher.launch(WorkerLaunch(worker_id, tuple(self.ps_addrs)))
         self.elastic.launched(worker_id)
         return worker_id
 
@@ -202,7 +190,7 @@ class JobController:
                 return  # retired by a resize (or cancelled): not replaced
         # until the final model is written, a lost replica is replaced (a PS rollback
         # may even reopen training): the export needs a worker and every PS
-        done = self._finishing and (self.spec.job_type != JobType.TRAIN or
+        done = self.phase.winding_down and (self.spec.job_type != JobType.TRAIN or
                                     self.core.exported is not None)
         decision = self.policy.decide(event, failures, done)
         logger.info("%s %s (exit %s, %s): %s - %s", name, event.phase.value, event.exit_code,
@@ -230,7 +218,7 @@ class JobController:
             return
         for worker_id in self.rendezvous.take_excluded():
             alive = self.book.is_live(worker_id)
-            if not alive or self._finishing or self.tm.training_records_left() == 0:
+            if not alive or self.phase.winding_down or self.tm.training_records_left() == 0:
                 continue  # gone already, or training is over (members left the group)
             logger.warning("worker %d made no progress and was left out of the allreduce "
                            "group as hung; stopping it to relaunch it", worker_id)
@@ -280,60 +268,53 @@ class JobController:
                        traceback.format_exc())
 
     def run(self, stop: threading.Event) -> str:
-        """Drive the job; returns the final status (succeeded, failed, stopped)."""
-        last_report = 0.0
-        finished_at: Optional[float] = None
-        while True:
-            events = self.cluster.poll_events(0.2)
-            for event in events:
-                self._guarded(f"handling {event.name} {event.phase.value}", self.handle,
-                              event)
-            if any(e.phase not in (Phase.PENDING, Phase.RUNNING) for e in events) or \
-                    self.report.failure is not None:
-                self.core.snapshot()  # replica bookkeeping is not in the journal's records
-            self._guarded("stopping hung workers", self._stop_hung_workers)
-            self._guarded("advancing the recovery protocols", self.executor.advance)
-            self._guarded("elastic scaling", self.elastic.step)
-            now = time.monotonic()
-            if now - last_report >= self.report_interval_s:
-                last_report = now
-                self.core.snapshot()  # keeps the journal (and a replay) short
-                self._write_report()
-                self._log_progress()
-            if stop.is_set():
-                self.report.status = "stopped"
-                break
-            if self.report.failure is not None:
-                break
-            if self.tm.failure is not None:
-                f = self.tm.failure
-                self._fail(f"worker-{f.worker_id}", f.describe(), f.traceback)
-                break
-            if self.core.finished():
-                self._finishing = True
-                finished_at = finished_at or now
-                exported = self.spec.job_type != JobType.TRAIN or self.core.exported is not None
-                live = self.book.num_live()
-                if exported and (live == 0 or now - finished_at > 10):
-                    self.report.status = "succeeded"
-                    break
-                if now - finished_at > self.finish_timeout_s:
-                    self._fail("master", "workers did not finish (final model export) within "
-                               f"{self.finish_timeout_s:.0f} s", "")
-                    break
-                continue
-            finished_at = None   # not finished (any more: a PS rollback reopened training)
-            self._finishing = False
-            none_alive = self.book.num_live() == 0
-            first = self.book.first_failure
-            if none_alive:
-                replica, msg, tb = first or ("master", "every worker is gone", "")
-                self._fail(replica, f"every worker has failed; first failure: {msg}", tb)
-                break
-        self._finishing = True
+        """Drive the job until its phase is terminal; returns the final status
+        (succeeded, failed, stopped)."""
+        while not self.phase.is_terminal:
+            self._step(stop)
         self._write_report()
         logger.info("job %s %s", self.spec.job_name, self.report.status)
         return self.report.status
+
+    def _step(self, stop: threading.Event) -> None:
+        """One pass: apply the cluster's events, advance the recovery protocols and
+        the elastic scaling, write the report now and then, then move the phase."""
+        events = self.cluster.poll_events(0.2)
+        for event in events:
+            self._guarded(f"handling {event.name} {event.phase.value}", self.handle, event)
+        if any(e.phase not in (Phase.PENDING, Phase.RUNNING) for e in events) or \
+                self.report.failure is not None:
+            self.core.snapshot()  # replica bookkeeping is not in the journal's records
+        self._guarded("stopping hung workers", self._stop_hung_workers)
+        self._guarded("advancing the recovery protocols", self.executor.advance)
+        self._guarded("elastic scaling", self.elastic.step)
+        now = time.monotonic()
+        if now - self._last_report >= self.report_interval_s:
+            self._last_report = now
+            self.core.snapshot()  # keeps the journal (and a replay) short
+            self._write_report()
+            self._log_progress()
+        step = next_phase(self.phase, self._finishing_since, self._observe(stop, now),
+                          self.finish_timeout_s)
+        if step.failure is not None:
+            self._fail(*step.failure)
+        elif step.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED):
+            self.report.status = step.phase.value
+        self.phase, self._finishing_since = step.phase, step.since
+
+    def _observe(self, stop: threading.Event, now: float) -> Observation:
+        """What :func:`next_phase` decides from (only what the step it takes needs)."""
+        if stop.is_set() or self.report.failure is not None:
+            return Observation(now, stop_requested=stop.is_set(),
+                               failed=self.report.failure is not None)
+        f = self.tm.failure
+        if f is not None:
+            return Observation(now, task_failure=(f"worker-{f.worker_id}", f.describe(),
+                                                  f.traceback))
+        return Observation(
+            now, finished=self.core.finished(),
+            exported=self.spec.job_type != JobType.TRAIN or self.core.exported is not None,
+            live_workers=self.book.num_live(), first_failure=self.book.first_failure)
 
     def _write_report(self) -> None:
         self.report.extra["workers"] = self.elastic.report()

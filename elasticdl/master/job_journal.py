@@ -1,45 +1,36 @@
 """The job core's side of master failover: journaling its transitions, snapshots,
 and restoring from them (see :mod:`elasticdl.master.journal`).
 
-:class:`Journaled` is a mixin of :class:`~elasticdl.master.job.JobCore`: every
-public state change calls :meth:`_log` under the core's lock; a replay runs the
-same public calls with the journaled clock, so it decides exactly as the dead
-master did.
+:class:`Journaled` is a mixin of the job core (see
+:mod:`elasticdl.master.core_base` for the rule its parts share): every public
+state change calls :meth:`_log` under the core's lock; a replay runs the same
+public calls with the journaled clock (:mod:`elasticdl.master.job_replay`,
+keyed by :class:`~elasticdl.master.journal_ops.Op`), so it decides exactly as
+the dead master did.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import enum
 import gc
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, cast
 
-from elasticdl.common.intervals import IntervalSet
-from elasticdl.common.task import Task, TaskType
 from elasticdl.master import task_state
+from elasticdl.master.core_base import CoreBase
+from elasticdl.master.job_replay import ReplayTarget, replay
 from elasticdl.master.journal import Journal, JournalError
-
-if TYPE_CHECKING:
-    from elasticdl.master.replicas import ReplicaBook
-    from elasticdl.master.task_manager import TaskManager
+from elasticdl.master.journal_ops import Op
+from elasticdl.master.task_manager import TaskManager
 
 logger = logging.getLogger("elasticdl.master.job")
 
-Metric = tuple[str, float, int]
 
-
-class Journaled:
+class Journaled(CoreBase):
     """Journal state for the job core (mixed into JobCore, which sets it up with
     :meth:`_init_journal`)."""
-
-    tm: TaskManager
-    replicas: ReplicaBook
-    _lock: threading.RLock
 
     def _init_journal(self, task_manager: TaskManager) -> None:
         # the write-ahead journal (master failover): every public state change is
@@ -58,58 +49,6 @@ class Journaled:
         self._base_clock: Callable[[], float] = task_manager._clock
         task_manager._clock = self._now
 
-    if TYPE_CHECKING:  # the public calls a replay runs (JobCore has them)
-        def state_dict(self, defer: bool = False) -> dict[str, Any]:
-            ...
-
-        def load_state_dict(self, state: dict[str, Any]) -> None:
-            ...
-
-        def get(self, worker_id: int, task_type: Optional[TaskType] = None,
-                request_id: int = 0) -> Task:
-            ...
-
-        def report_task(self, task_id: int, worker_id: int, success: bool, error: str = "",
-                        traceback: str = "", fatal: bool = False, counters: Any = None,
-                        model_version: Optional[int] = None, loss: Optional[float] = None,
-                        learning_rate: Optional[float] = None) -> None:
-            ...
-
-        def report_evaluation(self, task_id: int, model_version: int, metrics: Any,
-                              states: bytes = b"") -> None:
-            ...
-
-        def on_version(self, worker_id: int, version: int) -> None:
-            ...
-
-        def begin(self) -> None:
-            ...
-
-        def recover_tasks(self, worker_id: int) -> list[Task]:
-            ...
-
-        def rollback(self, applied: dict[int, int], new_version: int,
-                     closed: Optional[IntervalSet] = None) -> list[int]:
-            ...
-
-        def settle(self, checkpoint_version: int, held: IntervalSet) -> int:
-            ...
-
-        def begin_rollback(self) -> None:
-            ...
-
-        def end_rollback(self) -> None:
-            ...
-
-        def start_at_version(self, version: int) -> None:
-            ...
-
-        def claim_export(self, worker_id: int) -> bool:
-            ...
-
-        def worker_reported(self, worker_id: int, message: str, traceback: str) -> None:
-            ...
-
     def _now(self) -> float:
         return self._frozen if self._frozen is not None else self._base_clock()
 
@@ -127,7 +66,7 @@ class Journaled:
 
     def _log(self, op: str, **fields: Any) -> None:
         """Journal transition ``op`` (an :class:`Op` value; its replay is in
-        :data:`HANDLERS`)."""
+        :data:`elasticdl.master.job_replay.HANDLERS`)."""
         if self._journal is not None and not self._replaying:
             # on disk before the call returns: fsynced here (callers that ack
             # over the wire may group-commit instead: see durable())
@@ -225,130 +164,5 @@ class Journaled:
         return len(records)
 
     def _apply(self, rec: dict[str, Any]) -> None:
-        try:
-            op = Op(rec["op"])
-        except ValueError:
-            raise JournalError(f"journal record {rec.get('seq')}: unknown op "
-                               f"{rec['op']!r}") from None
         with self._at(rec.get("t")):
-            HANDLERS[op](self, rec)
-
-
-class Op(str, enum.Enum):
-    """The journal's record kinds: one per journaled JobCore transition. A new
-    transition adds a member here and its replay in :data:`HANDLERS`."""
-
-    GET = "get"
-    REPORT = "report"
-    LEASE = "lease"                     # several gets of one call (get_tasks)
-    REPORTS = "reports"                 # several reports of one call
-    METRICS = "metrics"
-    VERSION = "version"
-    BEGIN = "begin"
-    RECOVER = "recover"
-    ROLLBACK = "rollback"
-    SETTLE = "settle"
-    BEGIN_ROLLBACK = "begin_rollback"   # journals written before the rollback protocol
-    END_ROLLBACK = "end_rollback"
-    START_AT = "start_at"
-    EXPORT = "export"
-    WORKER_REPORTED = "worker_reported"
-    # recovery protocols and replica identities (elasticdl.master.recovery)
-    INCARNATION = "incarnation"
-    PS_LOST = "ps_lost"
-    PROTOCOL_STEP = "protocol_step"
-    ROLLBACK_REQUEUED = "rollback_requeued"
-    PROTOCOL_CLOSE = "protocol_close"
-    EXPORT_WRITTEN = "export_written"
-    EXPORT_LOST = "export_lost"
-    EXPORT_OPEN = "export_open"
-    LAUNCH = "launch"
-    GONE = "gone"
-    NOTE_EXIT = "note_exit"
-    RESIZE = "resize"                   # elasticdl scale: new worker bounds (scaling.py)
-
-
-def _replay_get(core: Any, rec: dict[str, Any]) -> None:
-    tt = rec["type"]
-    task = core.get(rec["w"], None if tt is None else TaskType(tt), rec["r"])
-    got = task_state.task_to_json(task)
-    if got != rec["task"]:
-        raise JournalError(f"journal record {rec['seq']}: replayed get_task gave "
-                           f"task {got}, the journal says {rec['task']}")
-
-
-def _replay_lease(core: Any, rec: dict[str, Any]) -> None:
-    tt = rec["type"]
-    with core._lock:
-        for i, want in enumerate(rec["tasks"]):
-            got = task_state.task_to_json(core._get_locked(
-                rec["w"], None if tt is None else TaskType(tt), reassign=i == 0))
-            if got != want:
-                raise JournalError(f"journal record {rec['seq']}: replayed get_tasks gave "
-                                   f"task {got}, the journal says {want}")
-
-
-def _replay_reports(core: Any, rec: dict[str, Any]) -> None:
-    from elasticdl.master.job import TaskResult
-
-    refused = core.report_tasks(rec["w"], [TaskResult(*r) for r in rec["results"]])
-    if refused:
-        raise JournalError(f"journal record {rec['seq']}: replayed reports refused "
-                           f"{refused}, the journal recorded them all")
-
-
-def _replay_launch(core: Any, rec: dict[str, Any]) -> None:
-    got = core.launch_worker(rec["lineage"])
-    if got != rec["id"]:
-        raise JournalError(f"journal record {rec['seq']}: replayed launch gave worker "
-                           f"{got}, the journal says {rec['id']}")
-
-
-def _replay_step(core: Any, rec: dict[str, Any]) -> None:
-    from elasticdl.master.protocols import Step
-
-    core.protocol_step(rec["pid"], Step(rec["step"]), **rec["data"])
-
-
-Handler = Callable[[Any, dict[str, Any]], None]
-
-HANDLERS: dict[Op, Handler] = {
-    Op.GET: _replay_get,
-    Op.LEASE: _replay_lease,
-    Op.REPORTS: _replay_reports,
-    Op.REPORT: lambda core, rec: core.report_task(
-        rec["task"], rec["w"], rec["ok"], rec["error"], rec["tb"], rec["fatal"],
-        rec["counters"], rec["version"], rec.get("loss"), rec.get("lr")),
-    Op.METRICS: lambda core, rec: core.report_evaluation(
-        rec["task"], rec["version"], [tuple(m) for m in rec["metrics"]],
-        base64.b64decode(rec.get("states", ""))),
-    Op.VERSION: lambda core, rec: core.on_version(rec["w"], rec["version"]),
-    Op.BEGIN: lambda core, rec: core.begin(),
-    Op.RECOVER: lambda core, rec: core.recover_tasks(rec["w"]),
-    Op.ROLLBACK: lambda core, rec: core.rollback(
-        {int(k): v for k, v in rec["applied"].items()}, rec["version"],
-        None if rec.get("closed") is None else IntervalSet.from_flat(rec["closed"])),
-    Op.SETTLE: lambda core, rec: core.settle(rec["version"],
-                                             IntervalSet.from_flat(rec["held"])),
-    Op.BEGIN_ROLLBACK: lambda core, rec: core.begin_rollback(),
-    Op.END_ROLLBACK: lambda core, rec: core.end_rollback(),
-    Op.START_AT: lambda core, rec: core.start_at_version(rec["version"]),
-    Op.EXPORT: lambda core, rec: core.claim_export(rec["w"]),
-    Op.WORKER_REPORTED: lambda core, rec: core.worker_reported(rec["w"], rec["error"],
-                                                               rec["tb"]),
-    Op.INCARNATION: lambda core, rec: core.new_incarnation(),
-    Op.PS_LOST: lambda core, rec: core.ps_lost(rec["index"], rec["source"], rec["now"]),
-    Op.PROTOCOL_STEP: _replay_step,
-    Op.ROLLBACK_REQUEUED: lambda core, rec: core.rollback_requeued(
-        rec["pid"], {int(k): v for k, v in rec["applied"].items()}, rec["version"],
-        None if rec.get("closed") is None else IntervalSet.from_flat(rec["closed"])),
-    Op.PROTOCOL_CLOSE: lambda core, rec: core.protocol_close(rec["pid"]),
-    Op.EXPORT_WRITTEN: lambda core, rec: core.export_written(rec["w"], rec["path"]),
-    Op.EXPORT_LOST: lambda core, rec: core.export_lost(rec["pid"]),
-    Op.EXPORT_OPEN: lambda core, rec: core.open_export(rec["source"]),
-    Op.LAUNCH: _replay_launch,
-    Op.GONE: lambda core, rec: core.replica_gone(rec["w"], rec["ok"], rec["key"],
-                                                 rec["counts"]),
-    Op.NOTE_EXIT: lambda core, rec: core.note_exit(rec["w"], rec["replica"], rec["fallback"]),
-    Op.RESIZE: lambda core, rec: core.resize_workers(rec["min"], rec["max"], rec["reason"]),
-}
+            replay(cast(ReplayTarget, self), rec)

@@ -33,8 +33,9 @@ from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
 from elasticdl.data.csv_reader import INDEX_CACHE_ENV
 from elasticdl.master import failover, job_history, observability, ps_settle, restore
-from elasticdl.master.job import JobCore, report_for, start_version_of
+from elasticdl.master.job import JobCore
 from elasticdl.master.job_controller import JobController
+from elasticdl.master.job_factory import core_from_spec, report_for, start_version_of
 from elasticdl.master.journal import JournalLockedError
 from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.scaling import WorkerCounts
@@ -109,8 +110,8 @@ def build_core(spec: JobSpec, restoring: bool = False) -> JobCore:
             # continue above that directory's newest (see master/restore.py)
             start = max(start, restore.run_base(spec))
     # a new task id range per run: no task matches a PS ledger of an earlier run
-    core = JobCore.from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
-                             start_version=start)
+    core = core_from_spec(spec, _readers(spec), first_task_id=int(time.time() * 1000) << 16,
+                          start_version=start)
     # the worker bounds, before a restore: replayed resizes land in it (docs/elastic.md)
     core.attachments["scaling"] = WorkerCounts(spec.workers_min, spec.initial_workers)
     if spec.job_type == JobType.TRAIN and not restoring:

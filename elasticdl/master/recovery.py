@@ -1,8 +1,10 @@
 """The job core's recovery transitions: protocol steps, replica identities, the
-final export (mixed into :class:`~elasticdl.master.job.JobCore`).
+final export (mixed into :class:`~elasticdl.master.job.JobCore`; the rule it
+shares with the core's other parts: :mod:`elasticdl.master.core_base`).
 
-Every method here is one journaled transition (an :class:`Op` with its replay
-in :data:`elasticdl.master.job_journal.HANDLERS`), taken under the core's lock
+Every method here is one journaled transition (an
+:class:`~elasticdl.master.journal_ops.Op` with its replay in
+:data:`elasticdl.master.job_replay.HANDLERS`), taken under the core's lock
 and written before the controller does what it names: a restarted master
 replays them and resumes each open protocol from its step (see
 :mod:`elasticdl.master.protocols`).
@@ -11,56 +13,23 @@ replays them and resumes each open protocol from its step (see
 from __future__ import annotations
 
 import logging
-import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from elasticdl.common.enums import JobType
 from elasticdl.common.intervals import IntervalSet
-from elasticdl.master.protocols import Kind, Protocol, ProtocolBook, Step
-from elasticdl.master.task_state import EVAL_TYPES
-
-if TYPE_CHECKING:
-    from elasticdl.common.job_report import JobReport
-    from elasticdl.master.replicas import ReplicaBook
-    from elasticdl.master.task_manager import TaskManager
+from elasticdl.master.job_journal import Journaled
+from elasticdl.master.protocols import Kind, Protocol, Step
 
 logger = logging.getLogger("elasticdl.master.job")
 
 
-class Recovery:
-    """Recovery transitions of the job core (it sets ``protocols``)."""
+class Recovery(Journaled):
+    """Recovery transitions of the job core (it sets ``protocols``); journaled
+    through :class:`Journaled`."""
 
-    tm: TaskManager
-    replicas: ReplicaBook
     # only a worker that trained holds the model (allreduce members; a PS worker
     # pulls it from the PS, so any may export): set before a restore replays
     export_requires_training = False
-    report: JobReport
-    protocols: ProtocolBook
-    job_type: JobType
-    version: int
-    _start: int
-    _lock: threading.RLock
-
-    if TYPE_CHECKING:
-        def _log(self, op: str, **fields: Any) -> None:
-            ...
-
-        def _now(self) -> float:
-            ...
-
-        def _at(self, t: Optional[float] = None) -> Any:
-            ...
-
-        def finished(self) -> bool:
-            ...
-
-        def _rollback(self, applied: dict[int, int], new_version: int,
-                      closed: Optional[IntervalSet] = None) -> list[int]:
-            ...
-
-        def _after_rollback(self, lost: list[int]) -> None:
-            ...
 
     # ------------------------------------------------------------ incarnation
     def new_incarnation(self) -> int:
@@ -73,12 +42,63 @@ class Recovery:
     def start_version(self) -> int:
         """The version the run started from (its base, see restore.run_base)."""
         with self._lock:
-            return int(self._start)
+            return int(self.versions.start)
 
     # ------------------------------------------------------------ PS rollback
     def rolling_back(self) -> bool:
         with self._lock:
             return self.protocols.find(Kind.ROLLBACK) is not None
+
+    def begin_rollback(self) -> None:
+        """A PS rollback starts: until :meth:`rollback` says at which version versions
+        continue, the bound is unknown (the PS may already apply pushes above it), so
+        versions above it are ignored, not refused; they come again with later reports."""
+        with self._lock:
+            self.versions.rollbacks_pending += 1
+            self._log("begin_rollback")
+
+    def end_rollback(self) -> None:
+        """The PS rollback failed (the job fails); the bound holds again."""
+        with self._lock:
+            self.versions.rollbacks_pending = max(self.versions.rollbacks_pending - 1, 0)
+            self._log("end_rollback")
+
+    def rollback(self, applied: dict[int, int], new_version: int,
+                 closed: Optional[IntervalSet] = None) -> list[int]:
+        """The PS rolled back to a checkpoint; versions continue at ``new_version``.
+        ``applied``: per task, the records every restored PS holds; ``closed``:
+        tasks every restored PS holds whole (its compacted ledgers)."""
+        with self._lock:
+            lost = self._rollback(applied, new_version, closed)
+            self._log("rollback", applied={str(k): v for k, v in applied.items()},
+                      version=new_version, closed=None if closed is None else closed.to_flat())
+            return lost
+
+    def _rollback(self, applied: dict[int, int], new_version: int,
+                  closed: Optional[IntervalSet] = None) -> list[int]:
+        lost = self.tm.rollback(applied, new_version, closed)
+        v = self.versions
+        v.version = max(v.version, new_version)
+        v.rollbacks_pending = max(v.rollbacks_pending - 1, 0)
+        return lost
+
+    def closed_tasks(self) -> tuple[int, IntervalSet]:
+        """``(generation, closed)``: the generation is the rollback version (a PS
+        that rolled back to a higher one ignores this set); ``closed`` a copy of
+        the ids of every task counted done (training tasks the PS folds; the ids
+        of evaluation and prediction tasks hold no PS work)."""
+        with self._lock:
+            return self.tm.rollback_version, self.tm.completed.copy()
+
+    def settle(self, checkpoint_version: int, held: IntervalSet) -> int:
+        """Checkpoint ``checkpoint_version`` is complete on every PS and holds the
+        tasks ``held`` whole on each: closed tasks among them can no longer be
+        re-opened by a rollback, so their per-task detail goes. Returns how many
+        settled."""
+        with self._lock:
+            n = self.tm.settle(checkpoint_version, held)
+            self._log("settle", version=checkpoint_version, held=held.to_flat())
+            return n
 
     def ps_lost(self, index: int, source: Optional[dict[str, Any]], now: float
                 ) -> Optional[Protocol]:
@@ -121,7 +141,7 @@ class Recovery:
             self.protocols.rollbacks_done += 1
             self.report.extra.setdefault("ps_rollbacks", []).append(
                 {"checkpoint_version": p.data.get("checkpoint"), "new_version": new_version})
-            self._after_rollback(lost)
+            self.evaluations.after_rollback(self.versions.version)
             self._log("rollback_requeued", pid=pid,
                       applied={str(k): v for k, v in applied.items()}, version=new_version,
                       closed=None if closed is None else closed.to_flat())
@@ -249,41 +269,20 @@ class Recovery:
             self.replicas.note_exit(worker_id, replica, fallback)
             self._log("note_exit", w=worker_id, replica=replica, fallback=fallback)
 
+    def worker_reported(self, worker_id: int, message: str, traceback: str) -> None:
+        """A worker's own report of its failure (the job's root cause candidate)."""
+        with self._lock:
+            self.replicas.worker_reported(worker_id, message, traceback)
+            self._log("worker_reported", w=worker_id, error=message, tb=traceback)
 
-def evaluations_after_rollback(core: Any) -> None:
-    """After a PS rollback: the running evaluation measured a model the PS no
-    longer hold, so its tasks are dropped and it runs again; an epoch the
-    rollback reopened is evaluated again when it ends again (its epoch-end and
-    final reasons wait for that); everything else is evaluated on the model as
-    it now is, under the version the job now has."""
-    tm = core.tm
-    with tm._lock:
-        reopened = {e for e in core._epochs_ended if tm._epoch_open_tasks.get(e, 0) > 0}
-        core._epochs_ended -= reopened
-        running = core._running
-        if running is not None:
-            version = running["version"]
-            tm._blocks = [b for b in tm._blocks
-                          if not (b.type in EVAL_TYPES and b.model_version == version)]
-            tm._eval_requeued = type(tm._eval_requeued)(
-                t for t in tm._eval_requeued if t.model_version != version)
-            for task_id in [k for k, d in tm._doing.items()
-                            if d.task.model_version == version and d.task.type in EVAL_TYPES]:
-                del tm._doing[task_id]
-            tm._eval_jobs.pop(version, None)
-            core.aggregator.discard(version)
-            core._running = None
-            logger.warning("PS rollback: the evaluation of model version %d is dropped and "
-                           "runs again (%s)", version, ", ".join(running["reasons"]))
-            keep = [r for r in running["reasons"]
-                    if not (running["epoch"] in reopened and r in ("epoch_end", "final"))]
-            for reason in keep:
-                core._request_evaluation(reason, None if running["epoch"] in reopened
-                                         else running["epoch"])
-        pending = core._pending
-        if pending is not None and pending["epoch"] in reopened:
-            pending["reasons"] = [r for r in pending["reasons"]
-                                  if r not in ("epoch_end", "final")]
-            if not pending["reasons"]:
-                core._pending = None
-        tm.hold_training = core._pending is not None
+    def resize_workers(self, low: int, high: int, reason: str) -> dict[str, Any]:
+        """New worker bounds MIN:MAX (``elasticdl scale``), journaled; the job
+        controller reconciles the workers (elasticdl/master/scaling.py). Raises
+        ValueError for bad bounds, LookupError without worker bookkeeping."""
+        with self._lock, self._at() as t:
+            counts = self.attachments.get("scaling")
+            if counts is None:
+                raise LookupError("this job keeps no worker bookkeeping")
+            entry = counts.resize(low, high, reason)
+            self._log("resize", t=t, min=low, max=high, reason=reason)
+            return dict(entry)

@@ -21,11 +21,13 @@ from elasticdl.common import auth, faults
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
 from elasticdl.common.task import WAIT_TASK, Task, TaskType
 from elasticdl.common.wire import GRPC_OPTIONS, task_to_proto
+from elasticdl.master.core_types import TaskResult
 from elasticdl.master.evaluation import MetricStateError
-from elasticdl.master.job import JobCore, TaskResult, VersionError
+from elasticdl.master.job import JobCore
 from elasticdl.master.leases import MAX_LEASE, LeaseBook
 from elasticdl.master.ps_settle import ClosedSnapshot
 from elasticdl.master.rendezvous import MemberConflict, RendezvousHandler
+from elasticdl.master.versions import VersionError
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 

@@ -31,6 +31,7 @@ from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
 from elasticdl.master import job_history, observability
 from elasticdl.master.job import JobCore
+from elasticdl.master.job_factory import core_from_spec
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop
 from elasticdl.worker.task_source import LocalTaskSource
@@ -58,7 +59,7 @@ class LocalJob:
         # a custom loop's checkpoints name trained records by task id: ids of a run
         # never collide with an earlier run's (as the master's)
         first = int(time.time() * 1000) << 16 if self.custom_loop else 0
-        self.core = JobCore.from_spec(spec, self.readers, first_task_id=first)
+        self.core = core_from_spec(spec, self.readers, first_task_id=first)
         self.task_manager = self.core.tm
         self.report = self.core.report
         self.out_dir = job_dir_for(spec)

@@ -20,6 +20,7 @@ from elasticdl.common.job_report import JobReport
 from elasticdl.common.task import TaskType
 from elasticdl.master import task_state
 from elasticdl.master.job import JobCore
+from elasticdl.master.job_factory import core_from_spec
 from elasticdl.master.journal import Journal
 from elasticdl.master.task_blocks import Permutation
 from elasticdl.master.task_manager import TaskManager
@@ -117,7 +118,7 @@ def test_settle_on_close_where_no_rollback_can_happen(flags, settles):
 
     spec = job_spec_from_flags("train", {"model_zoo": "z", "model_def": "m.f",
                                          "training_data": "d", **flags})
-    core = JobCore.from_spec(spec, {TaskType.TRAINING: _Reader()})
+    core = core_from_spec(spec, {TaskType.TRAINING: _Reader()})
     assert core.tm.settle_on_close == settles
     t = core.get(0)
     core.report_task(t.task_id, 0, True)

@@ -184,8 +184,9 @@ def test_state_round_trip_through_json_keeps_future_behaviour(cut, phase):
     # cut while an evaluation is due (training held), runs (its tasks held; at 14
     # one of its two tasks reported its metrics), or not; then at every third step
     if phase is not None:
-        assert phase == ("pending" if a._pending else "running" if a._running else
-                         "training")
+        barrier = a.evaluations
+        assert phase == ("pending" if barrier.pending else
+                         "running" if barrier.running else "training")
     state = json.loads(json.dumps(a.state_dict()))
     b = make_core(evaluation_steps=5, shuffle=True)
     b.load_state_dict(state)
