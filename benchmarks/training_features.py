@@ -266,7 +266,8 @@ def ps_server(ps_id: int, num_ps: int, batch: int, port_q: Any) -> None:
     sys.path[:0] = [ROOT, ZOO]
     torch.set_num_threads(1)
     from elasticdl.api.model_spec import load_model_spec
-    from elasticdl.ps.server import start_server, tune_malloc
+    from elasticdl.common.malloc import tune_malloc
+    from elasticdl.ps.server import start_server
     from elasticdl.ps.servicer import PServicer
     from elasticdl.ps.shard import PSShard, ShardConfig
 

@@ -12,7 +12,7 @@ _COLLECTIVE = "elasticdl.elastic.collective"
 _STATE = "elasticdl.elastic.state"
 _LAZY = {"all_gather": _COLLECTIVE, "all_reduce": _COLLECTIVE, "CollectiveError": _COLLECTIVE,
          "ElasticState": _STATE, "StepAborted": _STATE,
-         "TrainLoopContext": "elasticdl.elastic.dataset"}
+         "TrainLoopContext": "elasticdl.worker.elastic_dataset"}
 
 __all__ = sorted(_LAZY)
 

@@ -29,9 +29,9 @@ import torch
 
 from elasticdl.checkpoint import data_position, paths
 from elasticdl.checkpoint import single as ckpt
+from elasticdl.common import ledger as ps_ledger
 from elasticdl.common.intervals import IntervalSet
-from elasticdl.ps import ledger as ps_ledger
-from elasticdl.ps.parameters import TableSpec, dense_owner
+from elasticdl.common.tables import TableSpec, dense_owner
 from elasticdl.ps.shard import PSShard
 
 logger = logging.getLogger(__name__)

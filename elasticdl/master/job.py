@@ -145,7 +145,7 @@ class JobCore(Journaled, Recovery):
     def from_spec(cls, spec: Any, readers: Mapping[TaskType, Any], first_task_id: int = 0,
                   start_version: int = 0) -> JobCore:
         """The one place a job's task manager, schedule and report are built."""
-        from elasticdl.common.datasets import shards_for
+        from elasticdl.data.datasets import shards_for
 
         # wall-clock time: held tasks' start times stay meaningful across a master restart;
         # only a PS job that writes checkpoints can roll back (re-open closed tasks)

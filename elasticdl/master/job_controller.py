@@ -17,6 +17,7 @@ import time
 import traceback
 from typing import Any, Optional
 
+from elasticdl.checkpoint import restore
 from elasticdl.cluster.api import (
     Cluster,
     ClusterError,
@@ -31,7 +32,6 @@ from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
 from elasticdl.common.strategy import entry_for
-from elasticdl.master import restore
 from elasticdl.master.elastic_control import ElasticControl
 from elasticdl.master.executor import ProtocolExecutor
 from elasticdl.master.job import JobCore
@@ -92,7 +92,7 @@ class JobController:
     def _launch_ps(self, index: int, extra: tuple[str, ...] = (),
                    restore_from: Optional[str] = None) -> None:
         """Create PS ``index``, restoring ``restore_from`` (the master's restore rule:
-        :mod:`elasticdl.master.restore`; None: the run's initial source)."""
+        :mod:`elasticdl.checkpoint.restore`; None: the run's initial source)."""
         port = self._ps_ports[index]
         source = restore_from or restore.initial_source(self.spec)
         cmd = ["python", "-m", "elasticdl.ps.main", f"--ps_id={index}",

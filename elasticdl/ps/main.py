@@ -5,7 +5,7 @@
 
 Loads the model module named by the job spec (for its ``optimizer``),
 restores this PS's shard from ``--restore_from`` (the master's restore rule,
-:mod:`elasticdl.master.restore`: exactly that version directory, or ``none``;
+:mod:`elasticdl.checkpoint.restore`: exactly that version directory, or ``none``;
 the number of PS may differ from the checkpoint's), serves until
 SIGTERM/SIGINT, and writes its shard every ``--checkpoint_steps`` versions. A
 PS started without ``--restore_from`` (by hand, without a master) restores the
@@ -32,9 +32,10 @@ from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.common import auth, faults
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.log_utils import configure_logging
+from elasticdl.common.malloc import tune_malloc
 from elasticdl.common.schedule import Schedule
 from elasticdl.ps.audit import AuditLog
-from elasticdl.ps.server import start_server, tune_malloc
+from elasticdl.ps.server import start_server
 from elasticdl.ps.servicer import PServicer
 from elasticdl.ps.shard import PSShard, ShardConfig
 

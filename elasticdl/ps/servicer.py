@@ -348,7 +348,7 @@ class PServicer(pb_grpc.PServerServicer):
     @_guard
     def settle(self, request: pb.SettleRequest,
                context: grpc.ServicerContext) -> pb.SettleResponse:
-        """The master's closed tasks (module :mod:`elasticdl.ps.ledger`)."""
+        """The master's closed tasks (module :mod:`elasticdl.common.ledger`)."""
         caller = auth.caller_replica(context)
         if caller not in (None, "master"):
             raise ValueError(f"settle: only the master settles tasks, not {caller}")
@@ -388,7 +388,7 @@ class PServicer(pb_grpc.PServerServicer):
         """The version directory a rollback restores: the one the master names (its
         restore rule; only this job's checkpoints or its init checkpoint), else
         ``checkpoint_version`` of the job's checkpoint directory."""
-        from elasticdl.master import restore  # no torch there; the rule is the master's
+        from elasticdl.checkpoint import restore  # no torch there
 
         if request.version_dir:
             spec = self.shard.job_spec

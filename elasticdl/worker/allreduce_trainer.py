@@ -24,7 +24,7 @@ processes, ``benchmarks/allreduce_step.py``: ratios 0.985-1.046, median of
 per-block ratios 0.99-1.00.
 
 Driving it: call :meth:`AllreduceTrainer.run` (not the generic ``TaskLoop``):
-it iterates an :class:`~elasticdl.elastic.dataset.ElasticDataset`, which joins
+it iterates an :class:`~elasticdl.worker.elastic_dataset.ElasticDataset`, which joins
 idle rounds while the master says WAIT (instead of sleeping while peers wait in a
 collective), reports a task only once its steps are confirmed on every member,
 and runs evaluation/prediction tasks with the shared ``TaskLoop.run_task``.
@@ -49,7 +49,6 @@ from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader
 from elasticdl.elastic.collective import guard
-from elasticdl.elastic.dataset import ElasticDataset, TrainLoopContext
 from elasticdl.elastic.group import CommClient, ElasticGroup, default_backend
 from elasticdl.elastic.runner import (
     ElasticRunner,
@@ -59,6 +58,7 @@ from elasticdl.elastic.runner import (
     StepAborted,
 )
 from elasticdl.elastic.trained import TrainedRecords
+from elasticdl.worker.elastic_dataset import ElasticDataset, TrainLoopContext
 from elasticdl.worker.minibatches import TaskRecords
 from elasticdl.worker.poller import TaskPoller
 from elasticdl.worker.prediction import PredictionSink

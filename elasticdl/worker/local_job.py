@@ -23,12 +23,12 @@ from elasticdl.api.metric_schedule import metric_rule, with_metric_rule
 from elasticdl.api.model_spec import ModelSpec, load_from_job_spec
 from elasticdl.checkpoint import api as ckpt
 from elasticdl.checkpoint import data_position
-from elasticdl.common.datasets import create_readers
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_dirs import job_dir_for
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
+from elasticdl.data.datasets import create_readers
 from elasticdl.master import job_history, observability
 from elasticdl.master.job import JobCore
 from elasticdl.worker.prediction import PredictionSink

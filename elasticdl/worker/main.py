@@ -73,7 +73,7 @@ def build_runtime(args: WorkerArgs, model_spec: Any, client: Any) -> WorkerRunti
 
 def run_worker(args: WorkerArgs) -> int:
     from elasticdl.api.model_spec import load_from_job_spec
-    from elasticdl.common.datasets import create_readers
+    from elasticdl.data.datasets import create_readers
     from elasticdl.worker.master_client import MasterClient
     from elasticdl.worker.prediction import PredictionSink
 

@@ -66,8 +66,8 @@ def check_series(s: dict[str, list[tuple[int, float]]], report: dict) -> None:
 
 
 def training_tasks(spec) -> int:
-    from elasticdl.common.datasets import create_readers
     from elasticdl.common.task import TaskType
+    from elasticdl.data.datasets import create_readers
     from elasticdl.master.task_state import make_tasks
 
     shards = create_readers(spec)[TaskType.TRAINING].create_shards()

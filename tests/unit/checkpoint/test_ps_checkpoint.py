@@ -13,7 +13,7 @@ from elasticdl.checkpoint import api as ckpt_api
 from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.checkpoint import single as ckpt
 from elasticdl.common.job_spec import JobSpec
-from elasticdl.ps.parameters import dense_owner
+from elasticdl.common.tables import dense_owner
 from elasticdl.ps.shard import GradientPush, PSShard, ShardConfig
 from elasticdl.worker.ps_client import PSClient
 from elasticdl.worker.ps_trainer import PSTrainer

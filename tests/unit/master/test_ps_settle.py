@@ -10,6 +10,7 @@ import torch
 
 from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.common.intervals import IntervalSet
+from elasticdl.common.tables import dense_owner
 from elasticdl.common.task import Task, TaskType
 from elasticdl.master import ps_rollback
 from elasticdl.master.job import JobCore
@@ -17,7 +18,6 @@ from elasticdl.master.ps_settle import Settler
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
-from elasticdl.ps.parameters import dense_owner
 from elasticdl.ps.push import GradientPush
 from elasticdl.worker.ps_client import PSClient
 from tests.fixtures.zoo.toy.count_records import CountUpdates

@@ -16,10 +16,10 @@ from elasticdl.checkpoint import data_position as dp
 from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.checkpoint.paths import version_dir
 from elasticdl.common.intervals import IntervalSet
+from elasticdl.common.ledger import AppliedLedger
 from elasticdl.master import ps_rollback
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
-from elasticdl.ps.ledger import AppliedLedger
 from elasticdl.ps.push import GradientPush
 from elasticdl.ps.servicer import parse_intervals
 from elasticdl.ps.shard import PSShard, ShardConfig

@@ -17,7 +17,7 @@ import torch
 
 from elasticdl.api.model_spec import LRSchedule
 from elasticdl.checkpoint import ps_shards as ps_ckpt
-from elasticdl.ps.parameters import TableSpec
+from elasticdl.common.tables import TableSpec
 from elasticdl.ps.shard import GradientPush, PSShard, ShardConfig
 
 W0 = torch.arange(6, dtype=torch.float32).reshape(2, 3)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from elasticdl.checkpoint import ps_shards
+from elasticdl.common.tables import TableSpec
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.ps.model_push import ModelPushes
-from elasticdl.ps.parameters import EmbeddingTable, TableSpec
+from elasticdl.ps.parameters import EmbeddingTable
 from elasticdl.ps.shard import PSShard, ShardConfig
 from elasticdl.worker.ps_client import PSClient
 from elasticdl.worker.ps_model_push import model_messages, push_model

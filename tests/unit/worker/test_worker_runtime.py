@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from elasticdl.common import strategy
-from elasticdl.common.datasets import create_readers, shards_for
 from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.job_spec import job_spec_from_flags
 from elasticdl.common.task import TaskType
 from elasticdl.common.wire import task_to_proto
+from elasticdl.data.datasets import create_readers, shards_for
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
