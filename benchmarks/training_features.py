@@ -202,7 +202,7 @@ def local_job_loop(data_dir: str, out_dir: str, batch: int, clip: float, amp: st
     """A Local job of the recipe (every per-step hook of the job included), ``tick()``
     after every step, until it raises."""
     from elasticdl.common.job_spec import job_spec_from_flags
-    from elasticdl.worker.local_job import LocalJob
+    from elasticdl.local.job import LocalJob
 
     spec = job_spec_from_flags("train", {
         "model_zoo": ZOO, "model_def": MODEL_DEF, "training_data": data_dir,

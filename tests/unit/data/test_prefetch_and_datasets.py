@@ -279,10 +279,10 @@ def test_feed_is_optional_with_a_dataset_and_required_without(tmp_path):
 
 
 def test_allreduce_dataset_makes_ahead_and_remakes_lost_minibatches():
+    from elasticdl.local.task_source import LocalTaskSource
     from elasticdl.master.evaluation import EvaluationAggregator
     from elasticdl.master.task_manager import TaskManager
     from elasticdl.worker.elastic_dataset import ElasticDataset
-    from elasticdl.worker.task_source import LocalTaskSource
     from tests.unit.elastic.test_elastic_dataset import ScriptedRunner
 
     ds = Squares(48)

@@ -9,10 +9,10 @@ from typing import Any, Optional
 import torch
 
 from elasticdl.elastic.runner import RoundResult, RoundStatus
+from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.worker.elastic_dataset import ElasticDataset, TrainLoopContext, batch_records
-from elasticdl.worker.task_source import LocalTaskSource
 
 
 class ScriptedRunner:

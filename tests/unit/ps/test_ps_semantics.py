@@ -20,6 +20,7 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.tables import TableSpec
 from elasticdl.common.task import TaskType
 from elasticdl.data.api import DataReader, Shard
+from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
@@ -28,7 +29,6 @@ from elasticdl.ps.shard import GradientPush, NotInitializedError, PSShard, Shard
 from elasticdl.worker.ps_client import PSClient
 from elasticdl.worker.ps_trainer import PSTrainer
 from elasticdl.worker.task_loop import TaskLoop
-from elasticdl.worker.task_source import LocalTaskSource
 from elasticdl.worker.trainer import LocalTrainer
 from tests.conftest import FIXTURE_ZOO
 from tests.unit.ps_helpers import local_ps, sgd

@@ -196,7 +196,7 @@ def test_local_runtime_trains_exports_and_round_trips_its_state(toy):
     import torch
 
     from elasticdl.api.model_spec import load_from_job_spec
-    from elasticdl.worker.task_source import LocalTaskSource
+    from elasticdl.local.task_source import LocalTaskSource
 
     _, tmp = toy
     spec = _spec(tmp, distribution_strategy="Local", num_epochs=1)

@@ -29,11 +29,11 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
 from elasticdl.data.datasets import create_readers
+from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master import job_history, observability
 from elasticdl.master.job import JobCore
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop
-from elasticdl.worker.task_source import LocalTaskSource
 from elasticdl.worker.trainer import LocalTrainer, select_device
 
 if TYPE_CHECKING:  # imported when a module defines train_loop: a plain Local job never needs it
