@@ -44,11 +44,11 @@ import torch.distributed as dist
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.checkpoint import api as ckpt
 from elasticdl.checkpoint import data_position
+from elasticdl.common.collective import guard
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader
-from elasticdl.elastic.collective import guard
 from elasticdl.elastic.group import CommClient, ElasticGroup, default_backend
 from elasticdl.elastic.runner import (
     ElasticRunner,
@@ -58,7 +58,7 @@ from elasticdl.elastic.runner import (
     StepAborted,
 )
 from elasticdl.elastic.trained import TrainedRecords
-from elasticdl.worker.elastic_dataset import ElasticDataset, TrainLoopContext
+from elasticdl.worker.elastic_dataset import ElasticDataset, ElasticLoopContext
 from elasticdl.worker.minibatches import TaskRecords
 from elasticdl.worker.poller import TaskPoller
 from elasticdl.worker.prediction import PredictionSink
@@ -324,7 +324,7 @@ class AllreduceTrainer(Trainer):
         self.runner.start()
         try:
             if self.spec.train_loop is not None:
-                ctx = TrainLoopContext(self.runner, dataset, self.device,
+                ctx = ElasticLoopContext(self.runner, dataset, self.device,
                                        lr_scheduler=self.extras.scheduler, amp=self.amp)
                 self.spec.train_loop(ctx)
                 self._drain(ctx)
@@ -341,7 +341,7 @@ class AllreduceTrainer(Trainer):
         self._serve_rest(source, loop, wait_s)
         return loop.stats
 
-    def _drain(self, ctx: TrainLoopContext) -> None:
+    def _drain(self, ctx: ElasticLoopContext) -> None:
         leftover = 0
         step = ctx.step(self.runner.step_fn or self._step)
         for features, labels in ctx.dataset:
