@@ -137,6 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for line in sorted(edges[(pkg, target)]):
                     print(f"    {line}")
     found = cycles(graph)
+    sys.stdout.flush()
     for component in found:
         print(f"package cycle: {' <-> '.join(component)}", file=sys.stderr)
     if found:
