@@ -27,7 +27,7 @@ from elasticdl.cluster.api import (
     ReplicaSpec,
     ReplicaType,
 )
-from elasticdl.common import faults
+from elasticdl.common import entry_points, faults
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
@@ -95,7 +95,7 @@ class JobController:
         :mod:`elasticdl.checkpoint.restore`; None: the run's initial source)."""
         port = self._ps_ports[index]
         source = restore_from or restore.initial_source(self.spec)
-        cmd = ["python", "-m", "elasticdl.ps.main", f"--ps_id={index}",
+        cmd = [*entry_points.PS.argv(), f"--ps_id={index}",
                f"--num_ps={self.spec.num_ps_pods}", f"--port={port}",
                f"--restore_from={source}", f"--version_floor={self.core.start_version()}",
                *extra] + self._common_flags()
@@ -115,7 +115,7 @@ class JobController:
     def _launch_worker(self, lineage: Optional[int] = None) -> int:
         worker_id = self.core.launch_worker(lineage)   # journaled before the launch
         faults.point("after_launch_intent")
-        cmd = ["python", "-m", "elasticdl.worker.main", f"--worker_id={worker_id}"]
+        cmd = [*entry_points.WORKER.argv(), f"--worker_id={worker_id}"]
         if self.ps_addrs:
             cmd.append(f"--ps_addrs={','.join(self.ps_addrs)}")
         self.cluster.create_replica(self._replica(ReplicaType.WORKER, worker_id,
