@@ -45,9 +45,13 @@ test-k8s-real: $(STAMP)
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q
 
+# lint-imports: the layers and acyclic contracts of pyproject.toml (docs/architecture.md);
+# scripts/import_graph.py: the package graph, counting every import, fails on a package cycle
 lint: $(STAMP)
-	$(VENV)/bin/ruff check elasticdl elasticdl_client model_zoo tests benchmarks setup.py
+	$(VENV)/bin/ruff check elasticdl elasticdl_client model_zoo tests benchmarks setup.py scripts
 	$(VENV)/bin/mypy elasticdl elasticdl_client
+	$(VENV)/bin/lint-imports
+	$(PY) scripts/import_graph.py
 
 demo: $(STAMP)
 	$(PY) model_zoo/digits/prepare_data.py --output=data/digits

@@ -59,7 +59,7 @@ setup(
         # Hugging Face models and datasets (model_zoo/gpt2); the framework never imports them
         "hf": ["transformers>=5.0", "datasets>=4.0", "pyarrow>=12"],
         "dev": ["grpcio-tools>=1.60", "pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3.5",
-                "ruff>=0.5",
+                "ruff>=0.5", "import-linter>=2.4",
                 "mypy>=1.8", "scikit-learn>=1.2", "torchmetrics>=1.0", "pyarrow>=12",
                 "transformers>=5.0", "datasets>=4.0",
                 "kubernetes>=28",

@@ -67,7 +67,7 @@ def plain_loop(x: np.ndarray, y: np.ndarray, batch: int, steps: int,
 def framework_loop(data_dir: str, out_dir: str, batch: int, steps: int,
                    device: str = "cpu") -> float:
     from elasticdl.common.job_spec import job_spec_from_flags
-    from elasticdl.worker.local_job import LocalJob
+    from elasticdl.local.job import LocalJob
 
     spec = job_spec_from_flags("train", {
         "model_zoo": ZOO, "model_def": "digits.digits_cnn.custom_model",

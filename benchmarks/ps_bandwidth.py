@@ -47,7 +47,8 @@ def raw_handler(nbytes: int, chunk_bytes: int):
 def ps_server(port_q, chunk_bytes: int, nbytes: int) -> None:
     import torch
 
-    from elasticdl.ps.server import start_server, tune_malloc
+    from elasticdl.common.malloc import tune_malloc
+    from elasticdl.ps.server import start_server
     from elasticdl.ps.servicer import PServicer
     from elasticdl.ps.shard import PSShard, ShardConfig
 
@@ -101,7 +102,7 @@ def main() -> None:
     import torch
 
     from elasticdl.cluster.process import free_port
-    from elasticdl.ps.server import tune_malloc
+    from elasticdl.common.malloc import tune_malloc
     from elasticdl.worker.ps_client import PSClient
 
     tune_malloc()

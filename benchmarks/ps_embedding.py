@@ -25,7 +25,8 @@ def ps_server(port_q, optimizer: str = "SGD") -> None:
     names the ``torch.optim`` class its shard uses (lr 0.1 for SGD, else 0.01)."""
     import torch
 
-    from elasticdl.ps.server import start_server, tune_malloc
+    from elasticdl.common.malloc import tune_malloc
+    from elasticdl.ps.server import start_server
     from elasticdl.ps.servicer import PServicer
     from elasticdl.ps.shard import PSShard, ShardConfig
 
@@ -52,8 +53,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from elasticdl.ps.parameters import TableSpec
-    from elasticdl.ps.server import tune_malloc
+    from elasticdl.common.malloc import tune_malloc
+    from elasticdl.common.tables import TableSpec
     from elasticdl.worker.ps_client import PSClient
 
     tune_malloc()

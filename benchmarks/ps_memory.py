@@ -38,7 +38,7 @@ def measure(rows: int, touched: int, dim: int, batch: int = 16384) -> dict[str, 
     import numpy as np
     import torch
 
-    from elasticdl.ps.parameters import TableSpec
+    from elasticdl.common.tables import TableSpec
     from elasticdl.worker.ps_client import PSClient
 
     ctx = mp.get_context("spawn")

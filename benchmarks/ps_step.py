@@ -36,7 +36,8 @@ def ps_server(port_q) -> None:
     import torch
 
     from elasticdl.api.model_spec import load_model_spec
-    from elasticdl.ps.server import start_server, tune_malloc
+    from elasticdl.common.malloc import tune_malloc
+    from elasticdl.ps.server import start_server
     from elasticdl.ps.servicer import PServicer
     from elasticdl.ps.shard import PSShard, ShardConfig
 

@@ -114,8 +114,8 @@ def _fill(add: Callable[[int, int, int, int], None], settle: Callable[[int], Non
 def measure_ps(pushes: int, baseline: bool) -> dict[str, float]:
     import torch
 
-    from elasticdl.checkpoint import ps_shards as ps_ckpt
     from elasticdl.common.intervals import IntervalSet
+    from elasticdl.ps import shard_checkpoint as shard_ckpt
     from elasticdl.ps.push import GradientPush
     from elasticdl.ps.servicer import _applied_response
 
@@ -158,7 +158,7 @@ def measure_ps(pushes: int, baseline: bool) -> dict[str, float]:
         out["settle_us"] = _median_us(settle_one, 200)
         ckpt = os.path.join(tmp, "ckpt")
         paths: list[str] = []
-        out["save_ms"] = _median_us(lambda: paths.append(ps_ckpt.save_shard(shard, ckpt)),
+        out["save_ms"] = _median_us(lambda: paths.append(shard_ckpt.save_shard(shard, ckpt)),
                                     3) / 1e3
         vdir = os.path.dirname(paths[-1])
         out["checkpoint_bytes"] = _dir_bytes(vdir)
@@ -166,7 +166,7 @@ def measure_ps(pushes: int, baseline: bool) -> dict[str, float]:
 
         def restore() -> None:
             again = _shard(os.path.join(tmp, "other"), init=False)
-            ps_ckpt.restore_shard(again, vdir)
+            shard_ckpt.restore_shard(again, vdir)
             restored.append(again)
 
         out["restore_ms"] = _median_us(restore, 3) / 1e3

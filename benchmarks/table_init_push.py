@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from elasticdl.common.job_spec import JobSpec  # noqa: E402
-from elasticdl.ps.parameters import TableSpec  # noqa: E402
+from elasticdl.common.tables import TableSpec  # noqa: E402
 from elasticdl.worker.ps_client import PSClient  # noqa: E402
 from elasticdl.worker.ps_model_push import model_messages, push_model  # noqa: E402
 from tests.conftest import FIXTURE_ZOO  # noqa: E402

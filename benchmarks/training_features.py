@@ -202,7 +202,7 @@ def local_job_loop(data_dir: str, out_dir: str, batch: int, clip: float, amp: st
     """A Local job of the recipe (every per-step hook of the job included), ``tick()``
     after every step, until it raises."""
     from elasticdl.common.job_spec import job_spec_from_flags
-    from elasticdl.worker.local_job import LocalJob
+    from elasticdl.local.job import LocalJob
 
     spec = job_spec_from_flags("train", {
         "model_zoo": ZOO, "model_def": MODEL_DEF, "training_data": data_dir,
@@ -266,7 +266,8 @@ def ps_server(ps_id: int, num_ps: int, batch: int, port_q: Any) -> None:
     sys.path[:0] = [ROOT, ZOO]
     torch.set_num_threads(1)
     from elasticdl.api.model_spec import load_model_spec
-    from elasticdl.ps.server import start_server, tune_malloc
+    from elasticdl.common.malloc import tune_malloc
+    from elasticdl.ps.server import start_server
     from elasticdl.ps.servicer import PServicer
     from elasticdl.ps.shard import PSShard, ShardConfig
 

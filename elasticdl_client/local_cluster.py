@@ -28,7 +28,7 @@ from elasticdl.cluster.process import (
     reap_orphans,
     terminate,
 )
-from elasticdl.common import auth
+from elasticdl.common import auth, entry_points
 from elasticdl.common.job_dirs import named_job_dir, register_job_dir
 from elasticdl.common.job_report import REPORT_NAME
 from elasticdl.common.job_spec import JobSpec
@@ -101,7 +101,7 @@ def run_local_cluster_job(spec: JobSpec, out: Any = None, timeout_s: Optional[fl
     port = free_port()  # the master's port for the whole job: a relaunched master reuses it
     log_path = os.path.join(job_dir, "logs", "master.log")
     pos = os.path.getsize(log_path) if os.path.exists(log_path) else 0
-    cmd = [sys.executable, "-m", "elasticdl.master.main", f"--job_spec={spec.to_json()}",
+    cmd = [*entry_points.MASTER.argv(sys.executable), f"--job_spec={spec.to_json()}",
            f"--port={port}", f"--job_dir={job_dir}"]
     env = {**os.environ, **job_secrets.env(), "PYTHONUNBUFFERED": "1"}
     # replicas of a master that dies become ours: we reap them and tell the next

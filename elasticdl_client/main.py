@@ -134,7 +134,7 @@ def _dispatch(spec: JobSpec) -> dict[str, Any] | None:
         from elasticdl_client.local_cluster import run_local_cluster_job
 
         return run_local_cluster_job(spec)
-    from elasticdl.worker.local_job import run_local_job
+    from elasticdl.local.job import run_local_job
 
     try:
         return run_local_job(spec)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticdl.ps.parameters import TableSpec, initial_rows, parse_initializer
+from elasticdl.common.tables import TableSpec, initial_rows, parse_initializer
 
 Lookup = Callable[["Embedding", torch.Tensor], torch.Tensor]
 

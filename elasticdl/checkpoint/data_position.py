@@ -6,7 +6,7 @@ of the interrupted epoch exactly once. Two files make that possible:
 
 * ``<checkpoint_dir>/tasks.jsonl``: the master's *task table*. Task ids are
   per run (the master starts them at a time-based value) and name their task
-  (:mod:`elasticdl.master.task_blocks`): the table starts with a ``{"pieces":
+  (:mod:`elasticdl.common.task_blocks`): the table starts with a ``{"pieces":
   {"shards": [...], "rpt": records_per_task}}`` line (how the training shards
   are cut) and the master appends one line per *block* of ids it creates,
   before handing any of it out: ``{"blk": base, "n": count, "e": epoch,
@@ -52,7 +52,7 @@ from typing import Any, NamedTuple, Optional
 from elasticdl.checkpoint.paths import CheckpointError, resolve, version_of
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
-from elasticdl.master.task_blocks import Block, PieceSource, gaps
+from elasticdl.common.task_blocks import Block, PieceSource, gaps
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from elasticdl.cluster.manifests import (
     replica_port,
     resolve_priority,
 )
+from elasticdl.common import entry_points
 from elasticdl.common import resources as res
 from elasticdl.common.job_spec import JobSpec
 
-MASTER_MODULE = "elasticdl.master.main"
 MASTER_STATE_DIR = "/var/lib/elasticdl/job"  # the master's job dir on --master_state_pvc
 MASTER_STATE_VOLUME = "master-state"
 JOB_UID_ENV = "ELASTICDL_MASTER_JOB_UID"
@@ -39,7 +39,7 @@ def master_job_spec(job_spec: JobSpec) -> JobSpec:
 
 
 def master_command(job_spec: JobSpec, port: int) -> list[str]:
-    return ["python", "-m", MASTER_MODULE, f"--job_spec={master_job_spec(job_spec).to_json()}",
+    return [*entry_points.MASTER.argv(), f"--job_spec={master_job_spec(job_spec).to_json()}",
             f"--port={port}"]
 
 

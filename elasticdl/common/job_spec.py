@@ -17,8 +17,8 @@ from typing import Any
 
 from elasticdl.common import resources as res
 from elasticdl.common.enums import ClusterKind, JobType, Strategy
+from elasticdl.common.reader_params import parse_reader_params
 from elasticdl.common.strategy import entry_for
-from elasticdl.data.registry import parse_reader_params
 
 STRATEGIES = tuple(s.value for s in Strategy)
 JOB_TYPES = tuple(t.value for t in JobType)

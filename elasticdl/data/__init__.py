@@ -13,7 +13,6 @@ from elasticdl.data.registry import (
     ReaderFactory,
     create_data_reader,
     dataset_files,
-    parse_reader_params,
     register_data_reader,
 )
 
@@ -30,6 +29,5 @@ __all__ = [
     "TextDataReader",
     "create_data_reader",
     "dataset_files",
-    "parse_reader_params",
     "register_data_reader",
 ]

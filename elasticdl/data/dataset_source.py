@@ -7,7 +7,8 @@ into the master, which never imports torch. So:
 1. :func:`module_defines` reads the model module's source (``ast``, no import) to see
    whether it defines ``dataset`` at top level (a ``def``, an assignment or an import of
    that name). Only such jobs pay for step 2.
-2. :func:`probe_sizes` runs ``python -m elasticdl.data.dataset_probe`` in a subprocess
+2. :func:`probe_sizes` runs the probe command it is given in a subprocess (the master
+   passes ``python -m elasticdl.api.dataset_probe``, :func:`elasticdl.api.dataset_probe.command`)
    (same interpreter, same image and volumes as the workers, so it sees the data the
    workers will read): it loads the module, calls ``dataset(path, mode)`` for each data
    flag and prints the lengths as JSON. Its failure becomes a :class:`DataError` with
@@ -26,8 +27,7 @@ import json
 import logging
 import os
 import subprocess
-import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from elasticdl.data.api import DataError, DataReader, Shard
@@ -104,14 +104,17 @@ def data_flags(spec: Any) -> dict[str, tuple[str, str]]:
     return out
 
 
-def probe_sizes(spec: Any, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, int]:
-    """``{mode: len(dataset(path, mode))}`` for the job's data flags, from a subprocess.
+def probe_sizes(spec: Any, probe_command: Sequence[str],
+                timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, int]:
+    """``{mode: len(dataset(path, mode))}`` for the job's data flags, from a subprocess:
+    ``probe_command`` (the probe's argv, :func:`elasticdl.api.dataset_probe.command`) with
+    ``--job_spec JSON`` appended.
 
     Raises:
         DataError: the probe failed (the module's ``dataset`` raised, returned no
             map-style dataset, or the probe timed out), with its error lines.
     """
-    cmd = [sys.executable, "-m", "elasticdl.data.dataset_probe", "--job_spec", spec.to_json()]
+    cmd = [*probe_command, "--job_spec", spec.to_json()]
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)

@@ -26,7 +26,6 @@ __all__ = [
     "ReaderFactory",
     "create_data_reader",
     "dataset_files",
-    "parse_reader_params",
     "register_data_reader",
 ]
 
@@ -68,31 +67,6 @@ def register_data_reader(name: str, factory: ReaderFactory, extensions: Iterable
         if not ext.startswith("."):
             raise ValueError(f"extension must start with '.', got {ext!r}")
         _EXTENSIONS[ext.lower()] = name
-
-
-def parse_reader_params(text: str | None) -> dict[str, str]:
-    """Parse ``"key=value;key=value"`` into a dict; no evaluation of any kind.
-
-    Keys are stripped of surrounding blanks, values are kept as written (so ``sep= `` means a
-    space); empty pieces (``"a=1;"``) are ignored. The value may contain ``=``.
-
-    Raises:
-        ValueError: a piece without ``=``, with an empty key, or a repeated key.
-    """
-    params: dict[str, str] = {}
-    if not text:
-        return params
-    for piece in text.split(";"):
-        if not piece.strip():
-            continue
-        key, eq, value = piece.partition("=")
-        key = key.strip()
-        if not eq or not key:
-            raise ValueError(f"malformed reader parameter {piece!r}: expected key=value")
-        if key in params:
-            raise ValueError(f"reader parameter {key!r} given twice")
-        params[key] = value
-    return params
 
 
 def dataset_files(path: str) -> list[str]:
@@ -149,8 +123,9 @@ def create_data_reader(path: str, params: Mapping[str, str] | None = None) -> Da
 
     Args:
         path: the dataset.
-        params: string parameters (see :func:`parse_reader_params`); the reader rejects ones
-            it does not know.
+        params: string parameters (see
+            :func:`elasticdl.common.reader_params.parse_reader_params`); the reader rejects
+            ones it does not know.
 
     Raises:
         DataError: missing path, empty directory, unknown or mixed formats.

@@ -57,7 +57,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from elasticdl.elastic.collective import guard, wait
+from elasticdl.common.collective import guard, wait
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class GradientAllreducer:
 
         Returns the pending work objects: dropping the last reference to one
         may block until its collective times out, so the caller disposes of
-        them (:func:`elasticdl.elastic.collective.dispose`)."""
+        them (:func:`elasticdl.common.collective.dispose`)."""
         pending = [w for w in [self._meta_work] + [b.work for b in self._buckets] +
                    [bw[3] for bw in self._buffer_work] if w is not None]
         self._active = self._armed = False

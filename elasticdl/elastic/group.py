@@ -22,8 +22,8 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from elasticdl.elastic import collective
-from elasticdl.elastic.collective import CollectiveError, guard
+from elasticdl.common import collective
+from elasticdl.common.collective import CollectiveError, guard
 
 logger = logging.getLogger(__name__)
 

@@ -52,11 +52,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from elasticdl.elastic import collective
-from elasticdl.elastic.collective import CollectiveError, broadcast_state, guard
-from elasticdl.elastic.grad_sync import GradientAllreducer
-from elasticdl.elastic.group import ElasticGroup
-from elasticdl.elastic.state import (
+from elasticdl.common import collective
+from elasticdl.common.collective import CollectiveError, broadcast_state, guard
+from elasticdl.common.elastic_state import (
     ElasticState,
     Microbatch,
     RoundResult,
@@ -64,6 +62,8 @@ from elasticdl.elastic.state import (
     StepAborted,
     StepFn,
 )
+from elasticdl.elastic.grad_sync import GradientAllreducer
+from elasticdl.elastic.group import ElasticGroup
 from elasticdl.elastic.trained import TrainedRecords
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ survivor's model and set are broadcast together after a membership change
 
 Uses: a member that receives a training task skips the minibatches of it that
 are already in the model (a task re-queued after its holder died mid-task, see
-:class:`elasticdl.elastic.dataset.ElasticDataset`), so each record is trained
+:class:`elasticdl.worker.elastic_dataset.ElasticDataset`), so each record is trained
 once; a member that had to re-join keeps the steps the adopted model holds
 instead of training them again; a checkpoint records the set as its data
 position (:mod:`elasticdl.checkpoint.data_position`).

@@ -105,7 +105,7 @@ class ProtocolExecutor:
             return
         if self._trained_live() or core.exporter() in core.replicas.live_workers:
             return
-        from elasticdl.master.restore import final_checkpoint
+        from elasticdl.checkpoint.restore import final_checkpoint
 
         self._source_checked = True
         source = final_checkpoint(self.c.spec, core.version)

@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Any, Optional
 
+from elasticdl.checkpoint import restore
 from elasticdl.cluster.api import (
     Cluster,
     ClusterError,
@@ -35,7 +36,6 @@ from elasticdl.common import faults
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.strategy import entry_for
-from elasticdl.master import restore
 from elasticdl.master.elastic_control import ElasticControl
 from elasticdl.master.executor import ProtocolExecutor
 from elasticdl.master.job import JobCore
@@ -86,7 +86,7 @@ class JobController:
     def _launch_ps(self, index: int, await_rollback: bool = False,
                    restore_from: Optional[str] = None) -> None:
         """Create PS ``index``, restoring ``restore_from`` (the master's restore rule:
-        :mod:`elasticdl.master.restore`; None: the run's initial source);
+        :mod:`elasticdl.checkpoint.restore`; None: the run's initial source);
         ``await_rollback``: into an open PS rollback."""
         self.launcher.launch(PSLaunch(
             ps_id=index, num_ps=self.spec.num_ps_pods, port=self._ps_ports[index],

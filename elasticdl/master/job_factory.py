@@ -20,7 +20,7 @@ def core_from_spec(spec: Any, readers: Mapping[TaskType, Any], first_task_id: in
                    start_version: int = 0) -> JobCore:
     """The job core of ``spec`` reading ``readers`` (task ids from ``first_task_id``,
     the model from ``start_version``)."""
-    from elasticdl.common.datasets import shards_for
+    from elasticdl.data.datasets import shards_for
 
     # wall-clock time: held tasks' start times stay meaningful across a master restart;
     # only a PS job that writes checkpoints can roll back (re-open closed tasks)

@@ -21,18 +21,19 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
-from elasticdl.checkpoint import data_position
+from elasticdl.api import dataset_probe
+from elasticdl.checkpoint import data_position, restore
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.cluster.registry import create_cluster
 from elasticdl.common import auth, faults
-from elasticdl.common.datasets import create_readers, master_readers
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec, JobSpecError
 from elasticdl.common.log_utils import configure_logging
 from elasticdl.common.strategy import entry_for
 from elasticdl.data.api import DataError
 from elasticdl.data.csv_reader import INDEX_CACHE_ENV
-from elasticdl.master import failover, job_history, observability, ps_settle, restore
+from elasticdl.data.datasets import create_readers, master_readers
+from elasticdl.master import failover, job_history, observability, ps_settle
 from elasticdl.master.job import JobCore
 from elasticdl.master.job_controller import JobController
 from elasticdl.master.job_factory import core_from_spec, report_for, start_version_of
@@ -80,7 +81,8 @@ def parse_args(argv: Optional[list[str]] = None) -> MasterArgs:
 
 
 def _readers(spec: JobSpec) -> dict:
-    readers = master_readers(spec)   # a module's dataset(path, mode): sized by a probe
+    # a module's dataset(path, mode): sized by a probe subprocess
+    readers = master_readers(spec, dataset_probe.command())
     if readers:
         return readers
     try:
@@ -90,7 +92,7 @@ def _readers(spec: JobSpec) -> dict:
 
         model_spec = load_from_job_spec(spec)
         if model_spec.dataset is not None:   # defined in a way the source check missed
-            return master_readers(spec, defined=True)
+            return master_readers(spec, dataset_probe.command(), defined=True)
         if model_spec.custom_data_reader is None:
             raise
         return create_readers(spec, model_spec.custom_data_reader)

@@ -25,10 +25,10 @@ import grpc
 
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.common import auth
+from elasticdl.common import ledger as ps_ledger
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
-from elasticdl.ps import ledger as ps_ledger
 
 logger = logging.getLogger(__name__)
 

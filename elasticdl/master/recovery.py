@@ -103,7 +103,7 @@ class Recovery(Journaled):
     def ps_lost(self, index: int, source: Optional[dict[str, Any]], now: float
                 ) -> Optional[Protocol]:
         """PS ``index`` is gone. With a restore ``source`` (``{"dir", "checkpoint"}``,
-        the master's rule: :func:`elasticdl.master.restore.rollback_source`) a
+        the master's rule: :func:`elasticdl.checkpoint.restore.rollback_source`) a
         rollback protocol opens, or the open one takes this PS too (back to
         REQUESTED, its source kept). Returns the protocol, None without a source."""
         with self._lock:

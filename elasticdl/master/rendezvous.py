@@ -38,7 +38,7 @@ Bounded failure detection
 -------------------------
 While a round opened by a failure or a removal is open, every view of the plan
 says ``aborting=True``. Members poll the plan while they wait for a collective
-(:mod:`elasticdl.elastic.collective`), so when the job controller removes a worker
+(:mod:`elasticdl.common.collective`), so when the job controller removes a worker
 whose process exited, or one member's collective failed or timed out, the
 others abandon the broken plan within a poll interval instead of waiting for
 their own collective timeout.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from elasticdl.cluster.api import Cluster, ReplicaSpec, ReplicaType
+from elasticdl.common import entry_points
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.resources import parse_envs, parse_resources
 
@@ -23,7 +24,7 @@ class PSLaunch:
 
     Attributes:
         restore_from: the checkpoint source it restores (see
-            :mod:`elasticdl.master.restore`).
+            :mod:`elasticdl.checkpoint.restore`).
         version_floor: the version the run started from (its versions never go
             below it).
         await_rollback: relaunched into an open PS rollback: it waits for the
@@ -38,7 +39,7 @@ class PSLaunch:
     await_rollback: bool = False
 
     def argv(self) -> tuple[str, ...]:
-        return ("python", "-m", "elasticdl.ps.main", f"--ps_id={self.ps_id}",
+        return (*entry_points.PS.argv(), f"--ps_id={self.ps_id}",
                 f"--num_ps={self.num_ps}", f"--port={self.port}",
                 f"--restore_from={self.restore_from}",
                 f"--version_floor={self.version_floor}",
@@ -53,7 +54,7 @@ class WorkerLaunch:
     ps_addrs: tuple[str, ...] = ()
 
     def argv(self) -> tuple[str, ...]:
-        return ("python", "-m", "elasticdl.worker.main", f"--worker_id={self.worker_id}",
+        return (*entry_points.WORKER.argv(), f"--worker_id={self.worker_id}",
                 *((f"--ps_addrs={','.join(self.ps_addrs)}",) if self.ps_addrs else ()))
 
 

@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import NO_MORE_TASKS, WAIT_TASK, Task, TaskFailure, TaskType
-from elasticdl.master.task_blocks import Block, PieceSource
+from elasticdl.common.task_blocks import Block, PieceSource
 from elasticdl.master.task_queue import TaskQueues
 from elasticdl.master.task_state import (  # noqa: F401 - EpochLedger, make_tasks re-exported
     EVAL_TYPES,

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
-from elasticdl.master.task_blocks import Block
+from elasticdl.common.task_blocks import Block
 from elasticdl.master.task_state import EVAL_TYPES, Doing
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskFailure, TaskType
-from elasticdl.master.task_blocks import Block
+from elasticdl.common.task_blocks import Block
 
 if TYPE_CHECKING:
     from elasticdl.master.task_manager import TaskManager

@@ -1,6 +1,6 @@
 """An on-disk audit trail of every push a PS applied (``--output`` only).
 
-The in-memory ledger (:mod:`elasticdl.ps.ledger`) forgets the minibatches of
+The in-memory ledger (:mod:`elasticdl.common.ledger`) forgets the minibatches of
 tasks the master closed; for audits (``output/ps-<i>-ledger.json`` at the end
 of a job, which tests read to show every identity applied exactly once) the
 PS appends each applied ``(task, minibatch, records, version)`` as 32 bytes to

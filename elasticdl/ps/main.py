@@ -5,7 +5,7 @@
 
 Loads the model module named by the job spec (for its ``optimizer``),
 restores this PS's shard from ``--restore_from`` (the master's restore rule,
-:mod:`elasticdl.master.restore`: exactly that version directory, or ``none``;
+:mod:`elasticdl.checkpoint.restore`: exactly that version directory, or ``none``;
 the number of PS may differ from the checkpoint's), serves until
 SIGTERM/SIGINT, and writes its shard every ``--checkpoint_steps`` versions. A
 PS started without ``--restore_from`` (by hand, without a master) restores the
@@ -28,13 +28,14 @@ from typing import Optional
 from elasticdl.api.model_spec import load_from_job_spec
 from elasticdl.checkpoint import api as ckpt_api
 from elasticdl.checkpoint import paths as ckpt_paths
-from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.common import auth, faults
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.log_utils import configure_logging
+from elasticdl.common.malloc import tune_malloc
 from elasticdl.common.schedule import Schedule
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.audit import AuditLog
-from elasticdl.ps.server import start_server, tune_malloc
+from elasticdl.ps.server import start_server
 from elasticdl.ps.servicer import PServicer
 from elasticdl.ps.shard import PSShard, ShardConfig
 
@@ -120,7 +121,7 @@ def checkpoint_every_n(shard: PSShard) -> None:
     cfg = shard.config
     schedule = Schedule(checkpoint_steps=cfg.checkpoint_steps if cfg.checkpoint_dir else 0)
     if schedule.checkpoint_due(shard.version, shard.last_checkpoint_version):
-        ps_ckpt.save_shard(shard, cfg.checkpoint_dir, shard.version, cfg.keep_checkpoint_max)
+        shard_ckpt.save_shard(shard, cfg.checkpoint_dir, shard.version, cfg.keep_checkpoint_max)
     faults.point("after_version")
 
 
@@ -145,7 +146,7 @@ def build_shard(args: PSArgs) -> PSShard:
         shard.audit = AuditLog(os.path.join(output, f"ps-{args.ps_id}-applied.bin"))
     source = restore_source(args)
     if source:
-        ps_ckpt.restore_shard(shard, ckpt_paths.resolve(source))
+        shard_ckpt.restore_shard(shard, ckpt_paths.resolve(source))
     elif shard.audit is not None and not args.await_rollback:
         shard.audit.clear()   # a new job: no history yet
     if args.version_floor > shard.version:

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 from elasticdl.common import tensor_codec as codec
+from elasticdl.common.tables import TableSpec, local_rows
 from elasticdl.proto import elasticdl_pb2 as pb
-from elasticdl.ps.parameters import TableSpec, local_rows
 from elasticdl.ps.shard import PSShard
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from concurrent import futures
 from typing import Optional
@@ -62,23 +61,3 @@ def start_server(servicer: PServicer, port: int = 0, host: str = "0.0.0.0",
     logger.info("PS %d gRPC server listening on %s:%d (%s)", servicer.shard.config.ps_id, host,
                 bound, auth.describe(job_secrets))
     return server, bound
-
-
-def tune_malloc() -> None:
-    """Keep large freed buffers in the heap (glibc only).
-
-    Every transfer allocates tensor-sized byte buffers; glibc serves those
-    from fresh ``mmap``s whose first touch page-faults, which makes a copy of
-    40 MB several times slower than a copy into reused memory (measured in
-    benchmarks/ps_bandwidth.py). Raising the mmap and trim thresholds lets
-    freed buffers be reused. A no-op where glibc is absent.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        logger.debug("not glibc: malloc left as it is")
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    ok = mallopt(m_mmap_threshold, 1 << 30) and mallopt(m_trim_threshold, 1 << 30)
-    logger.debug("malloc thresholds raised: %s", bool(ok))

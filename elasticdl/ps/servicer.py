@@ -28,6 +28,7 @@ from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, short
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.model_push import ModelPushes
 from elasticdl.ps.shard import (
     GradientPush,
@@ -313,7 +314,7 @@ class PServicer(pb_grpc.PServerServicer):
                         context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:
         """Write this shard's current state into the job's checkpoint directory with
         the job's retention, as its current version or ``version_at_least`` when that
-        is higher (the directory only: see :func:`ps_ckpt.save_shard`)."""
+        is higher (the directory only: see :func:`shard_ckpt.save_shard`)."""
         cfg = self.shard.config
         if not cfg.checkpoint_dir:
             raise NotInitializedError("save_checkpoint: the job has no --checkpoint_dir")
@@ -321,7 +322,7 @@ class PServicer(pb_grpc.PServerServicer):
         check_range("version_at_least", request.version_at_least, 0, 2**62)
         at = max(self.shard.version, request.version_at_least) \
             if request.version_at_least else None
-        path = ps_ckpt.save_shard(self.shard, cfg.checkpoint_dir, at, cfg.keep_checkpoint_max)
+        path = shard_ckpt.save_shard(self.shard, cfg.checkpoint_dir, at, cfg.keep_checkpoint_max)
         version = ckpt_paths.version_of(os.path.dirname(path))  # the version it wrote
         return pb.SaveCheckpointResponse(path=path, version=version)
 
@@ -348,7 +349,7 @@ class PServicer(pb_grpc.PServerServicer):
     @_guard
     def settle(self, request: pb.SettleRequest,
                context: grpc.ServicerContext) -> pb.SettleResponse:
-        """The master's closed tasks (module :mod:`elasticdl.ps.ledger`)."""
+        """The master's closed tasks (module :mod:`elasticdl.common.ledger`)."""
         caller = auth.caller_replica(context)
         if caller not in (None, "master"):
             raise ValueError(f"settle: only the master settles tasks, not {caller}")
@@ -377,7 +378,7 @@ class PServicer(pb_grpc.PServerServicer):
             return _applied_response(request.new_version, list(repeat), closed,
                                      request.new_version)
         vdir = self._rollback_dir(request)
-        entries = self.shard.rollback(lambda shard: ps_ckpt.restore_shard(shard, vdir),
+        entries = self.shard.rollback(lambda shard: shard_ckpt.restore_shard(shard, vdir),
                                       request.new_version, key=key)
         faults.point("after_restore")
         with self.shard.lock:
@@ -388,7 +389,7 @@ class PServicer(pb_grpc.PServerServicer):
         """The version directory a rollback restores: the one the master names (its
         restore rule; only this job's checkpoints or its init checkpoint), else
         ``checkpoint_version`` of the job's checkpoint directory."""
-        from elasticdl.master import restore  # no torch there; the rule is the master's
+        from elasticdl.checkpoint import restore  # no torch there
 
         if request.version_dir:
             spec = self.shard.job_spec

@@ -21,7 +21,7 @@ them with the model module's optimizer:
   staleness ``version - push.version`` (when > 1) for that one apply.
 
 Exactly once: a push's identity ``(task_id, minibatch)`` is applied at most
-once (:mod:`~elasticdl.ps.ledger`); a repeat is answered ``duplicate``.
+once (:mod:`~elasticdl.common.ledger`); a repeat is answered ``duplicate``.
 Gradients must be finite, and the learning rate is the optimizer's: a push
 that tries to set it is rejected.
 
@@ -48,10 +48,11 @@ import torch
 
 from elasticdl.api.model_spec import LRSchedule, ModelSpec
 from elasticdl.common.intervals import IntervalSet
+from elasticdl.common.ledger import AppliedLedger
+from elasticdl.common.tables import TableSpec
 from elasticdl.ps.audit import AuditLog
 from elasticdl.ps.embedding_optimizer import RowOptimizer, refresh_row_optimizer
-from elasticdl.ps.ledger import AppliedLedger
-from elasticdl.ps.parameters import Parameters, TableSpec
+from elasticdl.ps.parameters import Parameters
 from elasticdl.ps.push import GradientPush, Group, PushResult, coalesce, validate
 from elasticdl.ps.schedule import ShardSchedule, build_optimizers
 

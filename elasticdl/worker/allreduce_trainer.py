@@ -24,7 +24,7 @@ processes, ``benchmarks/allreduce_step.py``: ratios 0.985-1.046, median of
 per-block ratios 0.99-1.00.
 
 Driving it: call :meth:`AllreduceTrainer.run` (not the generic ``TaskLoop``):
-it iterates an :class:`~elasticdl.elastic.dataset.ElasticDataset`, which joins
+it iterates an :class:`~elasticdl.worker.elastic_dataset.ElasticDataset`, which joins
 idle rounds while the master says WAIT (instead of sleeping while peers wait in a
 collective), reports a task only once its steps are confirmed on every member,
 and runs evaluation/prediction tasks with the shared ``TaskLoop.run_task``.
@@ -44,13 +44,12 @@ import torch.distributed as dist
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.checkpoint import api as ckpt
 from elasticdl.checkpoint import data_position
+from elasticdl.common.collective import guard
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader
-from elasticdl.elastic.collective import guard
-from elasticdl.elastic.dataset import ElasticDataset, TrainLoopContext
 from elasticdl.elastic.group import CommClient, ElasticGroup, default_backend
 from elasticdl.elastic.runner import (
     ElasticRunner,
@@ -60,6 +59,7 @@ from elasticdl.elastic.runner import (
     StepAborted,
 )
 from elasticdl.elastic.trained import TrainedRecords
+from elasticdl.worker.elastic_dataset import ElasticDataset, ElasticLoopContext
 from elasticdl.worker.minibatches import TaskRecords
 from elasticdl.worker.poller import TaskPoller
 from elasticdl.worker.prediction import PredictionSink
@@ -340,7 +340,7 @@ class AllreduceTrainer(Trainer):
         self.runner.start()
         try:
             if self.spec.train_loop is not None:
-                ctx = TrainLoopContext(self.runner, dataset, self.device,
+                ctx = ElasticLoopContext(self.runner, dataset, self.device,
                                        lr_scheduler=self.extras.scheduler, amp=self.amp)
                 self.spec.train_loop(ctx)
                 self._drain(ctx)
@@ -357,7 +357,7 @@ class AllreduceTrainer(Trainer):
         self._serve_rest(source, loop, wait_s)
         return loop.stats
 
-    def _drain(self, ctx: TrainLoopContext) -> None:
+    def _drain(self, ctx: ElasticLoopContext) -> None:
         leftover = 0
         step = ctx.step(self.runner.step_fn or self._step)
         for features, labels in ctx.dataset:

@@ -62,9 +62,8 @@ def parse_args(argv: Optional[list[str]] = None) -> WorkerArgs:
 
 
 def build_runtime(args: WorkerArgs, model_spec: Any, client: Any) -> WorkerRuntime:
-    """The runtime the strategy registry names for this job's strategy and type."""
-    from elasticdl.common.strategy import runtime_class
-    from elasticdl.worker.runtime import RuntimeContext
+    """The runtime registered for this job's strategy and type (:func:`runtime_class`)."""
+    from elasticdl.worker.runtime import RuntimeContext, runtime_class
 
     ctx = RuntimeContext(model_spec, args.job_spec, args.worker_id, comm=client,
                          ps_addrs=args.ps_addrs, host=args.host)
@@ -73,7 +72,7 @@ def build_runtime(args: WorkerArgs, model_spec: Any, client: Any) -> WorkerRunti
 
 def run_worker(args: WorkerArgs) -> int:
     from elasticdl.api.model_spec import load_from_job_spec
-    from elasticdl.common.datasets import create_readers
+    from elasticdl.data.datasets import create_readers
     from elasticdl.worker.master_client import MasterClient
     from elasticdl.worker.prediction import PredictionSink
 

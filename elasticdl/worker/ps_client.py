@@ -27,9 +27,9 @@ import torch
 from elasticdl.common import auth, chunk_wire
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.intervals import IntervalSet
+from elasticdl.common.tables import TableSpec, dense_owner
 from elasticdl.common.wire import GRPC_OPTIONS
 from elasticdl.proto import elasticdl_pb2 as pb
-from elasticdl.ps.parameters import TableSpec, dense_owner
 from elasticdl.worker.ps_stream import Identity, PSStub, PushReply, PushStream
 
 __all__ = ["Identity", "PSClient", "PSError", "PSNotInitializedError", "PSStub", "PushStream"]

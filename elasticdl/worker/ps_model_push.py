@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 
 from elasticdl.common import tensor_codec as codec
+from elasticdl.common.tables import TableSpec
 from elasticdl.proto import elasticdl_pb2 as pb
-from elasticdl.ps.parameters import TableSpec
 from elasticdl.worker.ps_client import PSClient
 
 

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
 
 from elasticdl.worker.ps_amp import GradNorm
-from elasticdl.worker.ps_client import PSNotInitializedError
-
-if TYPE_CHECKING:
-    from elasticdl.worker.ps_trainer import PSTrainer
+from elasticdl.worker.ps_client import PSClient, PSNotInitializedError
+from elasticdl.worker.ps_stream import Identity
 
 Staged = tuple[torch.Tensor, Optional[Callable[[], None]]]
 
@@ -40,10 +38,22 @@ def stage(t: torch.Tensor) -> Staged:
 
 
 
+class PushingTrainer(Protocol):
+    """What a :class:`PushSession` reads of its trainer
+    (:class:`~elasticdl.worker.ps_trainer.PSTrainer`)."""
+
+    client: PSClient
+    identity: Identity      # of the minibatch being trained
+    owner: dict[str, int]   # PS of each dense parameter and buffer
+    versions: list[int]     # of the parameters held, per PS
+    streaming: list[bool]   # per PS: push through a stream
+    worker_id: int
+
+
 class PushSession:
     """One step's gradient pushes to the PS in ``targets``."""
 
-    def __init__(self, trainer: PSTrainer, targets: list[int], epoch: int = 0,
+    def __init__(self, trainer: PushingTrainer, targets: list[int], epoch: int = 0,
                  norm: Optional[GradNorm] = None, lr_reductions: int = 0):
         self.t = trainer
         self.targets = set(targets)

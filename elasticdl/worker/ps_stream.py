@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Optional, Union
+from concurrent.futures import Future
+from typing import Any, Optional, Protocol, Union
 
 import grpc
 import numpy as np
@@ -22,9 +23,6 @@ from elasticdl.common import chunk_wire
 from elasticdl.common import tensor_codec as codec
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from elasticdl.worker.ps_client import PSClient
 
 Ready = Optional[Callable[[], None]]
 Identity = tuple[int, int, int]  # task id, minibatch (1-based; 0: none), records
@@ -61,6 +59,16 @@ class PSStub(pb_grpc.PServerStub):
             response_deserializer=chunk_wire.parse_dense_chunk)
 
 
+class StreamClient(Protocol):
+    """What a :class:`PushStream` uses of its client
+    (:class:`~elasticdl.worker.ps_client.PSClient`)."""
+
+    rpc_timeout_s: float
+    chunk_bytes: int
+
+    def submit(self, ps: int, fn: Callable[[PSStub], Any], what: str) -> Future: ...
+
+
 class PushStream:
     """A ``push_gradient_chunks`` call fed while backward still runs.
 
@@ -71,7 +79,7 @@ class PushStream:
     returns a :class:`PushReply`.
     """
 
-    def __init__(self, client: PSClient, ps: int, version: int, worker_id: int,
+    def __init__(self, client: StreamClient, ps: int, version: int, worker_id: int,
                  identity: Identity = (0, 0, 0), epoch: int = 0, lr_reductions: int = 0):
         self._client = client
         self.ps = ps

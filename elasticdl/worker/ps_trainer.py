@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from elasticdl.api.layers import Embedding, tables_on_ps
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.malloc import tune_malloc
+from elasticdl.common.tables import TableSpec
 from elasticdl.common.task import Task
-from elasticdl.ps.parameters import TableSpec
-from elasticdl.ps.server import tune_malloc
 from elasticdl.worker.poller import minibatch_count
 from elasticdl.worker.ps_amp import GradNorm, LossScaler, push_scale
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
@@ -72,7 +72,7 @@ class PSTrainer(Trainer):
                  worker_id: int, device: torch.device, client: Optional[PSClient] = None,
                  init_timeout_s: float = 120.0, push_retry_timeout_s: float = 600.0):
         torch.manual_seed(job_spec.seed)
-        tune_malloc()  # tensor-sized transfer buffers: reuse heap memory (see the PS server)
+        tune_malloc()  # tensor-sized transfer buffers: reuse heap memory (elasticdl.common.malloc)
         self.spec = model_spec
         self.job_spec = job_spec
         self.worker_id = worker_id

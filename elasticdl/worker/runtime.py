@@ -1,7 +1,9 @@
 """What a worker runs: the :class:`WorkerRuntime` ABC and its implementations.
 
-A worker process (``elasticdl.worker.main``) asks the strategy registry
-(:mod:`elasticdl.common.strategy`) which runtime class the job needs, builds it
+A worker process (``elasticdl.worker.main``) asks :func:`runtime_class` which runtime
+class the job needs (each strategy's training runtime is registered here, by class, with
+:func:`register_runtime`; the master's strategy registry, :mod:`elasticdl.common.strategy`,
+names no worker code), builds it
 from a :class:`RuntimeContext` and calls the same four things on every
 strategy: :meth:`~WorkerRuntime.run`, :meth:`~WorkerRuntime.export`,
 :meth:`~WorkerRuntime.close` and, for checkpoints,
@@ -30,6 +32,7 @@ from elasticdl.api.model_spec import ModelSpec, ModelSpecError
 from elasticdl.checkpoint import api as ckpt
 from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.strategy import entry_for
 from elasticdl.common.task import TaskType
 from elasticdl.data.api import DataReader
 from elasticdl.elastic.group import CommClient
@@ -332,3 +335,34 @@ class AllreduceRuntime(WorkerRuntime):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.member.load_state_dict(state)
+
+
+#: each strategy's runtime for training jobs (filled by :func:`register_runtime`)
+_TRAINING_RUNTIMES: dict[Strategy, type[WorkerRuntime]] = {}
+
+
+def register_runtime(strategy: Strategy, runtime: type[WorkerRuntime]) -> None:
+    """Make ``runtime`` the class a worker of ``strategy`` builds for training jobs (add or
+    replace)."""
+    _TRAINING_RUNTIMES[Strategy(strategy)] = runtime
+
+
+def runtime_class(spec: JobSpec) -> type[WorkerRuntime]:
+    """The worker runtime class for this job: the strategy's registered runtime for training,
+    :class:`LocalRuntime` (a model from ``--checkpoint_dir_for_init`` driven by the task loop)
+    for every strategy's evaluate and predict jobs.
+
+    Raises:
+        ValueError: the strategy is unknown, or its workers never train (``Local``).
+    """
+    strategy = entry_for(spec.distribution_strategy).strategy
+    if spec.job_type != JobType.TRAIN:
+        return LocalRuntime
+    try:
+        return _TRAINING_RUNTIMES[strategy]
+    except KeyError:
+        raise ValueError(f"strategy {strategy} does not run distributed workers") from None
+
+
+register_runtime(Strategy.PS, PSRuntime)
+register_runtime(Strategy.ALLREDUCE, AllreduceRuntime)

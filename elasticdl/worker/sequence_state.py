@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from elasticdl.common.task import Task, TaskType
+from elasticdl.worker.nested import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ class SequenceState:
         """``model(features, state)``: the outputs; the new state is kept, detached."""
         state = self._state.get(self._kind)
         if state is None:
-            from elasticdl.worker.trainer import to_device
-
             state = to_device(self.init_state(features), device)
         if isinstance(features, dict):
             out = model(**features, state=state)

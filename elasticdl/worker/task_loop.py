@@ -28,10 +28,11 @@ from elasticdl.worker.minibatches import (  # noqa: F401 - FeedError, feed_recor
     TaskRecords,
     feed_records,
 )
+from elasticdl.worker.nested import to_device
 from elasticdl.worker.poller import DEFAULT_MAX_WAIT_S, LeasedTasks, TaskPoller
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_source import Metric, TaskSource
-from elasticdl.worker.trainer import NonFiniteError, Trainer, batch_size_of, to_device
+from elasticdl.worker.trainer import NonFiniteError, Trainer, batch_size_of
 
 logger = logging.getLogger(__name__)
 

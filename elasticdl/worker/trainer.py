@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from elasticdl.api.model_spec import LRSchedule, ModelSpec, ModelSpecError, ScheduleClock
+from elasticdl.worker.nested import to_device
 from elasticdl.worker.sequence_state import SequenceState
 
 logger = logging.getLogger(__name__)
@@ -40,17 +41,6 @@ def select_device(name: str, ordinal: int = 0) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", ordinal % torch.cuda.device_count())
     return device
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Move a tensor, or tensors nested in dicts/lists/tuples, to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, Mapping):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
 
 
 def batch_size_of(labels: Any, features: Any) -> int:

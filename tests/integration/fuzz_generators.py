@@ -10,8 +10,8 @@ from typing import Any, Optional
 import numpy as np
 
 from elasticdl.common import chunk_wire
+from elasticdl.common.tables import TableSpec
 from elasticdl.proto import elasticdl_pb2 as pb
-from elasticdl.ps.parameters import TableSpec
 
 DENSE = {"w": (64, 32), "b": (32,)}
 TABLE = TableSpec(name="emb", num_embeddings=1000, dim=8, initializer="normal:0.1", seed=1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elasticdl.elastic.collective import all_gather, all_reduce, broadcast_state
+from elasticdl.common.collective import all_gather, all_reduce, broadcast_state
 from tests.integration.dist_procs import Procs, free_port
 
 pytestmark = pytest.mark.integration

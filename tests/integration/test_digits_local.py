@@ -3,7 +3,7 @@
 import pytest
 
 from elasticdl.common.job_spec import job_spec_from_flags
-from elasticdl.worker.local_job import run_local_job
+from elasticdl.local.job import run_local_job
 from tests.conftest import MODEL_ZOO
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elasticdl.common.job_spec import job_spec_from_flags
-from elasticdl.worker.local_job import run_local_job
+from elasticdl.local.job import run_local_job
 from tests.conftest import FIXTURE_ZOO
 from tests.fixtures.zoo.toy import tied_scores
 from tests.integration.helpers import kill_job_tree, read_json, start_cli

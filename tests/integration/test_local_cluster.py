@@ -24,7 +24,7 @@ def toy_checkpoint(tmp_path):
     from toy import linear
 
     from elasticdl.common.job_spec import job_spec_from_flags
-    from elasticdl.worker.local_job import run_local_job
+    from elasticdl.local.job import run_local_job
 
     linear.write_data(str(tmp_path / "train"), n=200)
     linear.write_data(str(tmp_path / "predict"), n=6000, files=3, seed=5)

@@ -15,7 +15,7 @@ import torch
 
 from elasticdl.checkpoint.paths import complete_versions, version_dir
 from elasticdl.common.job_spec import job_spec_from_flags
-from elasticdl.worker.local_job import run_local_job
+from elasticdl.local.job import run_local_job
 from tests.conftest import MODEL_ZOO
 from tests.integration.helpers import kill_job_tree, live_replicas, read_json, start_cli
 

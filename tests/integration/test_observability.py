@@ -20,7 +20,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from elasticdl.common.job_spec import job_spec_from_flags
-from elasticdl.worker.local_job import run_local_job
+from elasticdl.local.job import run_local_job
 from elasticdl_client.job_figures import endpoint_of, scrape
 from tests.conftest import MODEL_ZOO, ROOT
 from tests.integration.helpers import cli_env, kill_job_tree, read_json, start_cli, wait_for
@@ -66,8 +66,8 @@ def check_series(s: dict[str, list[tuple[int, float]]], report: dict) -> None:
 
 
 def training_tasks(spec) -> int:
-    from elasticdl.common.datasets import create_readers
     from elasticdl.common.task import TaskType
+    from elasticdl.data.datasets import create_readers
     from elasticdl.master.task_state import make_tasks
 
     shards = create_readers(spec)[TaskType.TRAINING].create_shards()

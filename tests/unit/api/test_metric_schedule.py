@@ -100,7 +100,7 @@ def test_plateau_without_validation_data_fails_at_load(tmp_path, strategy):
 
 
 def test_local_job_fails_before_training_without_evaluations(tmp_path):
-    from elasticdl.worker.local_job import LocalJob
+    from elasticdl.local.job import LocalJob
 
     spec = _spec(tmp_path, PLATEAU % "accuracy", validation_data="",
                  distribution_strategy="Local")

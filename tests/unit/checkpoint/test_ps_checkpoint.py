@@ -13,7 +13,8 @@ from elasticdl.checkpoint import api as ckpt_api
 from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.checkpoint import single as ckpt
 from elasticdl.common.job_spec import JobSpec
-from elasticdl.ps.parameters import dense_owner
+from elasticdl.common.tables import dense_owner
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.shard import GradientPush, PSShard, ShardConfig
 from elasticdl.worker.ps_client import PSClient
 from elasticdl.worker.ps_trainer import PSTrainer
@@ -38,7 +39,7 @@ def _restored(version_dir: str, num_ps: int) -> list[PSShard]:
     shards = []
     for i in range(num_ps):
         shard = PSShard(ShardConfig(ps_id=i, num_ps=num_ps), _spec().optimizer)
-        assert ps_ckpt.restore_shard(shard, version_dir) == 3
+        assert shard_ckpt.restore_shard(shard, version_dir) == 3
         shards.append(shard)
     return shards
 
@@ -133,15 +134,15 @@ def test_done_marker_only_when_all_shards_written_and_retention(tmp_path):
     for i, s in enumerate(shards):
         s.initialize(0, {"p": torch.zeros(2)} if dense_owner("p", 2) == i else {}, {}, [])
     d = str(tmp_path)
-    ps_ckpt.save_shard(shards[0], d, 1)
+    shard_ckpt.save_shard(shards[0], d, 1)
     assert ckpt.complete_versions(d) == []
     with pytest.raises(ckpt.CheckpointError, match="no complete"):
         ps_ckpt.load_shards(d)
-    ps_ckpt.save_shard(shards[1], d, 1)
+    shard_ckpt.save_shard(shards[1], d, 1)
     assert ckpt.complete_versions(d) == [1]
     for v in (2, 3):
         for s in shards:
-            ps_ckpt.save_shard(s, d, v, keep_max=2)
+            shard_ckpt.save_shard(s, d, v, keep_max=2)
     assert ckpt.complete_versions(d) == [2, 3]
     assert ckpt_api.latest(d) == ckpt.version_dir(d, 3)
 
@@ -240,7 +241,7 @@ def test_final_checkpoint_of_parted_ps_versions_is_one_complete_version(tmp_path
     assert 99 in held["ps-0-of-2"] and 99 not in held["ps-1-of-2"], held
     for i in range(2):
         shard = PSShard(ShardConfig(ps_id=i, num_ps=2), _spec().optimizer)
-        assert ps_ckpt.restore_shard(shard, vdir) == 4 and shard.version == 4
+        assert shard_ckpt.restore_shard(shard, vdir) == 4 and shard.version == 4
         if i == 1:
             for k, v in behind.items():
                 assert torch.equal(shard.params.dense[k], v), k

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from elasticdl.common.enums import JobType, Strategy
+from elasticdl.common.enums import Strategy
 from elasticdl.common.job_spec import JobSpecError, job_spec_from_flags
 from elasticdl.common.strategy import entry_for
 from tests.conftest import ROOT
@@ -45,14 +45,11 @@ def test_replicas_and_rendezvous(name, job_type, ps, rdzv):
     assert e.num_ps(s) == (3 if name == "ParameterServerStrategy" else 0)
 
 
-def test_runtime_paths():
-    assert entry_for(Strategy.PS).runtime_path(JobType.TRAIN).endswith(":PSRuntime")
-    assert entry_for(Strategy.ALLREDUCE).runtime_path(JobType.TRAIN).endswith(
-        ":AllreduceRuntime")
+def test_the_registry_names_no_worker_code():
+    # the worker package registers each strategy's runtime by class
+    # (elasticdl.worker.runtime.runtime_class, tests/unit/worker/test_worker_runtime.py)
     for s in Strategy:
-        assert entry_for(s).runtime_path(JobType.EVALUATE).endswith(":LocalRuntime")
-    with pytest.raises(ValueError, match="does not run distributed workers"):
-        entry_for(Strategy.LOCAL).runtime_path(JobType.TRAIN)
+        assert not hasattr(entry_for(s), "runtime")
 
 
 def test_job_spec_rules_come_from_the_registry():
@@ -66,7 +63,7 @@ def test_job_spec_rules_come_from_the_registry():
 def test_registry_never_imports_torch():
     code = ("import sys\nfrom elasticdl.common.strategy import entry_for\n"
             "from elasticdl.common.enums import Strategy\n"
-            "[entry_for(s).runtime_path('train') for s in (Strategy.PS, Strategy.ALLREDUCE)]\n"
+            "[entry_for(s).rendezvous_needed for s in (Strategy.PS, Strategy.ALLREDUCE)]\n"
             "sys.exit(1 if 'torch' in sys.modules else 0)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from elasticdl.common.reader_params import parse_reader_params
 from elasticdl.data import (
     CSVDataReader,
     DataError,
@@ -22,7 +23,6 @@ from elasticdl.data import (
     Shard,
     TextDataReader,
     create_data_reader,
-    parse_reader_params,
     register_data_reader,
 )
 from elasticdl.data import csv_reader as csv_reader_module

@@ -236,6 +236,7 @@ def test_the_master_sizes_a_module_dataset_without_importing_torch(tmp_path):
 
 
 def test_a_failing_dataset_is_reported_by_the_probe_with_its_error(tmp_path):
+    from elasticdl.api import dataset_probe
     from elasticdl.common.job_spec import job_spec_from_flags
     from elasticdl.data.dataset_source import probe_sizes
 
@@ -250,7 +251,7 @@ def test_a_failing_dataset_is_reported_by_the_probe_with_its_error(tmp_path):
                                          "training_data": "/nowhere/data"})
     with pytest.raises(DataError, match=r"dataset\('/nowhere/data', 'training'\) of .*"
                                         r"broken_ds.py failed: FileNotFoundError"):
-        probe_sizes(spec, timeout_s=240)
+        probe_sizes(spec, dataset_probe.command(), timeout_s=240)
 
 
 
@@ -278,10 +279,10 @@ def test_feed_is_optional_with_a_dataset_and_required_without(tmp_path):
 
 
 def test_allreduce_dataset_makes_ahead_and_remakes_lost_minibatches():
-    from elasticdl.elastic.dataset import ElasticDataset
+    from elasticdl.local.task_source import LocalTaskSource
     from elasticdl.master.evaluation import EvaluationAggregator
     from elasticdl.master.task_manager import TaskManager
-    from elasticdl.worker.task_source import LocalTaskSource
+    from elasticdl.worker.elastic_dataset import ElasticDataset
     from tests.unit.elastic.test_elastic_dataset import ScriptedRunner
 
     ds = Squares(48)

@@ -8,11 +8,11 @@ from typing import Any, Optional
 
 import torch
 
-from elasticdl.elastic.dataset import ElasticDataset, TrainLoopContext, batch_records
 from elasticdl.elastic.runner import RoundResult, RoundStatus
+from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import TaskManager
-from elasticdl.worker.task_source import LocalTaskSource
+from elasticdl.worker.elastic_dataset import ElasticDataset, ElasticLoopContext, batch_records
 
 
 class ScriptedRunner:
@@ -175,7 +175,7 @@ def test_batch_records_finds_the_batch_dimension():
 
 def test_train_loop_context_step_wrapper_passes_the_batch_tag():
     tm, ds, runner, reported = _setup(32, 32, 16)
-    ctx = TrainLoopContext(runner, ds, torch.device("cpu"))  # type: ignore[arg-type]
+    ctx = ElasticLoopContext(runner, ds, torch.device("cpu"))  # type: ignore[arg-type]
     seen: list[int] = []
 
     @ctx.step

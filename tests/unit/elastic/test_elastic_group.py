@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from elasticdl.elastic.collective import CollectiveError
+from elasticdl.common.collective import CollectiveError
 from elasticdl.elastic.group import ElasticGroup, RendezvousTimeout, default_backend
 from elasticdl.master.rendezvous import Rendezvous
 

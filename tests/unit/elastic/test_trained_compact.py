@@ -10,9 +10,9 @@ from elasticdl.checkpoint import data_position as dp
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
 from elasticdl.common.wire import task_from_proto, task_to_proto
-from elasticdl.elastic.dataset import BatchTag, _TaskState
 from elasticdl.elastic.trained import TrainedRecords
 from elasticdl.master.ps_settle import ClosedSnapshot
+from elasticdl.worker.elastic_dataset import BatchTag, _TaskState
 
 MB = 4
 BASE = 117668364739280898   # a run's task ids start at a large base

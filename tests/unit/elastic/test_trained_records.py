@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from elasticdl.common.task import Task, TaskType
-from elasticdl.elastic.dataset import BatchTag, _TaskState
 from elasticdl.elastic.trained import TrainedRecords
+from elasticdl.worker.elastic_dataset import BatchTag, _TaskState
 from tests.integration.dist_procs import Procs, free_port
 
 WORLD = 2

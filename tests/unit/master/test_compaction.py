@@ -18,11 +18,11 @@ from elasticdl.checkpoint.paths import version_dir
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.task import TaskType
+from elasticdl.common.task_blocks import Permutation
 from elasticdl.master import task_state
 from elasticdl.master.job import JobCore
 from elasticdl.master.job_factory import core_from_spec
 from elasticdl.master.journal import Journal
-from elasticdl.master.task_blocks import Permutation
 from elasticdl.master.task_manager import TaskManager
 
 RECORDS, RPT, EPOCHS = 640, 8, 3

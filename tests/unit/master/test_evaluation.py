@@ -20,6 +20,7 @@ from elasticdl.cluster.process import free_port
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.task import TaskType
+from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master import evaluation
 from elasticdl.master.evaluation import EvaluationAggregator, MetricStateError
 from elasticdl.master.job import JobCore
@@ -28,7 +29,6 @@ from elasticdl.master.servicer import MasterServicer, start_master_server
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.worker.eval_metrics import EvalMetrics
 from elasticdl.worker.master_client import MasterClient
-from elasticdl.worker.task_source import LocalTaskSource
 from tests.conftest import ROOT
 
 sk = pytest.importorskip("sklearn.metrics")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import grpc
 import torch
 
-from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.common.intervals import IntervalSet
+from elasticdl.common.tables import dense_owner
 from elasticdl.common.task import Task, TaskType
 from elasticdl.master import ps_rollback
 from elasticdl.master.job import JobCore
@@ -17,7 +17,7 @@ from elasticdl.master.ps_settle import Settler
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
-from elasticdl.ps.parameters import dense_owner
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.push import GradientPush
 from elasticdl.worker.ps_client import PSClient
 from tests.fixtures.zoo.toy.count_records import CountUpdates
@@ -81,7 +81,7 @@ def test_rollback_to_a_checkpoint_taken_after_compaction_applies_every_record_on
             for s in cluster.shards:                  # compacted: nothing live
                 assert len(s.ledger) == 0 and s.ledger.closed.contains_range(
                     first[0].task_id, first[-1].task_id + 1)
-                ps_ckpt.save_shard(s, ckpt)           # version 6, after compaction
+                shard_ckpt.save_shard(s, ckpt)           # version 6, after compaction
             assert settler.run_once() == 0            # unchanged: nothing re-sent
             # a straggler holding a closed task finds it whole on every PS
             assert client.task_applied(first[0].task_id)[::2] == ({}, True)

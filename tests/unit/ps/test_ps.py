@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from elasticdl.common import tensor_codec as codec
+from elasticdl.common.tables import TableSpec, dense_owner
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps.embedding_optimizer import row_optimizer_for
-from elasticdl.ps.parameters import EmbeddingTable, TableSpec, dense_owner
+from elasticdl.ps.parameters import EmbeddingTable
 from elasticdl.ps.shard import GradientPush, PSShard, ShardConfig
 from elasticdl.worker.ps_client import PSClient, PSNotInitializedError
 from tests.unit.ps_helpers import local_ps, sgd

@@ -8,6 +8,7 @@ import torch
 from elasticdl.checkpoint import data_position as dp
 from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.checkpoint.paths import complete_versions, version_dir
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.main import checkpoint_every_n
 from elasticdl.ps.push import GradientPush
 from elasticdl.ps.shard import PSShard, ShardConfig
@@ -51,7 +52,7 @@ def test_restored_ps_goes_on_from_the_restored_version(tmp_path):
     for k in range(1, 5):
         _push(shard, 1, k)
     again = _shard(str(tmp_path / "next"))
-    ps_ckpt.restore_shard(again, version_dir(ckpt, 3))
+    shard_ckpt.restore_shard(again, version_dir(ckpt, 3))
     assert again.version == again.last_checkpoint_version == 3
     for k in range(4, 7):                       # versions 4..6: the next multiple is 6
         _push(again, 1, k)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elasticdl.api.layers import Embedding, LazyTableError, tables_on_ps
-from elasticdl.ps.parameters import initial_rows
+from elasticdl.common.tables import initial_rows
 from tests.conftest import MODEL_ZOO
 
 

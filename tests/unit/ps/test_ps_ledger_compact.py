@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from elasticdl.checkpoint import data_position as dp
-from elasticdl.checkpoint import ps_shards as ps_ckpt
 from elasticdl.checkpoint.paths import version_dir
 from elasticdl.common.intervals import IntervalSet
+from elasticdl.common.ledger import AppliedLedger
+from elasticdl.common.tables import dense_owner
 from elasticdl.master import ps_rollback
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
-from elasticdl.ps.ledger import AppliedLedger
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.push import GradientPush
 from elasticdl.ps.servicer import parse_intervals
 from elasticdl.ps.shard import PSShard, ShardConfig
@@ -142,12 +143,12 @@ def test_a_stale_settle_after_a_rollback_does_not_close_a_reopened_task(tmp_path
         _push(shard, 0, mb)
     assert shard.settle(-1, IntervalSet([(0, 1)])) == 2     # task 0 closed and folded
     assert len(shard.ledger) == 0
-    ps_ckpt.save_shard(shard, ckpt)                          # version 2, after compaction
+    shard_ckpt.save_shard(shard, ckpt)                          # version 2, after compaction
     for mb in (1, 2):
         _push(shard, 1, mb)
     stale = IntervalSet([(0, 2)])     # the master closed task 1 before the rollback...
     vdir = version_dir(ckpt, 2)
-    shard.rollback(lambda s: ps_ckpt.restore_shard(s, vdir), new_version=110)
+    shard.rollback(lambda s: shard_ckpt.restore_shard(s, vdir), new_version=110)
     assert shard.ledger.closed == IntervalSet([(0, 1)]) and len(shard.ledger) == 0
     # ...and that message arrives after it: ignored, task 1 stays open
     assert shard.settle(-1, stale) is None
@@ -168,7 +169,7 @@ def test_checkpoint_and_rollback_answer_carry_closed_intervals(tmp_path):
                   minibatch_size=MB) as cluster:
         for s in cluster.shards:
             s.initialize(0, {n: torch.zeros(N) for n in ("even", "odd")
-                             if ps_ckpt.dense_owner(n, 2) == s.config.ps_id}, {}, [])
+                             if dense_owner(n, 2) == s.config.ps_id}, {}, [])
         for s in cluster.shards:
             name = next(iter(s.params.dense))
             for task, mbs in ((0, (1, 2)), (1, (1, 2)), (2, (1,))):
@@ -180,7 +181,7 @@ def test_checkpoint_and_rollback_answer_carry_closed_intervals(tmp_path):
                                                   num_records=MB))
         cluster.shards[0].settle(-1, IntervalSet([(0, 2)]))   # PS 1 has not heard yet
         for s in cluster.shards:
-            ps_ckpt.save_shard(s, ckpt)
+            shard_ckpt.save_shard(s, ckpt)
         vdir = version_dir(ckpt, 5)
         # the data position: tasks 0, 1 whole (closed on PS 0, all entries on PS 1),
         # task 2's first minibatch
@@ -195,7 +196,7 @@ def test_checkpoint_and_rollback_answer_carry_closed_intervals(tmp_path):
         for s in cluster.shards:
             s.settle(new_version, IntervalSet([(0, 3)]))
         for s in cluster.shards:
-            ps_ckpt.save_shard(s, ckpt, version=new_version + 1)
+            shard_ckpt.save_shard(s, ckpt, version=new_version + 1)
         result = ps_rollback.rollback_all(cluster.addrs, new_version + 1, timeout_s=30)
         assert result.closed == IntervalSet([(0, 3)]) and result.applied == {}
 

@@ -15,6 +15,7 @@ from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.task import Task
 from elasticdl.master import ps_rollback
 from elasticdl.master.task_manager import TaskManager
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.main import checkpoint_every_n
 from elasticdl.ps.server import start_server
 from elasticdl.ps.servicer import PServicer
@@ -79,7 +80,7 @@ def test_item10_ps_relaunch_rolls_every_ps_back_to_one_version_and_requeues_afte
         # PS 1 dies and is relaunched from checkpoint 4, waiting for the rollback
         servers[1].stop(0).wait(5)
         relaunched = _shard(1, ckpt_dir)
-        ps_ckpt.restore_shard(relaunched, ckpt_api.latest(ckpt_dir))
+        shard_ckpt.restore_shard(relaunched, ckpt_api.latest(ckpt_dir))
         relaunched.awaiting_rollback = True
         servers[1], _ = start_server(PServicer(relaunched), ports[1], "127.0.0.1")
         shards[1] = relaunched

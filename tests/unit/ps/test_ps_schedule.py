@@ -17,7 +17,8 @@ import torch
 
 from elasticdl.api.model_spec import LRSchedule
 from elasticdl.checkpoint import ps_shards as ps_ckpt
-from elasticdl.ps.parameters import TableSpec
+from elasticdl.common.tables import TableSpec
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.shard import GradientPush, PSShard, ShardConfig
 
 W0 = torch.arange(6, dtype=torch.float32).reshape(2, 3)
@@ -156,9 +157,9 @@ def test_schedule_round_trips_through_a_ps_checkpoint(tmp_path, interval):
     shard = _shard(make)
     for k, e in enumerate(epochs[:4]):
         _push(shard, k, e)
-    ps_ckpt.save_shard(shard, str(tmp_path), None, 0)
+    shard_ckpt.save_shard(shard, str(tmp_path), None, 0)
     restored = PSShard(ShardConfig(), lambda p: torch.optim.SGD(p, lr=1.0), lr_scheduler=make)
-    ps_ckpt.restore_shard(restored, ps_ckpt.version_dir_of(str(tmp_path), shard.version))
+    shard_ckpt.restore_shard(restored, ps_ckpt.version_dir_of(str(tmp_path), shard.version))
     assert restored.schedule.epoch == shard.schedule.epoch == 2
     assert restored.schedule.schedule.scheduler.state_dict() == \
         shard.schedule.schedule.scheduler.state_dict()
@@ -193,10 +194,10 @@ def test_rollback_restores_the_checkpointed_schedule(tmp_path):
     shard = _shard(_steplr, checkpoint_dir=str(tmp_path))
     for k, e in enumerate([0, 1, 2]):
         _push(shard, k, e)
-    ps_ckpt.save_shard(shard, str(tmp_path), None, 0)
+    shard_ckpt.save_shard(shard, str(tmp_path), None, 0)
     saved = shard.version
     assert _push(shard, 3, 3).learning_rate == pytest.approx(0.343)  # after the checkpoint
-    shard.rollback(lambda s: ps_ckpt.restore_shard(
+    shard.rollback(lambda s: shard_ckpt.restore_shard(
         s, ps_ckpt.version_dir_of(str(tmp_path), saved)), saved + 100)
     assert shard.schedule.epoch == 2 and shard.schedule.lr() == pytest.approx(0.49)
     assert _push(shard, 4, 3).learning_rate == pytest.approx(0.343)  # epoch 3 again

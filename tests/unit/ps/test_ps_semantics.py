@@ -17,18 +17,18 @@ import torch
 
 from elasticdl.api.model_spec import load_model_spec
 from elasticdl.common.job_spec import JobSpec
+from elasticdl.common.tables import TableSpec
 from elasticdl.common.task import TaskType
 from elasticdl.data.api import DataReader, Shard
+from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
-from elasticdl.ps.parameters import TableSpec
 from elasticdl.ps.shard import GradientPush, NotInitializedError, PSShard, ShardConfig
 from elasticdl.worker.ps_client import PSClient
 from elasticdl.worker.ps_trainer import PSTrainer
 from elasticdl.worker.task_loop import TaskLoop
-from elasticdl.worker.task_source import LocalTaskSource
 from elasticdl.worker.trainer import LocalTrainer
 from tests.conftest import FIXTURE_ZOO
 from tests.unit.ps_helpers import local_ps, sgd

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from elasticdl.checkpoint import ps_shards
+from elasticdl.common.tables import TableSpec
 from elasticdl.proto import elasticdl_pb2 as pb
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.model_push import ModelPushes
-from elasticdl.ps.parameters import EmbeddingTable, TableSpec
+from elasticdl.ps.parameters import EmbeddingTable
 from elasticdl.ps.shard import PSShard, ShardConfig
 from elasticdl.worker.ps_client import PSClient
 from elasticdl.worker.ps_model_push import model_messages, push_model
@@ -77,7 +79,7 @@ def test_push_model_over_grpc_starts_tables_from_the_pushed_rows(num_ps, tmp_pat
             # and restores, into the same or another number of PS
             for new_num_ps in (1, 3):
                 restored = PSShard(ShardConfig(ps_id=new_num_ps - 1, num_ps=new_num_ps), sgd())
-                ps_shards.restore_shard(restored, vdir)
+                shard_ckpt.restore_shard(restored, vdir)
                 table = restored.params.tables["emb.weight"]
                 mine = np.arange(new_num_ps - 1, N, new_num_ps)
                 assert table.spec.explicit and table.size == mine.shape[0]

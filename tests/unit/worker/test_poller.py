@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from elasticdl.common.task import TaskType
+from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.worker.poller import TaskPoller, minibatch_count, minibatch_slice
-from elasticdl.worker.task_source import LocalTaskSource
 
 
 class Clock:

@@ -1,11 +1,10 @@
-"""The worker process builds the runtime the strategy registry names and calls
-it through the WorkerRuntime ABC: a fake runtime registered for a strategy runs
-a real job against a real master gRPC server; and the built-in runtimes are
-what the registry names."""
+"""The worker process builds the runtime registered for the job's strategy
+(elasticdl.worker.runtime.runtime_class) and calls it through the WorkerRuntime ABC: a
+fake runtime registered for a strategy runs a real job against a real master gRPC
+server; and the built-in runtimes are the ones registered."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -16,16 +15,16 @@ import grpc
 import numpy as np
 import pytest
 
-from elasticdl.common import strategy
-from elasticdl.common.datasets import create_readers, shards_for
 from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.job_spec import job_spec_from_flags
 from elasticdl.common.task import TaskType
 from elasticdl.common.wire import task_to_proto
+from elasticdl.data.datasets import create_readers, shards_for
 from elasticdl.master.evaluation import EvaluationAggregator
 from elasticdl.master.task_manager import TaskManager
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
+from elasticdl.worker import runtime as runtime_module
 from elasticdl.worker.main import WorkerArgs, run_worker
 from elasticdl.worker.runtime import (
     AllreduceRuntime,
@@ -100,9 +99,8 @@ def toy(tmp_path):
 
 @pytest.fixture
 def fake_ps_runtime(monkeypatch):
-    entry = dataclasses.replace(strategy.entry_for(Strategy.PS),
-                                runtime="tests.unit.fake_runtime:FakeRuntime")
-    monkeypatch.setitem(strategy._REGISTRY, Strategy.PS, entry)
+    monkeypatch.setitem(runtime_module._TRAINING_RUNTIMES, Strategy.PS,
+                        fake_runtime.FakeRuntime)
 
 
 def _spec(tmp_path, **flags):
@@ -184,15 +182,21 @@ def test_local_strategy_workers_do_not_train(toy):
 ])
 def test_registry_names_the_builtin_runtimes(name, job_type, cls):
     spec = type("Spec", (), {"distribution_strategy": name, "job_type": job_type})()
-    got = strategy.runtime_class(spec)  # type: ignore[arg-type]
+    got = runtime_module.runtime_class(spec)  # type: ignore[arg-type]
     assert got is cls and issubclass(got, WorkerRuntime)
+
+
+def test_local_workers_never_train():
+    spec = type("Spec", (), {"distribution_strategy": "Local", "job_type": JobType.TRAIN})()
+    with pytest.raises(ValueError, match="does not run distributed workers"):
+        runtime_module.runtime_class(spec)  # type: ignore[arg-type]
 
 
 def test_local_runtime_trains_exports_and_round_trips_its_state(toy):
     import torch
 
     from elasticdl.api.model_spec import load_from_job_spec
-    from elasticdl.worker.task_source import LocalTaskSource
+    from elasticdl.local.task_source import LocalTaskSource
 
     _, tmp = toy
     spec = _spec(tmp, distribution_strategy="Local", num_epochs=1)

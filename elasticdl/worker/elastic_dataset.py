@@ -1,4 +1,5 @@
-"""The elastic dataset fed by master tasks, and the ``ctx`` of a custom ``train_loop``.
+"""The elastic dataset fed by master tasks, and the ``ctx`` of a custom ``train_loop``
+(:class:`ElasticLoopContext`, the worker's :class:`~elasticdl.api.train_loop.TrainLoopContext`).
 
 A model module may define ``train_loop(ctx)`` for AllreduceStrategy::
 
@@ -50,11 +51,12 @@ from typing import Any, Optional
 
 import torch
 
+from elasticdl.api.train_loop import TrainLoopContext
+from elasticdl.common import collective
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError
 from elasticdl.data.prefetch import Prefetcher
-from elasticdl.elastic import collective
 from elasticdl.elastic.runner import ElasticRunner, ElasticState, RoundStatus
 from elasticdl.worker.minibatches import Minibatch, TaskRecords
 from elasticdl.worker.poller import TaskPoller, minibatch_count, minibatch_slice
@@ -355,8 +357,11 @@ def _loss_of(out: Any) -> Any:
     return None
 
 
-class TrainLoopContext:
-    """What a model module's ``train_loop(ctx)`` receives (see module docs)."""
+class ElasticLoopContext(TrainLoopContext):
+    """What a model module's ``train_loop(ctx)`` receives (see module docs): the
+    :class:`~elasticdl.api.train_loop.TrainLoopContext` of an elastic runner."""
+
+    dataset: ElasticDataset
 
     def __init__(self, runner: ElasticRunner, dataset: ElasticDataset,
                  device: torch.device, lr_scheduler: Optional[Any] = None,

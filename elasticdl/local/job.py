@@ -23,18 +23,18 @@ from elasticdl.api.metric_schedule import metric_rule, with_metric_rule
 from elasticdl.api.model_spec import ModelSpec, load_from_job_spec
 from elasticdl.checkpoint import api as ckpt
 from elasticdl.checkpoint import data_position
-from elasticdl.common.datasets import create_readers
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_dirs import job_dir_for
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.progress import Progress
 from elasticdl.common.task import Task
+from elasticdl.data.datasets import create_readers
+from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master import job_history, observability
 from elasticdl.master.job import JobCore
 from elasticdl.master.job_factory import core_from_spec
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop
-from elasticdl.worker.task_source import LocalTaskSource
 from elasticdl.worker.trainer import LocalTrainer, select_device
 
 if TYPE_CHECKING:  # imported when a module defines train_loop: a plain Local job never needs it

@@ -9,7 +9,7 @@ from elasticdl.checkpoint import single as ckpt
 from elasticdl.common.job_report import read_report
 from elasticdl.common.job_spec import job_spec_from_flags
 from elasticdl.data.api import MalformedRecordError
-from elasticdl.worker.local_job import run_local_job
+from elasticdl.local.job import run_local_job
 from elasticdl.worker.prediction import read_predictions
 from tests.conftest import FIXTURE_ZOO
 
@@ -132,7 +132,7 @@ def nan_toy(toy, monkeypatch):
                                         ("grad", "non-finite gradient of parameter 'fc.bias'")])
 def test_nonfinite_step_fails_job_naming_it_and_model_stays_finite(nan_toy, mode, named):
     """Issue 11: a NaN loss/gradient used to train on and report `succeeded`."""
-    from elasticdl.worker.local_job import TaskFailedError
+    from elasticdl.local.job import TaskFailedError
 
     load, tmp = nan_toy
     load(mode)

@@ -1,5 +1,8 @@
 """Collectives on the current elastic group that keep autograd, and state broadcast.
 
+Shared by the elastic runtime (:mod:`elasticdl.elastic`) and model authors
+(``elasticdl.api.all_gather`` / ``all_reduce``), hence here, below both.
+
 Every function here runs on ``group`` (default: the process group of the current
 elastic plan, i.e. torch.distributed's default group) and turns a failure of the
 underlying collective — a peer that died (``Connection reset by peer``), a

@@ -1,7 +1,8 @@
 """What the elastic runner works on and hands back: the state broadcast after a
 membership change (:class:`ElasticState`), a round's inputs
 (:class:`Microbatch`) and outcome (:class:`RoundResult`), and
-:class:`StepAborted`. See :mod:`elasticdl.elastic.runner` for the rounds.
+:class:`StepAborted`. See :mod:`elasticdl.elastic.runner` for the rounds. Shared by the
+elastic runtime and model authors (``elasticdl.api.ElasticState``), hence here.
 """
 
 from __future__ import annotations

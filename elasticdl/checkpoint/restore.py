@@ -1,6 +1,7 @@
 """Where a PS restores from: one rule, the master's (it knows the job's
 checkpoints, the init checkpoint and the version asked for), passed to the PS
-as ``--restore_from`` and in rollback requests; the PS never guesses.
+as ``--restore_from`` and in rollback requests; the PS never guesses. It lives with the
+checkpoints because both apply it: the master chooses, the PS checks a rollback's directory.
 
 * A run's first launch restores the init checkpoint (``--checkpoint_dir_for_init``:
   a checkpoint directory means its newest complete version, a ``version-N``

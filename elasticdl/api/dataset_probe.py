@@ -1,8 +1,9 @@
-"""``python -m elasticdl.data.dataset_probe --job_spec=JSON``: the lengths of a model
+"""``python -m elasticdl.api.dataset_probe --job_spec=JSON``: the lengths of a model
 module's ``dataset(path, mode)`` for the job's data flags, printed as one JSON line.
 
-Run by the master (:func:`elasticdl.data.dataset_source.probe_sizes`), which never
-imports torch itself. Exit 0 with ``{"training": N, ...}``; exit 1 with
+Run by the master (:func:`elasticdl.data.dataset_source.probe_sizes`, with :func:`command`),
+which never imports torch itself: importing this module imports nothing of torch either.
+Exit 0 with ``{"training": N, ...}``; exit 1 with
 ``{"error": "..."}`` naming the module, the path and what went wrong.
 """
 
@@ -14,8 +15,13 @@ import sys
 from typing import Optional
 
 
+def command() -> list[str]:
+    """The probe's argv without its ``--job_spec``: this module run by this interpreter."""
+    return [sys.executable, "-m", __name__]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="elasticdl.data.dataset_probe")
+    p = argparse.ArgumentParser(prog="elasticdl.api.dataset_probe")
     p.add_argument("--job_spec", required=True)
     a = p.parse_args(argv)
     from elasticdl.api.model_spec import ModelSpecError, load_from_job_spec

@@ -7,7 +7,8 @@ answered ``duplicate`` and changes nothing. The ledger is part of the PS's
 checkpoint, so after a restore it says exactly which gradients the restored
 parameters contain; the master (from the ``rollback`` answer) and the workers
 (``applied`` RPC) read it to re-run exactly the work after that point (see
-docs/parameter_server.md).
+docs/parameter_server.md). Here, below the PS, because the master's PS rollback and the
+PS checkpoint files read ledgers too.
 
 Sized by the live state, not the job's history (docs/scale.md): the ledger
 holds

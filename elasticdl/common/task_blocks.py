@@ -1,4 +1,5 @@
-"""Task ids that name their task: blocks of consecutive ids over a piece source.
+"""Task ids that name their task: blocks of consecutive ids over a piece source (the master's
+task manager makes them, a checkpoint's data position records them, hence here).
 
 An epoch of a million tasks is never materialised. Creating it reserves a
 *block* of ids ``[base, base + count)``; the task with id ``base + p`` is piece

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from elasticdl.common.enums import JobType
@@ -62,15 +62,16 @@ def shards_for(readers: dict[TaskType, DataReader], spec: Any) -> dict[str, Any]
     return {"prediction_shards": shards(TaskType.PREDICTION)}
 
 
-def master_readers(spec: Any, defined: bool = False) -> dict[TaskType, DataReader]:
+def master_readers(spec: Any, probe_command: Sequence[str], defined: bool = False
+                   ) -> dict[TaskType, DataReader]:
     """The master's readers of a model module's ``dataset(path, mode)``, sized by a
-    probe subprocess (the master never imports torch); None when the module's source
-    defines no ``dataset`` (:mod:`elasticdl.data.dataset_source`) and ``defined`` is
+    probe subprocess, ``probe_command`` (the master never imports torch); None when the
+    module's source defines no ``dataset`` (:mod:`elasticdl.data.dataset_source`) and ``defined`` is
     False: ``{}``."""
     from elasticdl.data import dataset_source as ds
 
     module_name = spec.model_def.rsplit(".", 1)[0]
     if not (defined or ds.module_defines(spec.model_zoo, module_name, ds.DATASET_FN)):
         return {}
-    shards = ds.dataset_shards(spec, ds.probe_sizes(spec))
+    shards = ds.dataset_shards(spec, ds.probe_sizes(spec, probe_command))
     return {_TYPES[mode]: reader for mode, reader in shards.items()}
