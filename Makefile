@@ -1,6 +1,7 @@
 # Two commands matter on a fresh machine:
 #   make demo   set up .venv and run a real local training job on digits
 #   make test   set up .venv and run the whole test suite
+SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -22,18 +23,30 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Ielasticdl/proto=proto --python_out=. --grpc_python_out=. \
 		--pyi_out=. elasticdl/proto/elasticdl.proto
 
-# The real-cluster tier runs first so that the suite's own summary is the last line; both
-# always run, and either failing fails the target. The rest runs TEST_JOBS tests at a time
-# (pytest-xdist): most of a whole-job test is its processes importing torch and waiting on
-# each other, so 3 at a time on 2 cores takes about 0.7x the wall time; a file's tests stay
-# on one worker (--dist loadfile: module fixtures are built once; pytest 9 breaks xdist's
-# loadgroup), so no test file may hold much more than a third of the suite's time.
-# TEST_JOBS=0 runs them one by one.
+# The real-cluster tier runs *beside* the rest of the suite: its control plane and its
+# elastic scenarios mostly wait (pods, resizes, simulated GPU time), the rest mostly
+# computes, so side by side they take about the longer of the two, not the sum (8 min of
+# the suite's wall before). Its output goes to out/test-k8s-real.log, printed once both
+# are done; the suite's own output (with the 15 slowest tests) streams as it runs, to
+# out/test-suite.log too; scripts/test_summary.py adds the two summaries up into the last
+# line (`total: N passed, N failed, N skipped`). Either failing fails the target.
+# The rest runs TEST_JOBS tests at a time (pytest-xdist): most of a whole-job test is its
+# processes importing torch and waiting on each other, so 3 at a time on 2 cores takes
+# about 0.7x the wall time; a file's tests stay on one worker (--dist loadfile: module
+# fixtures are built once; pytest 9 breaks xdist's loadgroup), so no test file may hold
+# much more than a third of the suite's time. TEST_JOBS=0 runs them one by one.
 TEST_JOBS ?= 3
 test: $(STAMP)
-	@status=0; $(MAKE) --no-print-directory test-k8s-real || status=1; \
+	@mkdir -p out; status=0; \
+	$(MAKE) --no-print-directory test-k8s-real > out/test-k8s-real.log 2>&1 & k8s=$$!; \
+	trap 'kill $$k8s 2>/dev/null' INT TERM; \
 	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15 -m "not k8s_real" \
-		-n $(TEST_JOBS) --dist loadfile || status=1; \
+		-n $(TEST_JOBS) --dist loadfile 2>&1 | tee out/test-suite.log; \
+	[ "$${PIPESTATUS[0]}" = 0 ] || status=1; \
+	wait $$k8s || status=1; \
+	echo "---- the real-cluster tier, run beside the suite (out/test-k8s-real.log):"; \
+	cat out/test-k8s-real.log; \
+	$(PY) scripts/test_summary.py out/test-suite.log out/test-k8s-real.log || status=1; \
 	exit $$status
 
 # The Kubernetes tests against a genuine control plane (v1.20.2 from ../shared/k8s-control-plane

@@ -112,7 +112,7 @@ def test_killed_ps_restarts_from_checkpoint_and_worker_reconnects(tmp_path):
             # the step waits for the PS to come back, then continues from version 4
             trainer.train_minibatch(*batches[5])
         finally:
-            restarter.join()
+            restarter.join(60)
         assert trainer.model_version == 5
         for features, labels in batches[6:]:
             trainer.train_minibatch(features, labels)

@@ -180,7 +180,8 @@ def test_index_built_once_under_concurrency(tmp_path: Path, monkeypatch) -> None
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads)
     assert calls == [path]
     assert sorted(r[0][0] for r in results) == [str(i) for i in range(8)]
 

@@ -365,7 +365,7 @@ def test_client_reconnects_to_a_restarted_ps_and_gives_up_in_time():
                 statuses = client.status()  # waits for the PS to come back
                 assert statuses[0].initialized is False
             finally:
-                timer.join()
+                timer.join(60)
                 restarted["server"].stop(0).wait(5)
             with pytest.raises(ConnectionError, match="did not come back"):
                 client.status()
