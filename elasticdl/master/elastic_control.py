@@ -17,24 +17,60 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
-from elasticdl.cluster.api import ClusterError, Phase, ReplicaEvent, ReplicaInfo, ReplicaType
-from elasticdl.common.job_spec import JobSpecError, parse_worker_range
+from elasticdl.cluster.api import (
+    Cluster,
+    ClusterError,
+    Phase,
+    ReplicaEvent,
+    ReplicaInfo,
+    ReplicaType,
+)
+from elasticdl.common.job_report import JobReport
+from elasticdl.common.job_spec import JobSpec, JobSpecError, parse_worker_range
 from elasticdl.master.autoscale import REASON, AutoScaler, is_autoscale
+from elasticdl.master.job import JobCore
 from elasticdl.master.protocols import Kind as ProtocolKind
+from elasticdl.master.replicas import ReplicaBook
 from elasticdl.master.scaling import Kind, ScalingPolicy, WorkerCounts
-
-if TYPE_CHECKING:
-    from elasticdl.master.job_controller import JobController
+from elasticdl.master.task_manager import TaskManager
 
 logger = logging.getLogger(__name__)
 
 RETIRE_GRACE_S = 120.0   # a retired worker still holding a task after this is deleted
 
 
+class Controller(Protocol):
+    """What elastic scheduling needs of the job controller (``JobController`` has
+    it): the job, its core and their parts, the cluster (resize requests, deleting
+    a worker), and the launch and the failure it applies."""
+
+    @property
+    def spec(self) -> JobSpec: ...
+
+    @property
+    def core(self) -> JobCore: ...
+
+    @property
+    def tm(self) -> TaskManager: ...
+
+    @property
+    def book(self) -> ReplicaBook: ...
+
+    @property
+    def report(self) -> JobReport: ...
+
+    @property
+    def cluster(self) -> Cluster: ...
+
+    def launch_worker(self, lineage: Optional[int] = None) -> int: ...
+
+    def fail(self, replica: str, error: str, traceback: str) -> None: ...
+
+
 class ElasticControl:
-    def __init__(self, controller: JobController, policy: Optional[ScalingPolicy] = None):
+    def __init__(self, controller: Controller, policy: Optional[ScalingPolicy] = None):
         self.c = controller
         spec = controller.spec
         self.policy = policy or ScalingPolicy()
@@ -165,7 +201,7 @@ class ElasticControl:
         for d in self.policy.decide(view):
             if d.kind == Kind.LAUNCH:
                 for _ in range(d.count):
-                    worker_id = c._launch_worker()
+                    worker_id = c.launch_worker()
                     logger.info("launched worker %d (%s)", worker_id, d.reason)
             elif d.kind == Kind.RETIRE:
                 self.counts.retire(d.workers)
@@ -183,8 +219,8 @@ class ElasticControl:
                 c.report.extra.setdefault("warnings", []).append(f"under MIN: {d.reason}")
                 del c.report.extra["warnings"][:-20]
             elif d.kind == Kind.FAIL:
-                c._fail("master", f"too few workers: {d.reason} "
-                        "(--on_min_workers_timeout=fail)", "")
+                c.fail("master", f"too few workers: {d.reason} "
+                       "(--on_min_workers_timeout=fail)", "")
         self._force_stuck_retirees()
 
     def _force_stuck_retirees(self) -> None:

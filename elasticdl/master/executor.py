@@ -12,26 +12,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import grpc
 
 from elasticdl.common import faults
 from elasticdl.common.intervals import IntervalSet
+from elasticdl.common.job_spec import JobSpec
 from elasticdl.master import ps_rollback
+from elasticdl.master.job import JobCore
 from elasticdl.master.protocols import (
     Act,
     Action,
     Kind,
     Observed,
-    Protocol,
     Step,
     next_action,
 )
-
-if TYPE_CHECKING:
-    from elasticdl.master.job_controller import JobController
+from elasticdl.master.protocols import Protocol as RecoveryProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +45,32 @@ class _InFlight:
     box: dict[str, Any] = field(default_factory=dict)
 
 
+class Controller(Protocol):
+    """What the executor needs of the job controller (``JobController`` has it):
+    the job, its core, the PS addresses, and the launches and the failure it
+    applies."""
+
+    @property
+    def spec(self) -> JobSpec: ...
+
+    @property
+    def core(self) -> JobCore: ...
+
+    @property
+    def ps_addrs(self) -> Sequence[str]: ...
+
+    def launch_ps(self, index: int, await_rollback: bool = False,
+                  restore_from: Optional[str] = None) -> None: ...
+
+    def launch_worker(self, lineage: Optional[int] = None) -> int: ...
+
+    def fail(self, replica: str, error: str, traceback: str) -> None: ...
+
+
 class ProtocolExecutor:
     """Applies protocol actions for ``controller`` (its cluster, PS addresses, core)."""
 
-    def __init__(self, controller: JobController, rollback_budget_s: float = 600.0,
+    def __init__(self, controller: Controller, rollback_budget_s: float = 600.0,
                  max_export_attempts: int = 3):
         self.c = controller
         self.core = controller.core
@@ -118,18 +140,18 @@ class ProtocolExecutor:
                            "checkpoint is not the final model")
 
     # ---------------------------------------------------------------- actions
-    def _apply(self, p: Protocol, action: Action) -> None:
+    def _apply(self, p: RecoveryProtocol, action: Action) -> None:
         core, act = self.core, action.act
         if act == Act.WAIT:
             return
         if act == Act.FAIL:
-            self.c._fail("master", action.reason, "")
+            self.c.fail("master", action.reason, "")
         elif act == Act.LAUNCH_PS:
             launch = list(p.data["launch"])
             core.protocol_step(p.pid, Step.PS_LAUNCHED, launch=[], launched=launch)
             faults.point("after_ps_launched")
             for index in launch:
-                self.c._launch_ps(index, await_rollback=True, restore_from=p.data["dir"])
+                self.c.launch_ps(index, await_rollback=True, restore_from=p.data["dir"])
             core.snapshot()
         elif act == Act.CHOOSE_VERSION:
             self._start(p, self._choose_version, p)
@@ -148,11 +170,11 @@ class ProtocolExecutor:
             core.export_lost(p.pid)
             logger.warning("the final export is open again: %s", action.reason)
         elif act == Act.LAUNCH_EXPORTER:
-            worker_id = self.c._launch_worker()
+            worker_id = self.c.launch_worker()
             logger.warning("no worker left for the final export: launched worker-%d for it",
                            worker_id)
 
-    def _start(self, p: Protocol, fn: Callable[..., Any], *args: Any) -> None:
+    def _start(self, p: RecoveryProtocol, fn: Callable[..., Any], *args: Any) -> None:
         box: dict[str, Any] = {}
 
         def run() -> None:
@@ -165,7 +187,7 @@ class ProtocolExecutor:
         self._inflight[p.pid] = _InFlight(p.seq, t, box)
         t.start()
 
-    def _finish(self, p: Protocol, box: dict[str, Any]) -> None:
+    def _finish(self, p: RecoveryProtocol, box: dict[str, Any]) -> None:
         """A step's RPCs ended (on the controller's thread)."""
         error: Optional[BaseException] = box.get("error")
         if error is not None:
@@ -174,8 +196,8 @@ class ProtocolExecutor:
                 return
             if isinstance(error, grpc.RpcError) and \
                     error.code() == grpc.StatusCode.INVALID_ARGUMENT:   # refused: no retry
-                self.c._fail("master", f"PS rollback to checkpoint {p.data.get('checkpoint')} "
-                             f"refused: {error.details()}", "")
+                self.c.fail("master", f"PS rollback to checkpoint {p.data.get('checkpoint')} "
+                            f"refused: {error.details()}", "")
                 return
             logger.warning("protocol %d at %s: %s; retrying in %.0f s", p.pid, p.step.value,
                            _describe(error), RETRY_S)
@@ -192,11 +214,11 @@ class ProtocolExecutor:
             faults.point("after_requeue")
             self.core.snapshot()
 
-    def _choose_version(self, p: Protocol) -> int:
+    def _choose_version(self, p: RecoveryProtocol) -> int:
         current = ps_rollback.ps_versions(self.c.ps_addrs)
         return max(current + [int(p.data["checkpoint"])]) + 1 + ps_rollback.VERSION_SLACK
 
-    def _rollback_all(self, p: Protocol) -> tuple[dict[int, int], IntervalSet]:
+    def _rollback_all(self, p: RecoveryProtocol) -> tuple[dict[int, int], IntervalSet]:
         return ps_rollback.rollback_each(
             self.c.ps_addrs, int(p.data["checkpoint"]), int(p.data["new_version"]),
             protocol_id=p.pid, incarnation=p.incarnation, version_dir=p.data["dir"])

@@ -83,8 +83,8 @@ class JobController:
         self.elastic = ElasticControl(self)   # elastic scheduling (master/scaling.py)
 
     # ------------------------------------------------------------ replicas
-    def _launch_ps(self, index: int, await_rollback: bool = False,
-                   restore_from: Optional[str] = None) -> None:
+    def launch_ps(self, index: int, await_rollback: bool = False,
+                  restore_from: Optional[str] = None) -> None:
         """Create PS ``index``, restoring ``restore_from`` (the master's restore rule:
         :mod:`elasticdl.checkpoint.restore`; None: the run's initial source);
         ``await_rollback``: into an open PS rollback."""
@@ -102,9 +102,9 @@ class JobController:
         if self.core.ps_lost(index, source, time.time()) is None:
             logger.warning("PS %d relaunched without a checkpoint: it takes a worker's "
                            "current model; updates it held are lost", index)
-            self._launch_ps(index, restore_from=restore.NONE)
+            self.launch_ps(index, restore_from=restore.NONE)
 
-    def _launch_worker(self, lineage: Optional[int] = None) -> int:
+    def launch_worker(self, lineage: Optional[int] = None) -> int:
         worker_id = self.core.launch_worker(lineage)   # journaled before the launch
         faults.point("after_launch_intent")
         self.launcher.launch(WorkerLaunch(worker_id, tuple(self.ps_addrs)))
@@ -124,9 +124,9 @@ class JobController:
         faults.point("before_start")
         num_ps = self._endpoints()
         for i in range(num_ps):
-            self._launch_ps(i)
+            self.launch_ps(i)
         for _ in range(self.spec.initial_workers):
-            self._launch_worker()
+            self.launch_worker()
         self.core.snapshot()
 
     def adopt(self, adopted: list[ReplicaInfo]) -> list[str]:
@@ -161,7 +161,7 @@ class JobController:
             logger.warning("the job's first launch was cut short: launching %d more "
                            "worker(s)", missing)
             for _ in range(missing):
-                self._launch_worker()
+                self.launch_worker()
         self.core.snapshot()
         return [e.name for e in lost]
 
@@ -200,7 +200,7 @@ class JobController:
         if decision.action == Action.RELAUNCH:
             self._relaunch(event, decision.reason)
         elif decision.action == Action.FAIL_JOB:
-            self._fail(name, decision.reason, "")
+            self.fail(name, decision.reason, "")
         elif decision.action == Action.DROP and event.type == ReplicaType.WORKER:
             self.elastic.dropped()
 
@@ -238,14 +238,14 @@ class JobController:
     def _relaunch(self, event: ReplicaEvent, reason: str) -> None:
         try:
             if event.type == ReplicaType.WORKER:
-                new_id = self._launch_worker(lineage=self.book.lineage_of(event.index))
+                new_id = self.launch_worker(lineage=self.book.lineage_of(event.index))
                 new_name = f"worker-{new_id}"
             else:
                 self._relaunch_ps(event.index)
                 new_name = event.name
         except ClusterError as e:
             logger.error("relaunch of %s failed: %s", event.name, e)
-            self._fail(event.name, f"relaunch failed: {e}", "")
+            self.fail(event.name, f"relaunch failed: {e}", "")
             return
         self.report.add_relaunch(event.name, new_name, reason, event.exit_code)
         self.core.notify("on_relaunch", replica=event.name, new_replica=new_name, reason=reason,
@@ -253,7 +253,7 @@ class JobController:
         logger.info("relaunched %s as %s (%s)", event.name, new_name, reason)
         faults.point("after_relaunch")
 
-    def _fail(self, replica: str, error: str, traceback: str) -> None:
+    def fail(self, replica: str, error: str, traceback: str) -> None:
         self.report.fail(replica, error, traceback)
 
     # ----------------------------------------------------------------- run
@@ -264,8 +264,8 @@ class JobController:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - reported as the job's root cause
             logger.exception("internal error %s", what)
-            self._fail("master", f"internal error {what}: {type(e).__name__}: {e}",
-                       traceback.format_exc())
+            self.fail("master", f"internal error {what}: {type(e).__name__}: {e}",
+                      traceback.format_exc())
 
     def run(self, stop: threading.Event) -> str:
         """Drive the job until its phase is terminal; returns the final status
@@ -297,7 +297,7 @@ class JobController:
         step = next_phase(self.phase, self._finishing_since, self._observe(stop, now),
                           self.finish_timeout_s)
         if step.failure is not None:
-            self._fail(*step.failure)
+            self.fail(*step.failure)
         elif step.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED):
             self.report.status = step.phase.value
         self.phase, self._finishing_since = step.phase, step.since

@@ -1,6 +1,7 @@
-"""Observability of a job: what its core tells listeners, and the wiring of the
-TensorBoard event files (:mod:`tensorboard_events`) and the Prometheus endpoint
-(:mod:`prometheus_metrics`) to it.
+"""Observability of a job: the wiring of the TensorBoard event files
+(:mod:`tensorboard_events`) and the Prometheus endpoint (:mod:`prometheus_metrics`)
+to its core, as listeners (:class:`~elasticdl.master.listeners.JobListener`, what
+the core tells them; :mod:`live_figures`, the latest training figures).
 
 The :class:`~elasticdl.master.job.JobCore` calls its listeners (``add_listener``)
 by method name, under its lock, from gRPC handlers and the control loop; every
@@ -13,98 +14,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
+
+from elasticdl.master.listeners import JobListener  # noqa: F401 - re-exported
+from elasticdl.master.live_figures import LiveFigures
 
 logger = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
 METRICS_FILE = "metrics_endpoint.json"   # in the job dir: where the master serves /metrics
-
-
-class JobListener:
-    """What a job core tells its listeners (override what you need).
-
-    ``version``: the job's model version when it happened (never goes back), the
-    x axis of every TensorBoard series except evaluations (the evaluated version).
-    """
-
-    def on_training_task(self, epoch: int, records: int, loss: Optional[float],
-                         learning_rate: Optional[float], version: int) -> None:
-        """A training task of ``epoch`` finished: its mean loss over ``records`` and
-        the learning rate its last step was applied with (either may be None)."""
-
-    def on_evaluation(self, version: int, metrics: dict[str, float]) -> None:
-        """The evaluation of model ``version`` completed with ``metrics``."""
-
-    def on_epoch_end(self, epoch: int, version: int) -> None:
-        """Every training task of ``epoch`` is done."""
-
-    def on_relaunch(self, replica: str, new_replica: str, reason: str, version: int) -> None:
-        """``replica`` ended (``reason``) and ``new_replica`` replaces it."""
-
-    def on_replica(self, kind: str, index: int, alive: bool) -> None:
-        """Replica ``kind`` ("worker", "ps") ``index`` started (or was adopted) or ended."""
-
-
-class RateMeter:
-    """Records per second over a sliding window of ``window_s`` seconds, counted in
-    buckets of a thirtieth of the window (an add costs the same at any rate)."""
-
-    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        self.window_s = window_s
-        self._bucket_s = window_s / 30
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._buckets: deque[list[float]] = deque()   # [bucket start, records]
-        self._start = clock()
-
-    def _expire(self, now: float) -> None:
-        while self._buckets and self._buckets[0][0] < now - self.window_s:
-            self._buckets.popleft()
-
-    def add(self, records: int) -> None:
-        with self._lock:
-            now = self._clock()
-            last = self._buckets[-1] if self._buckets else None
-            if last is not None and now - last[0] < self._bucket_s:
-                last[1] += records
-            else:
-                self._buckets.append([now, records])
-                self._expire(now)
-
-    def rate(self) -> float:
-        """Records per second over the window (over the time since the meter
-        started while that is shorter than the window)."""
-        with self._lock:
-            now = self._clock()
-            self._expire(now)
-            span = min(self.window_s, now - self._start)
-            total = sum(r for _, r in self._buckets)
-            return total / span if span > 0 else 0.0
-
-
-class LiveFigures(JobListener):
-    """The latest training figures (for the Prometheus endpoint): the last
-    training task's loss and learning rate, records per second, epoch."""
-
-    def __init__(self, window_s: float = 30.0):
-        self.loss: Optional[float] = None
-        self.learning_rate: Optional[float] = None
-        self.epoch: Optional[int] = None
-        self.meter = RateMeter(window_s)
-
-    def on_training_task(self, epoch: int, records: int, loss: Optional[float],
-                         learning_rate: Optional[float], version: int) -> None:
-        self.meter.add(records)
-        self.epoch = epoch
-        if loss is not None:
-            self.loss = float(loss)
-        if learning_rate is not None:
-            self.learning_rate = float(learning_rate)
 
 
 class Observability:

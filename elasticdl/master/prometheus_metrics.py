@@ -20,7 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from elasticdl.common.task import TaskType
-from elasticdl.master.observability import JobListener, LiveFigures
+from elasticdl.master.listeners import JobListener
+from elasticdl.master.live_figures import LiveFigures
 
 logger = logging.getLogger(__name__)
 

@@ -1,25 +1,27 @@
 """The task manager's state types and their JSON form.
 
 :class:`EpochLedger` is one epoch's figures in ``job_report.json``;
-:func:`dump` / :func:`restore` turn a whole :class:`TaskManager` (queues,
-held tasks, ledger, evaluation passes, ids) into a JSON-able dict and back:
-the part of the job core's state that master failover journals. No torch.
+:func:`dump` / :func:`restore` turn a whole task manager (queues, held tasks,
+ledger, evaluation passes, ids) into a JSON-able dict and back: the part of
+the job core's state that master failover journals. They and the data position
+reach the manager through :class:`TaskTables` (its tables, which
+:class:`~elasticdl.master.task_manager.TaskManager` has), never importing it.
+No torch.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.task import Task, TaskFailure, TaskType
 from elasticdl.common.task_blocks import Block
-
-if TYPE_CHECKING:
-    from elasticdl.master.task_manager import TaskManager
+from elasticdl.master.task_timeouts import TaskTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,49 @@ def task_from_json(v: Sequence[Any]) -> Task:
                 int(v[6]))
 
 
+class TaskTables(Protocol):
+    """The task manager's tables as its JSON form (:func:`dump`, :func:`restore`)
+    and its data position read and write them, under its lock (``TaskManager``
+    has them all; see there what each holds)."""
+
+    _lock: threading.RLock
+    _next_id: int
+    _blocks: list[Block]
+    _requeued: deque[Task]
+    _eval_requeued: deque[Task]
+    _doing: dict[int, Doing]
+    _unsettled: dict[int, tuple[Task, int]]
+    _attempts: dict[int, int]
+    _workers_seen: set[int]
+    _epochs_created: int
+    _epoch_open_tasks: dict[int, int]
+    _eval_jobs: dict[int, EvalJob]
+    _evaluated: IntervalSet
+    _last_get: dict[int, tuple[int, Task]]
+    completed: IntervalSet
+    ledger: dict[int, EpochLedger]
+    prediction_ledger: EpochLedger
+    evaluation_records_completed: int
+    evaluation_tasks_completed: int
+    counters: dict[str, int]
+    rollback_version: int
+    settled_version: int
+    hold_training: bool
+    failure: Optional[TaskFailure]
+    num_epochs: int
+
+    @property
+    def timeouts(self) -> TaskTimeouts: ...
+
+    @property
+    def sources(self) -> dict[str, Sequence[tuple[str, int, int]]]: ...
+
+    def _new_block(self, count: int, typ: TaskType, source: Any, epoch: int = 0,
+                   model_version: int = -1, seed: Optional[int] = None) -> Block: ...
+
+    def _requeue(self, task: Task, redone: Optional[int] = None) -> None: ...
+
+
 class Deferred:
     """A part of a state copied under the lock and turned into JSON outside it
     (:func:`resolve`): a snapshot holds the core's lock only for the copy."""
@@ -101,7 +146,7 @@ def resolve(state: Any) -> Any:
     return state
 
 
-def dump(tm: TaskManager, defer: bool = False) -> dict[str, Any]:
+def dump(tm: TaskTables, defer: bool = False) -> dict[str, Any]:
     """Everything a restarted master needs to go on exactly where ``tm`` is: the
     live state only (blocks being handed out, re-queued and held tasks, closed
     but unsettled tasks), finished work as intervals and counters. ``defer``:
@@ -118,7 +163,7 @@ def dump(tm: TaskManager, defer: bool = False) -> dict[str, Any]:
     return state if defer else resolve(state)
 
 
-def _dump_locked(tm: TaskManager, lists: dict[str, Deferred]) -> dict[str, Any]:
+def _dump_locked(tm: TaskTables, lists: dict[str, Deferred]) -> dict[str, Any]:
     failure = None
     if tm.failure is not None:
         f = tm.failure
@@ -147,7 +192,7 @@ def _dump_locked(tm: TaskManager, lists: dict[str, Deferred]) -> dict[str, Any]:
     }
 
 
-def restore(tm: TaskManager, state: dict[str, Any], now: float) -> None:
+def restore(tm: TaskTables, state: dict[str, Any], now: float) -> None:
     """Put ``tm`` (built from the same shards and flags) in the state :func:`dump`
     gave; held tasks count as handed out at ``now``."""
     with tm._lock:
@@ -186,7 +231,7 @@ def restore(tm: TaskManager, state: dict[str, Any], now: float) -> None:
             tm.failure = TaskFailure(task_from_json(t), int(worker), int(attempts), error, tb)
 
 
-def data_position(tm: TaskManager, partial: Optional[dict[int, int]] = None
+def data_position(tm: TaskTables, partial: Optional[dict[int, int]] = None
                   ) -> dict[str, Any]:
     """The data position: every training task not yet done, for resuming.
 
@@ -215,7 +260,7 @@ def data_position(tm: TaskManager, partial: Optional[dict[int, int]] = None
                 "ledger": ledger, "num_epochs": tm.num_epochs}
 
 
-def load_data_position(tm: TaskManager, state: dict[str, Any]) -> None:
+def load_data_position(tm: TaskTables, state: dict[str, Any]) -> None:
     """Resume from :func:`data_position`: only the pending tasks are left of
     the epochs already created (one block of explicit ranges); later epochs are
     created as usual."""
@@ -248,7 +293,7 @@ def load_data_position(tm: TaskManager, state: dict[str, Any]) -> None:
                     len(pieces) + len(carried), len(carried))
 
 
-def applied_short(tm: TaskManager, task: Task, applied: int,
+def applied_short(tm: TaskTables, task: Task, applied: int,
                   counters: Mapping[str, int]) -> bool:
     """Whether a task reported done still has records the PS did not apply."""
     at = counters.get("applied_at_version")
@@ -266,7 +311,7 @@ def applied_short(tm: TaskManager, task: Task, applied: int,
     return False
 
 
-def requeue_unapplied(tm: TaskManager, applied: dict[int, int], new_version: int,
+def requeue_unapplied(tm: TaskTables, applied: dict[int, int], new_version: int,
                       closed: Optional[IntervalSet] = None) -> list[int]:
     """The PS rolled back to a checkpoint whose ledgers hold ``applied`` (task ->
     records applied on every PS) and ``closed`` (tasks every PS holds whole):

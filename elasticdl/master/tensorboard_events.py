@@ -33,7 +33,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from elasticdl.master.observability import JobListener, RateMeter
+from elasticdl.master.listeners import JobListener
+from elasticdl.master.live_figures import RateMeter
 
 logger = logging.getLogger(__name__)
 

@@ -67,6 +67,13 @@ def test_type_checking_imports_count():
         assert not contract.get("ignore_imports")
 
 
+def test_every_package_is_acyclic_inside():
+    # no package's modules are left out of the acyclic contract (elasticdl.master was)
+    acyclic = _contracts()["acyclic"]
+    assert not acyclic.get("skip_descendants")
+    assert acyclic["depth"] >= 1
+
+
 def test_the_package_graph_has_no_cycle():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "import_graph.py")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
