@@ -2,11 +2,14 @@
 
 pyarrow is imported only when a file is first scanned or read, so importing this module (as the
 registry does) costs nothing where Parquet is not used. Record counts come from the file footer;
-a read decodes only the row groups overlapping the requested range.
+a read decodes only the row groups overlapping the requested range. From object storage
+(:mod:`elasticdl.data.fs`) a read fetches the footer and those row groups' column chunks by
+range, never the whole object.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from types import ModuleType
@@ -14,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from elasticdl.data import fs
 from elasticdl.data.api import DataError, FileDataReader
 
 logger = logging.getLogger(__name__)
@@ -58,7 +62,11 @@ class ParquetDataReader(FileDataReader[np.ndarray]):
         ``[offsets[g], offsets[g + 1])``."""
         pa, pq = _pyarrow(path)
         try:
-            metadata = pq.read_metadata(path)
+            if fs.is_url(path):    # the footer only: a few ranged reads at the object's end
+                with fs.open_input(path, 1 << 20) as f:
+                    metadata = pq.read_metadata(f)
+            else:
+                metadata = pq.read_metadata(path)
         except (OSError, pa.ArrowException) as err:
             raise DataError(f"{path}: cannot read as Parquet: {err}") from err
         if self._columns is not None:
@@ -83,7 +91,11 @@ class ParquetDataReader(FileDataReader[np.ndarray]):
         first = int(np.searchsorted(meta, start, side="right")) - 1
         last = int(np.searchsorted(meta, end, side="left"))
         try:
-            with pq.ParquetFile(path) as parquet:
+            # an object: the footer and the column chunks of these row groups, by range
+            with contextlib.ExitStack() as stack:
+                source = stack.enter_context(fs.open_input(path, 1 << 20)) \
+                    if fs.is_url(path) else path
+                parquet = stack.enter_context(pq.ParquetFile(source))
                 table = parquet.read_row_groups(
                     list(range(first, last)), columns=self._columns, use_threads=False
                 )
