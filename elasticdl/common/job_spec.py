@@ -68,10 +68,15 @@ class JobSpec:
                                            "Name of an optional prediction writer class",
                                            "model")
     # --- data
-    training_data: str = _f("", "File or directory of training records", "data")
-    validation_data: str = _f("", "File or directory of validation records", "data")
-    prediction_data: str = _f("", "File or directory of records to predict", "data")
+    training_data: str = _f("", "File or directory (or s3://, gs://, hdfs:// URL) of "
+                            "training records", "data")
+    validation_data: str = _f("", "File or directory (or URL) of validation records", "data")
+    prediction_data: str = _f("", "File or directory (or URL) of records to predict", "data")
     data_reader_params: str = _f("", 'Reader options: "sep=|;header=true"', "data")
+    data_endpoint: str = _f("", "S3-compatible endpoint URL for s3:// data and checkpoints, "
+                            "e.g. http://minio:9000 (default: AWS_ENDPOINT_URL or AWS); "
+                            "credentials come from the environment, never a flag "
+                            "(docs/data.md)", "data")
     minibatch_size: int = _f(64, "Records per minibatch", "data", min=1)
     eval_minibatch_size: int = _f(0, "Records per minibatch in evaluation and prediction "
                                   "(0: --minibatch_size)", "data", min=0)
@@ -282,6 +287,10 @@ class JobSpec:
             if self.workers_min >= self.num_workers:
                 raise JobSpecError("autoscale", "needs a range to size within: "
                                    "--num_workers=MIN:MAX with MIN < MAX")
+        if self.data_endpoint and not re.match(r"^https?://[^/@\s]+(/\S*)?$",
+                                               self.data_endpoint):
+            raise JobSpecError("data_endpoint", "must be an http(s):// URL without "
+                               "credentials, e.g. http://minio:9000")
         if self.sequential_tasks and self.shuffle:
             raise JobSpecError("sequential_tasks", "keeps tasks in data order: drop --shuffle")
         if self.sequential_tasks and self.distribution_strategy == Strategy.ALLREDUCE:

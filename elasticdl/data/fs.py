@@ -335,7 +335,7 @@ def list_files(url: str) -> list[RemoteFile]:
     scheme = url.partition("://")[0]
 
     def op() -> list[RemoteFile]:
-        entries = fs.ls(path, detail=True)
+        entries = fs.ls(path, detail=True, refresh=True)
         out = []
         for d in entries:
             if d.get("type") != "file":
@@ -388,8 +388,10 @@ def read_bytes(url: str) -> bytes:
     return bytes(retrying(url, "read", lambda: fs.cat_file(path)))
 
 
-def open_input(url: str, block_size: int = BLOCK_SIZE) -> Any:
-    """A seekable binary file for reading (remote: ranged reads with read-ahead blocks).
+def open_input(url: str, block_size: int = BLOCK_SIZE, exact: bool = False) -> Any:
+    """A seekable binary file for reading. Remote: each read is a ranged GET of at least
+    ``block_size`` bytes (read-ahead, for many small reads), or with ``exact`` of exactly the
+    bytes asked (for a reader that asks for whole column chunks, as pyarrow does).
 
     Errors while reading the returned file surface as the file system raises them; wrap the
     whole use in :func:`retrying`.
@@ -397,7 +399,8 @@ def open_input(url: str, block_size: int = BLOCK_SIZE) -> Any:
     if not is_url(url):
         return open(url, "rb")
     fs, path = filesystem(url)
-    return fs.open(path, "rb", block_size=block_size, cache_type="readahead")
+    return fs.open(path, "rb", block_size=block_size,
+                   cache_type="none" if exact else "readahead")
 
 
 def write_bytes(url: str, data: bytes) -> None:

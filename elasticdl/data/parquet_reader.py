@@ -63,7 +63,7 @@ class ParquetDataReader(FileDataReader[np.ndarray]):
         pa, pq = _pyarrow(path)
         try:
             if fs.is_url(path):    # the footer only: a few ranged reads at the object's end
-                with fs.open_input(path, 1 << 20) as f:
+                with fs.open_input(path, exact=True) as f:
                     metadata = pq.read_metadata(f)
             else:
                 metadata = pq.read_metadata(path)
@@ -93,7 +93,7 @@ class ParquetDataReader(FileDataReader[np.ndarray]):
         try:
             # an object: the footer and the column chunks of these row groups, by range
             with contextlib.ExitStack() as stack:
-                source = stack.enter_context(fs.open_input(path, 1 << 20)) \
+                source = stack.enter_context(fs.open_input(path, exact=True)) \
                     if fs.is_url(path) else path
                 parquet = stack.enter_context(pq.ParquetFile(source))
                 table = parquet.read_row_groups(

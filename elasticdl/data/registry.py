@@ -111,7 +111,7 @@ def dataset_files(path: str) -> list[str]:
 
     if fs.is_url(path):
         return _remote_dataset_files(fs.normalize(path))
-    path = os.path.abspath(os.path.expanduser(path))
+    path = fs.normalize(path)    # file:// URLs too
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
