@@ -142,7 +142,7 @@ def test_s3_outage_mid_epoch_every_record_once(s3_server, id_data, tmp_path):
             f"--num_epochs={EPOCHS}", "--distribution_strategy=ParameterServerStrategy",
             "--num_workers=2", "--num_ps_pods=2", "--task_lease_s=0"]
     proc = start_cli(args, str(tmp_path / "home"), str(tmp_path / "cli.log"),
-                     COUNT_RECORDS=str(ID_RECORDS), COUNT_RECORDS_DELAY_S="0.15")
+                     COUNT_RECORDS=str(ID_RECORDS), COUNT_RECORDS_DELAY_S="0.5")
     try:
         deadline = time.monotonic() + 300
         while records_done(job_dir) < 64 and time.monotonic() < deadline:
