@@ -204,6 +204,10 @@ class JobSpec:
     volume: str = _f("", 'Volumes: "host_path=/d,mount_path=/data;claim_name=c,'
                      'mount_path=/m"', "cluster", kind="volume")
     envs: str = _f("", 'Environment of every replica: "A=1,B=2"', "cluster", kind="envs")
+    data_secret: str = _f("", "Kubernetes Secret whose keys become environment variables "
+                          "of every pod (object-storage credentials: AWS_ACCESS_KEY_ID, "
+                          "AWS_SECRET_ACCESS_KEY...); the manifests name it, never its "
+                          "values (docs/data.md)", "cluster")
     cluster_spec: str = _f("", "JSON file (or JSON) patched into every pod spec", "cluster")
     yaml: str = _f("", "Write the job's manifests to this file instead of submitting",
                    "cluster")
@@ -287,6 +291,9 @@ class JobSpec:
             if self.workers_min >= self.num_workers:
                 raise JobSpecError("autoscale", "needs a range to size within: "
                                    "--num_workers=MIN:MAX with MIN < MAX")
+        if self.data_secret and not re.match(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+                                             self.data_secret):
+            raise JobSpecError("data_secret", f"is not a Secret name: {self.data_secret!r}")
         if self.data_endpoint and not re.match(r"^https?://[^/@\s]+(/\S*)?$",
                                                self.data_endpoint):
             raise JobSpecError("data_endpoint", "must be an http(s):// URL without "

@@ -181,3 +181,33 @@ def test_local_readers_unchanged(tmp_path):
     np.save(tmp_path / "a.npy", np.arange(10))
     reader = create_data_reader(str(tmp_path))
     assert [int(x) for x in reader.read(str(tmp_path / "a.npy"), 3, 6)] == [3, 4, 5]
+
+
+def test_parquet_tasks_in_one_row_group_decode_it_once(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from elasticdl.data import parquet_reader
+
+    pq.write_table(pa.table({"x": list(range(1000))}), tmp_path / "a.parquet",
+                   row_group_size=400)
+    reader = create_data_reader(str(tmp_path))
+    path = str(tmp_path / "a.parquet")
+    decoded: list[int] = []
+    real = pq.ParquetFile.read_row_group
+
+    def counting(self, i, *args, **kwargs):
+        decoded.append(i)
+        return real(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    rows = [r["x"] for start in range(0, 1000, 100) for r in reader.read(path, start,
+                                                                         start + 100)]
+    assert rows == list(range(1000)) and decoded == [0, 1, 2]
+    assert [r["x"] for r in reader.read(path, 350, 450)] == list(range(350, 450))
+    assert decoded == [0, 1, 2]                      # from the kept groups
+    monkeypatch.setattr(parquet_reader, "ROW_GROUP_CACHE_BYTES", 0)   # nothing kept
+    fresh = create_data_reader(str(tmp_path))
+    fresh.read(path, 0, 10)
+    fresh.read(path, 10, 20)
+    assert decoded[3:] == [0, 0]
