@@ -291,6 +291,10 @@ class JobSpec:
             if self.workers_min >= self.num_workers:
                 raise JobSpecError("autoscale", "needs a range to size within: "
                                    "--num_workers=MIN:MAX with MIN < MAX")
+        for flag in ("checkpoint_dir", "checkpoint_dir_for_init", "output"):
+            if "://" in getattr(self, flag):
+                raise JobSpecError(flag, "URLs (object storage) are supported for data only "
+                                   "(docs/data.md); use a local or mounted directory")
         if self.data_secret and not re.match(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
                                              self.data_secret):
             raise JobSpecError("data_secret", f"is not a Secret name: {self.data_secret!r}")

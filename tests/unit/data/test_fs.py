@@ -211,3 +211,13 @@ def test_parquet_tasks_in_one_row_group_decode_it_once(tmp_path, monkeypatch):
     fresh.read(path, 0, 10)
     fresh.read(path, 10, 20)
     assert decoded[3:] == [0, 0]
+
+
+def test_checkpoints_and_output_refuse_urls_clearly():
+    from elasticdl.common.job_spec import JobSpec, JobSpecError
+
+    for flag in ("checkpoint_dir", "checkpoint_dir_for_init", "output"):
+        with pytest.raises(JobSpecError, match=rf"--{flag}: URLs \(object storage\) are "
+                           "supported for data only"):
+            JobSpec(model_zoo="z", model_def="m.f", training_data="s3://b/t",
+                    **{flag: "s3://b/ckpt"})
