@@ -292,9 +292,11 @@ class JobSpec:
                 raise JobSpecError("autoscale", "needs a range to size within: "
                                    "--num_workers=MIN:MAX with MIN < MAX")
         for flag in ("checkpoint_dir", "checkpoint_dir_for_init", "output"):
-            if "://" in getattr(self, flag):
-                raise JobSpecError(flag, "URLs (object storage) are supported for data only "
-                                   "(docs/data.md); use a local or mounted directory")
+            if "://" in getattr(self, flag) and (flag == "output" or not re.match(
+                    r"^(s3|s3a|gs|gcs|hdfs)://[^@\s]+$", getattr(self, flag))):
+                raise JobSpecError(flag, "URLs are supported for data and (s3://, gs://, "
+                                   "hdfs://) checkpoints only (docs/data.md); use a local "
+                                   "or mounted directory")
         if self.data_secret and not re.match(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
                                              self.data_secret):
             raise JobSpecError("data_secret", f"is not a Secret name: {self.data_secret!r}")

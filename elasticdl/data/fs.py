@@ -51,13 +51,17 @@ __all__ = [
     "isdir",
     "isfile",
     "join",
+    "list_entries",
     "list_files",
     "normalize",
     "open_input",
     "read_bytes",
     "read_range",
     "redact",
+    "remove",
     "retrying",
+    "upload",
+    "download",
     "write_bytes",
 ]
 
@@ -418,3 +422,47 @@ def write_bytes(url: str, data: bytes) -> None:
         return
     fs, path = filesystem(url)
     retrying(url, "write", lambda: fs.pipe_file(path, data))
+
+
+def upload(local_path: str, url: str) -> None:
+    """Copy a local file to an object (streamed; multipart for large files)."""
+    fs, path = filesystem(url)
+    retrying(url, "upload", lambda: fs.put_file(local_path, path))
+
+
+def download(url: str, local_path: str) -> None:
+    """Copy an object to a local file (written beside, then renamed into place)."""
+    fs, path = filesystem(url)
+    os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
+    tmp = f"{local_path}.{os.getpid()}.part"
+    retrying(url, "download", lambda: fs.get_file(path, tmp))
+    os.replace(tmp, local_path)
+
+
+def remove(url: str) -> None:
+    """Delete an object, or every object under a prefix; a missing one is no error."""
+    fs, path = filesystem(url)
+
+    def op() -> None:
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    retrying(url, "delete", op)
+
+
+def list_entries(url: str) -> list[tuple[str, bool]]:
+    """``(name, is_directory)`` of the entries directly under a prefix (none when it does
+    not exist)."""
+    fs, path = filesystem(url)
+
+    def op() -> list[tuple[str, bool]]:
+        try:
+            entries = fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted((str(d["name"]).rstrip("/").rsplit("/", 1)[-1],
+                       d.get("type") == "directory") for d in entries)
+
+    return retrying(url, "list", op)

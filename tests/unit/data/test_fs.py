@@ -213,11 +213,15 @@ def test_parquet_tasks_in_one_row_group_decode_it_once(tmp_path, monkeypatch):
     assert decoded[3:] == [0, 0]
 
 
-def test_checkpoints_and_output_refuse_urls_clearly():
+def test_checkpoint_urls_accepted_output_urls_refused():
     from elasticdl.common.job_spec import JobSpec, JobSpecError
 
-    for flag in ("checkpoint_dir", "checkpoint_dir_for_init", "output"):
-        with pytest.raises(JobSpecError, match=rf"--{flag}: URLs \(object storage\) are "
-                           "supported for data only"):
-            JobSpec(model_zoo="z", model_def="m.f", training_data="s3://b/t",
-                    **{flag: "s3://b/ckpt"})
+    def spec(**kw):
+        return JobSpec(model_zoo="z", model_def="m.f", training_data="s3://b/t", **kw)
+
+    assert spec(checkpoint_dir="s3://b/ckpt").checkpoint_dir == "s3://b/ckpt"
+    assert spec(checkpoint_dir_for_init="s3://b/ckpt/version-7").checkpoint_dir_for_init
+    for flag, value in (("output", "s3://b/out"), ("checkpoint_dir", "ftp://h/ckpt"),
+                        ("checkpoint_dir", "s3://key:secret@b/ckpt")):
+        with pytest.raises(JobSpecError, match=rf"--{flag}: URLs are supported for data and"):
+            spec(**{flag: value})
