@@ -93,7 +93,8 @@ class JobSpec:
     # --- training
     evaluation_steps: int = _f(0, "Evaluate every N model versions (0: only at epoch end)",
                                "training", min=0)
-    checkpoint_dir: str = _f("", "Where checkpoints are written", "training")
+    checkpoint_dir: str = _f("", "Where checkpoints are written (a directory; s3://... "
+                             "for Local and --cluster=local jobs, docs/data.md)", "training")
     checkpoint_steps: int = _f(0, "Checkpoint every N model versions (0: never)", "training",
                                min=0)
     keep_checkpoint_max: int = _f(0, "Checkpoints kept (0 keeps all)", "training", min=0)
