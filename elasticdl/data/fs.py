@@ -17,28 +17,28 @@ The S3 endpoint comes from ``--data_endpoint`` (exported to every process of the
 the usual chain of botocore (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, a credentials file,
 ``AWS_PROFILE``, an instance role). This module never logs or stores a credential.
 
-Faults: every remote operation goes through :func:`retrying`. A transient error (connection
-refused or reset, timeout, HTTP 5xx, SlowDown) is retried with exponential backoff within a
-bounded budget (:data:`RETRY_BUDGET_ENV`, default 60 s), each retry logged with the URL; a
-permanent one (403, no such bucket or key, a malformed object), or a transient one past the
-budget, raises :class:`~elasticdl.data.api.DataError` naming the URL and the reason.
+Faults: every remote operation goes through :func:`retrying` (:mod:`elasticdl.data.fs_faults`):
+transient errors are retried within a bounded budget, permanent ones raise
+:class:`~elasticdl.data.api.DataError` naming the URL and the reason.
 """
 
 from __future__ import annotations
 
-import errno
-import logging
 import os
-import random
-import time
-from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
-from elasticdl.data.api import DataError, MalformedRecordError
-
-logger = logging.getLogger(__name__)
+from elasticdl.data.api import DataError
+from elasticdl.data.fs_faults import (
+    DEFAULT_RETRY_BUDGET_S,
+    RETRY_BUDGET_ENV,
+    is_transient,
+    redact,
+    retry_budget_s,
+    retrying,
+)
 
 __all__ = [
+    "DEFAULT_RETRY_BUDGET_S",
     "ENDPOINT_ENV",
     "RETRY_BUDGET_ENV",
     "RemoteFile",
@@ -59,6 +59,7 @@ __all__ = [
     "read_range",
     "redact",
     "remove",
+    "retry_budget_s",
     "retrying",
     "upload",
     "download",
@@ -67,9 +68,6 @@ __all__ = [
 
 ENDPOINT_ENV = "ELASTICDL_DATA_ENDPOINT"
 """Environment variable holding ``--data_endpoint`` in every process of a job."""
-RETRY_BUDGET_ENV = "ELASTICDL_DATA_RETRY_S"
-"""Environment variable: seconds a remote operation keeps retrying transient errors."""
-DEFAULT_RETRY_BUDGET_S = 60.0
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 30.0
 BLOCK_SIZE = 8 << 20
@@ -83,22 +81,6 @@ _PROTOCOLS = {
     "gcs": ("gcs", "gcsfs", "pip install gcsfs"),
     "hdfs": ("hdfs", "pyarrow", "pip install pyarrow"),
 }
-_TRANSIENT_NAMES = frozenset({
-    "ConnectionError", "HTTPClientError", "EndpointConnectionError", "ConnectionClosedError",
-    "ReadTimeoutError", "ConnectTimeoutError", "ProxyConnectionError", "IncompleteRead",
-    "ResponseStreamingError", "ClientConnectionError", "ClientPayloadError",
-    "ServerDisconnectedError", "ServerTimeoutError", "ClientOSError", "TimeoutError",
-    "FSTimeoutError",
-})
-_TRANSIENT_ERRNOS = frozenset({
-    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
-    errno.EBUSY,                    # s3fs: 503 SlowDown
-    getattr(errno, "EREMOTEIO", 121),   # s3fs: 500 InternalError
-})
-_TRANSIENT_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown",
-                              "RequestTimeout", "Throttling", "ThrottlingException"})
-
-T = TypeVar("T")
 
 
 class RemoteFile(NamedTuple):
@@ -131,14 +113,6 @@ def normalize(path: str) -> str:
 def join(base: str, name: str) -> str:
     """``base/name`` for URLs and paths alike."""
     return f"{base.rstrip('/')}/{name}" if is_url(base) else os.path.join(base, name)
-
-
-def redact(url: str) -> str:
-    """``url`` without any ``user:secret@`` part (what logs and messages show)."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest.split("/", 1)[0]:
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
 
 
 def configure_from_spec(spec: Any) -> None:
@@ -179,101 +153,17 @@ def filesystem(url: str) -> tuple[Any, str]:
                         f"{', '.join(sorted(_PROTOCOLS))}, file:// and plain paths")
     protocol, module, install = entry
     try:
-        import fsspec
+        from fsspec.core import url_to_fs
 
         __import__(module)
-        fs = fsspec.filesystem(protocol, **_storage_options(protocol))
+        # the host and port of hdfs://host:port/path become the client's, as fsspec parses them
+        fs, path = url_to_fs(f"{protocol}://{rest}", **_storage_options(protocol))
     except ImportError as err:
         raise DataError(f"{redact(url)}: reading {scheme}:// URLs requires {module}, which is "
                         f"not installed ({install}): {err}") from err
     if protocol == "s3":
         fs.retries = 2    # s3fs's own retries of a call; ours (retrying) bound the total
-    return fs, fs._strip_protocol(url) if protocol == "hdfs" else rest
-
-
-# --- faults ---------------------------------------------------------------------------------
-
-
-def _chain(err: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    cur: BaseException | None = err
-    while cur is not None and cur not in seen and len(seen) < 16:
-        seen.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return seen
-
-
-def is_transient(err: BaseException) -> bool:
-    """Whether ``err`` (or what caused it) is worth retrying: a connection refused or reset,
-    a timeout, an HTTP 5xx or throttling. Missing objects, denied access and malformed data
-    are permanent."""
-    chain = _chain(err)
-    for e in chain:
-        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError,
-                          NotADirectoryError, MalformedRecordError)):
-            return False
-    for e in chain:
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error") or {}
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0
-            if error.get("Code") in _TRANSIENT_CODES or int(status) >= 500:
-                return True
-        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
-            return True
-        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
-            return True
-    return False
-
-
-def _reason(err: BaseException) -> str:
-    if any(isinstance(e, FileNotFoundError) for e in _chain(err)):
-        return f"no such bucket or object ({err})"
-    if any(isinstance(e, PermissionError) for e in _chain(err)):
-        return (f"access denied ({err}); check the credentials (AWS_ACCESS_KEY_ID/"
-                "AWS_SECRET_ACCESS_KEY, a credentials file) and --data_endpoint")
-    return f"{type(err).__name__}: {err}"
-
-
-def retry_budget_s() -> float:
-    """Seconds a remote operation keeps retrying (:data:`RETRY_BUDGET_ENV`)."""
-    try:
-        return max(0.0, float(os.environ.get(RETRY_BUDGET_ENV, DEFAULT_RETRY_BUDGET_S)))
-    except ValueError:
-        return DEFAULT_RETRY_BUDGET_S
-
-
-def retrying(url: str, what: str, op: Callable[[], T], budget_s: float | None = None) -> T:
-    """``op()``, retrying transient errors with backoff for at most ``budget_s`` seconds.
-
-    A :class:`DataError` that is not transient propagates as it is; any other permanent
-    error, or a transient one past the budget, becomes a :class:`DataError` naming the URL.
-    Exceptions that are not I/O errors (``ValueError``, ``TypeError``...) propagate.
-    """
-    budget = retry_budget_s() if budget_s is None else budget_s
-    began = time.monotonic()
-    attempt = 0
-    while True:
-        try:
-            return op()
-        except Exception as err:  # classified below; nothing is swallowed
-            io_error = isinstance(err, (OSError, DataError)) or is_transient(err)
-            if not io_error:
-                raise
-            elapsed = time.monotonic() - began
-            if is_transient(err) and elapsed < budget:
-                attempt += 1
-                delay = min(5.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-                delay = min(delay, max(0.05, budget - elapsed))
-                logger.warning("%s: %s failed (%s), retry %d in %.1f s (%.0f of %.0f s spent)",
-                               redact(url), what, type(err).__name__, attempt, delay,
-                               elapsed, budget)
-                time.sleep(delay)
-                continue
-            if isinstance(err, DataError) and not is_transient(err):
-                raise
-            after = f" after {attempt + 1} attempts over {elapsed:.0f} s" if attempt else ""
-            raise DataError(f"{redact(url)}: cannot {what}{after}: {_reason(err)}") from err
+    return fs, path
 
 
 # --- operations (plain paths use the local file system directly) ----------------------------
