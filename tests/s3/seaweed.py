@@ -76,6 +76,8 @@ class SeaweedS3:
         self.log_path = os.path.join(workdir, "weed.log")
 
     def command(self) -> list[str]:
+        # each bucket is a collection with volumes of its own (7 per collection by default):
+        # room for ~14 buckets; volumes are sparse files, 64 MiB at most each
         return [self.binary or "weed", "server", f"-dir={self.data_dir}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1",
                 f"-master.port={self.master}", f"-master.port.grpc={self.master + 10000}",
@@ -83,8 +85,8 @@ class SeaweedS3:
                 "-filer", f"-filer.port={self.filer}", f"-filer.port.grpc={self.filer + 10000}",
                 "-s3", f"-s3.port={self.s3}", f"-s3.port.grpc={self.s3 + 10000}",
                 f"-s3.config={self.config}", "-s3.iam=false", "-s3.port.iceberg=0",
-                "-s3.port.lance=0", "-volume.max=8",
-                "-master.volumeSizeLimitMB=256", "-metricsPort=0"]
+                "-s3.port.lance=0", "-volume.max=100",
+                "-master.volumeSizeLimitMB=64", "-metricsPort=0"]
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start (or restart) the server and wait until its S3 API answers.
