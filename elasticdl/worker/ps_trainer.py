@@ -34,10 +34,10 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from elasticdl.api.layers import Embedding, tables_on_ps
+from elasticdl.api.layers import Embedding, PulledRows, tables_on_ps
 from elasticdl.api.model_spec import ModelSpec
+from elasticdl.api.torch_tables import tables_to_ps
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.malloc import tune_malloc
 from elasticdl.common.tables import TableSpec
@@ -65,6 +65,16 @@ def _kill_hook(worker_id: int) -> int:
     return int(steps) if int(worker) == worker_id else -1
 
 
+def build_ps_model(model_spec: ModelSpec, job_spec: JobSpec) -> torch.nn.Module:
+    """The model as a PS worker holds it: built inside ``tables_on_ps()`` (lazy tables
+    without a local weight), torch's qualifying tables swapped for PS tables
+    (:func:`~elasticdl.api.torch_tables.tables_to_ps`)."""
+    with tables_on_ps():
+        model = model_spec.build_model()
+    tables_to_ps(model, job_spec.ps_table_min_elements)
+    return model
+
+
 class PSTrainer(Trainer):
     """Model replica whose parameters live on the parameter servers."""
 
@@ -88,8 +98,7 @@ class PSTrainer(Trainer):
         self.scaler = LossScaler() if job_spec.amp == "fp16" else None
         self._kill_after_steps = _kill_hook(worker_id)
         self.client = client or PSClient(ps_addrs)
-        with tables_on_ps():
-            self.model = model_spec.build_model().to(device)
+        self.model = build_ps_model(model_spec, job_spec).to(device)
         self.model.train()
         self.sequence = SequenceState.of_spec(model_spec)
         self.init_timeout_s = init_timeout_s
@@ -217,7 +226,9 @@ class PSTrainer(Trainer):
                 self._push_model([e.ps])
         self.pull_dense()
 
-    def _lookup(self, layer: Embedding, ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, layer: Embedding, ids: torch.Tensor) -> PulledRows:
+        """The deduplicated rows of ``ids`` (training: a leaf whose gradient is
+        pushed to the rows' PS) and ``ids`` remapped to positions among them."""
         flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
         uniq, inverse = np.unique(flat, return_inverse=True)
         session = self._session  # None: evaluation or prediction (no rows created)
@@ -234,7 +245,7 @@ class PSTrainer(Trainer):
             rows.register_post_accumulate_grad_hook(
                 lambda leaf: session.on_sparse(layer.table_name, uniq, leaf.grad))
         index = torch.from_numpy(inverse.reshape(ids.shape)).to(self.device)
-        return F.embedding(index, rows, pad, scale_grad_by_freq=layer.scale_grad_by_freq)
+        return PulledRows(rows, index, pad)
 
     # ------------------------------------------------------------ steps
     def _on_grad(self, name: str, param: torch.Tensor) -> None:
