@@ -48,19 +48,20 @@ def qualifies(module: TorchTable, min_elements: int) -> bool:
     return bool(module.sparse) or module.weight.numel() >= min_elements
 
 
-def convert(module: TorchTable, where: str = "") -> Embedding:
-    """The ``layers`` equivalent of one torch table, holding its weight's values.
+def convert(module: TorchTable, where: str = "", check: bool = True) -> Embedding:
+    """The ``layers`` equivalent of one torch table, holding its weight's values
+    (``check=False``, for inference: whatever its ``max_norm`` or ``requires_grad``).
 
     Raises:
-        TableSwapError: ``max_norm`` or a frozen weight.
+        TableSwapError: ``max_norm`` or a frozen weight (when ``check``).
     """
     what = where or type(module).__name__
-    if module.max_norm is not None:
+    if check and module.max_norm is not None:
         raise TableSwapError(f"{what}: max_norm={module.max_norm} renormalises rows in place "
                              "at lookup, which a parameter-server table does not do; "
                              "renormalise the looked-up vectors in forward() instead, or keep "
                              "the table dense (a larger --ps_table_min_elements, sparse=False)")
-    if not module.weight.requires_grad:
+    if check and not module.weight.requires_grad:
         raise TableSwapError(f"{what}: a frozen table (requires_grad=False) is not supported "
                              "on the parameter servers; keep it dense (a larger "
                              "--ps_table_min_elements, sparse=False)")

@@ -141,9 +141,9 @@ class JobSpec:
                                     "refused); see docs/parameter_server.md", "distribution",
                                     min=-1)
     export_sparse_min_elements: int = _f(1 << 24, "ParameterServerStrategy: PS tables of at "
-                                         "least this many elements (and every lazy one) are "
-                                         "exported sparse, as the rows that exist, beside "
-                                         "model.pt (see docs/parameter_server.md)",
+                                         "least this many elements are exported sparse, as "
+                                         "the rows that exist, beside model.pt, and read so "
+                                         "by evaluate/predict (see docs/parameter_server.md)",
                                          "distribution", min=0)
     comm_backend: str = _f("", "Allreduce backend: gloo or nccl (default: nccl on CUDA, "
                            "else gloo)", "distribution", choices=("", "gloo", "nccl"))
