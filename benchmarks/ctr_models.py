@@ -1,17 +1,20 @@
-"""CTR models as published, trained four ways on the same generated Criteo-shaped data.
+"""CTR models as published, trained three ways on the same generated Criteo-shaped data.
 
-Model: facebookresearch/dlrm's ``DLRM_Net`` (``benchmarks/ctr_zoo/dlrm_s_pytorch.py``,
-vendored unmodified): 26 ``nn.EmbeddingBag(n, 16, mode="sum", sparse=True)`` tables (about
+Models (``--models``): facebookresearch/dlrm's ``DLRM_Net``
+(``benchmarks/ctr_zoo/dlrm_s_pytorch.py``, vendored unmodified): 26
+``nn.EmbeddingBag(n, 16, mode="sum", sparse=True)`` tables (about
 ``--table_rows`` rows in all, Zipf ids), bottom MLP 13-64-16, dot interaction, top MLP
 367-64-1, upstream's ``torch.optim.SGD`` (lr 0.1 here) and BCE. The model module
 (``ctr_zoo/dlrm_criteo.py``) only supplies feed/loss/optimizer/metrics; no torch class is
 patched and there is no adapter model: under ParameterServerStrategy torch's own tables
-become row-sharded PS tables (issue 28).
+become row-sharded PS tables (issue 28). And torchfm's ``DeepFactorizationMachineModel``
+(``ctr_zoo/torchfm_dfm.py``, vendored unmodified): two ``torch.nn.Embedding`` tables of
+``sum(field_dims)`` rows over the 26 categorical fields, FM + MLP(64, 64) with BatchNorm.
 
 Runs, same records, same effective batch (``--batch``), one pass:
 
 * ``plain``: a plain PyTorch loop in this process (training time only);
-* ``Local``: ``elasticdl train --distribution_strategy=Local`` (in process);
+* ``Local``: ``elasticdl train --distribution_strategy=Local`` (the CLI, one process);
 * ``PS``: ``elasticdl train --cluster=local --distribution_strategy=ParameterServerStrategy``
   with 2 workers x 2 PS, minibatch ``batch/2`` and ``--grads_to_wait=2`` (each version
   averages two pushes: the same 256 records per update).
@@ -39,15 +42,21 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-MODEL_DEF = "ctr_zoo.dlrm_criteo.custom_model"
+MODELS = {"dlrm": "ctr_zoo.dlrm_criteo", "deepfm": "ctr_zoo.deepfm_criteo"}
 
 
-def plain_loop(train: str, val: str, sizes: list[int], batch: int, seed: int) -> dict[str, Any]:
+def _zoo(model: str) -> Any:
+    import importlib
+
+    return importlib.import_module(MODELS[model])
+
+
+def plain_loop(model_name: str, train: str, val: str, sizes: list[int], batch: int,
+               seed: int) -> dict[str, Any]:
     import numpy as np
     import torch
-    from ctr_zoo import dlrm_criteo as zoo
 
-
+    zoo = _zoo(model_name)
     torch.manual_seed(seed)
     model = zoo.build(sizes, seed)
     opt = zoo.optimizer(model.parameters())
@@ -62,13 +71,12 @@ def plain_loop(train: str, val: str, sizes: list[int], batch: int, seed: int) ->
         zoo.loss(labels, model(*features)).backward()
         opt.step()
     wall = time.perf_counter() - start
-    return {"auc": evaluate(model, val, batch), "records_per_s": round(n / wall, 1)}
+    return {"auc": evaluate(zoo, model, val, batch), "records_per_s": round(n / wall, 1)}
 
 
-def evaluate(model: Any, val: str, batch: int) -> float:
+def evaluate(zoo: Any, model: Any, val: str, batch: int) -> float:
     import numpy as np
     import torch
-    from ctr_zoo import dlrm_criteo as zoo
 
     from elasticdl.api.metrics import AUC
 
@@ -85,9 +93,9 @@ def evaluate(model: Any, val: str, batch: int) -> float:
     return float(auc.compute())
 
 
-def _flags(train: str, val: str, out: str, sizes: list[int], batch: int, seed: int,
-           name: str) -> list[str]:
-    return ["train", f"--model_zoo={HERE}", f"--model_def={MODEL_DEF}",
+def _flags(model: str, train: str, val: str, out: str, sizes: list[int], batch: int,
+           seed: int, name: str) -> list[str]:
+    return ["train", f"--model_zoo={HERE}", f"--model_def={MODELS[model]}.custom_model",
             f"--model_params=sizes={'-'.join(map(str, sizes))};seed={seed}",
             f"--training_data={train}", f"--validation_data={val}", f"--output={out}",
             f"--job_name={name}", f"--minibatch_size={batch}", f"--eval_minibatch_size={1024}",
@@ -102,12 +110,12 @@ def _report(out: str) -> dict[str, Any]:
     return report
 
 
-def local_job(tmp: str, train: str, val: str, sizes: list[int], batch: int,
+def local_job(tmp: str, model: str, train: str, val: str, sizes: list[int], batch: int,
               seed: int) -> dict[str, Any]:
-    out = os.path.join(tmp, "local")
+    out = os.path.join(tmp, f"{model}-local")
     env = dict(os.environ, PYTHONPATH=ROOT, ELASTICDL_HOME=os.path.join(tmp, "home"))
     subprocess.run([sys.executable, "-m", "elasticdl_client.main",
-                    *_flags(train, val, out, sizes, batch, seed, "ctr-local"),
+                    *_flags(model, train, val, out, sizes, batch, seed, f"{model}-local"),
                     "--distribution_strategy=Local"], check=True, env=env, cwd=ROOT,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     report = _report(out)
@@ -115,16 +123,17 @@ def local_job(tmp: str, train: str, val: str, sizes: list[int], batch: int,
             "records_per_s": report["timings"]["training_records_per_s"]}
 
 
-def ps_job(tmp: str, train: str, val: str, sizes: list[int], batch: int,
+def ps_job(tmp: str, model: str, train: str, val: str, sizes: list[int], batch: int,
            seed: int) -> dict[str, Any]:
     from elasticdl.common.sparse_tables import export_bytes, has_sparse_export, read_manifest
 
-    out = os.path.join(tmp, "ps")
+    out = os.path.join(tmp, f"{model}-ps")
     env = dict(os.environ, PYTHONPATH=ROOT, ELASTICDL_HOME=os.path.join(tmp, "home"))
-    log = os.path.join(tmp, "ps-cli.log")
+    log = os.path.join(tmp, f"{model}-ps-cli.log")
     with open(log, "wb") as f:
         code = subprocess.run([sys.executable, "-m", "elasticdl_client.main",
-                               *_flags(train, val, out, sizes, batch // 2, seed, "ctr-ps"),
+                               *_flags(model, train, val, out, sizes, batch // 2, seed,
+                                       f"{model}-ps"),
                                "--distribution_strategy=ParameterServerStrategy",
                                "--cluster=local", "--num_workers=2", "--num_ps_pods=2",
                                "--grads_to_wait=2"], env=env, cwd=ROOT, stdout=f,
@@ -150,10 +159,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256, help="effective batch of every run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", default="plain,Local,PS")
+    p.add_argument("--models", default="", help="dlrm (facebookresearch/dlrm DLRM_Net) "
+                   "and/or deepfm (torchfm DeepFactorizationMachineModel); default both "
+                   "(--smoke: dlrm)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds")
     a = p.parse_args()
     if a.smoke:
         a.records, a.val_records, a.table_rows, a.batch = 1024, 256, 26 * 100, 128
+    a.models = a.models or ("dlrm" if a.smoke else "dlrm,deepfm")
     from ctr_zoo import criteo_gen
 
     sizes = criteo_gen.table_sizes(a.table_rows)
@@ -163,20 +176,21 @@ def main() -> None:
         train, val = os.path.join(tmp, "train"), os.path.join(tmp, "val")
         criteo_gen.write(train, a.records, sizes, a.seed)
         criteo_gen.write(val, a.val_records, sizes, a.seed + 1)
-        runs = {"plain": plain_loop, "Local": local_job, "PS": ps_job}
-        for name in a.runs.split(","):
-            start = time.perf_counter()
-            args = (train, val, sizes, a.batch, a.seed)
-            results[name] = runs[name](*args) if name == "plain" else \
-                runs[name](tmp, *args)
-            results[name]["wall_s"] = round(time.perf_counter() - start, 1)
-            print(f"[{name}] {results[name]}", flush=True)
-    if "PS" in results and "Local" in results:
-        results["ps_over_local_records_per_s"] = round(
-            results["PS"]["records_per_s"] / results["Local"]["records_per_s"], 3)
-    if "plain" in results:
-        results["auc_minus_plain"] = {k: round(results[k]["auc"] - results["plain"]["auc"], 4)
-                                      for k in ("Local", "PS") if k in results}
+        for model in a.models.split(","):
+            results[model] = out = {}
+            for name in a.runs.split(","):
+                start = time.perf_counter()
+                args = (model, train, val, sizes, a.batch, a.seed)
+                out[name] = plain_loop(*args) if name == "plain" else \
+                    {"Local": local_job, "PS": ps_job}[name](tmp, *args)
+                out[name]["wall_s"] = round(time.perf_counter() - start, 1)
+                print(f"[{model} {name}] {out[name]}", flush=True)
+            if "PS" in out and "Local" in out:
+                out["ps_over_local_records_per_s"] = round(
+                    out["PS"]["records_per_s"] / out["Local"]["records_per_s"], 3)
+            if "plain" in out:
+                out["auc_minus_plain"] = {k: round(out[k]["auc"] - out["plain"]["auc"], 4)
+                                          for k in ("Local", "PS") if k in out}
     print(json.dumps(results))
 
 
