@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import time
 import zlib
@@ -41,7 +42,7 @@ from elasticdl.api.model_spec import ModelSpec
 from elasticdl.api.torch_tables import tables_to_ps
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.malloc import tune_malloc
-from elasticdl.common.sparse_tables import SparseExportWriter
+from elasticdl.common.sparse_tables import SparseExportWriter, export_bytes
 from elasticdl.common.tables import TableSpec
 from elasticdl.common.task import Task
 from elasticdl.worker.poller import minibatch_count
@@ -410,6 +411,9 @@ class PSTrainer(Trainer):
                 logger.info("exported table %s sparse: %d of %d rows exist", name, rows,
                             spec.num_embeddings)
             paths.append(writer.close())
+            logger.info("sparse export written: %s (%d bytes); peak RSS of this process so "
+                        "far %.0f MiB", paths[-1], export_bytes(directory),
+                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         state = self.state_dict_from_ps(skip=sparse)
         model = build_ps_model(self.spec, self.job_spec)
         for name, module in model.named_modules():

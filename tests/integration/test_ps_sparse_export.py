@@ -56,6 +56,14 @@ def test_lazy_2_31_table_exports_its_rows_and_predicts_from_them(tmp_path):
     assert size < 2 * table["rows"] * 8 * 4 + (1 << 20)
     print(f"sparse export: {table['rows']} rows of 2^31, {size} bytes on disk; model.pt "
           f"{os.path.getsize(os.path.join(job, 'model.pt'))} bytes")
+    logs = os.path.join(job, "logs")
+    peak = [line.split("peak RSS of this process so far ")[1].strip()
+            for name in os.listdir(logs) if name.startswith("worker-")
+            for line in open(os.path.join(logs, name))
+            if "sparse export written" in line]
+    assert len(peak) == 1, peak
+    print(f"exporting worker's peak RSS (whole run, training included): {peak[0]}")
+    assert float(peak[0].split()[0]) < 2048   # the whole table would be 64 GiB
     state = torch.load(os.path.join(job, "model.pt"), weights_only=True)
     assert set(state) == {"fc.weight", "fc.bias"}
 
