@@ -168,3 +168,18 @@ def test_a_sparse_gradient_of_a_dense_parameter_is_pushed_dense():
     dense = dense_gradient("w", weight.grad)
     assert not dense.is_sparse and dense.is_contiguous()
     assert torch.equal(dense, weight.grad.to_dense())
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_scale_grad_by_freq_equals_torch(mode):
+    torch.manual_seed(3)
+    ref = nn.EmbeddingBag(N, DIM, mode=mode, scale_grad_by_freq=True)
+    twin = nn.EmbeddingBag(N, DIM, mode=mode, scale_grad_by_freq=True)
+    twin.load_state_dict(ref.state_dict())
+    swapped, server = _swapped(twin)
+    ids = torch.tensor([[1, 2, 2], [2, 7, 1], [4, 4, 4]])
+    out, expected = swapped(ids), ref(ids)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(server.grad(), ref.weight.grad, rtol=0, atol=1e-6)
