@@ -1,7 +1,8 @@
 """A PS job with a lazy table of 2^31 ids (issue 28): it ends succeeded, its export holds
 only the rows that exist (model.pt the dense part), and `elasticdl predict` from the
 export gives the trained model's outputs (the training job's own final evaluation on the
-PS, over the same records, including ids never trained)."""
+PS, over the same records, including ids never trained); `elasticdl evaluate` from the
+export and `elasticdl predict` from the final PS checkpoint agree."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ def test_lazy_2_31_table_exports_its_rows_and_predicts_from_them(tmp_path):
     _run(["train", *common, f"--training_data={tmp_path / 'train'}",
           f"--validation_data={tmp_path / 'val'}", f"--output={job}", "--job_name=lazy",
           "--distribution_strategy=ParameterServerStrategy", "--num_workers=2",
-          "--num_ps_pods=2", "--num_minibatches_per_task=4"], tmp_path, "train-job")
+          "--num_ps_pods=2", "--num_minibatches_per_task=4",
+          f"--checkpoint_dir={tmp_path / 'ckpt'}", "--checkpoint_steps=1000"],
+         tmp_path, "train-job")
     report = read_json(os.path.join(job, "job_report.json"))
     assert report["status"] == "succeeded", report.get("failure")
     trained = report["final_metrics"]
@@ -77,6 +80,22 @@ def test_lazy_2_31_table_exports_its_rows_and_predicts_from_them(tmp_path):
     out = np.array([outputs[i] for i in range(val.shape[0])])
     assert abs(out.mean() - trained["mean_output"]) < 1e-5, (out.mean(), trained)
     assert abs((out ** 2).mean() - trained["mean_sq_output"]) < 1e-5, trained
+
+    # evaluate from the export, and predict from the final PS checkpoint (its big table
+    # read as the checkpoint's rows): the same model
+    _run(["evaluate", *common, f"--validation_data={tmp_path / 'val'}",
+          f"--checkpoint_dir_for_init={job}", f"--output={tmp_path / 'eval'}",
+          "--job_name=lazy-eval"], tmp_path, "eval")
+    evaluated = read_json(os.path.join(tmp_path / "eval", "job_report.json"))["final_metrics"]
+    for name in ("mean_output", "mean_sq_output"):
+        assert abs(evaluated[name] - trained[name]) < 1e-5, (evaluated, trained)
+    _run(["predict", *common, f"--prediction_data={tmp_path / 'val'}",
+          f"--checkpoint_dir_for_init={tmp_path / 'ckpt'}", f"--output={tmp_path / 'pred2'}",
+          "--job_name=lazy-pred2"], tmp_path, "pred2")
+    from_ckpt = {int(i): float(o) for _, idx, out in read_predictions(str(tmp_path / "pred2"))
+                 for i, o in zip(idx, np.asarray(out).reshape(-1))}
+    np.testing.assert_allclose([from_ckpt[i] for i in range(val.shape[0])], out, rtol=1e-5,
+                               atol=1e-6)
 
     from elasticdl.api.sparse_export import load_model
 
