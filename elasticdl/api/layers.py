@@ -1,9 +1,13 @@
 """User-facing layers.
 
 :class:`Embedding` is a drop-in for ``torch.nn.Embedding`` whose table can live
-on the parameter servers. Same signature, same initialisation (``N(0, 1)``,
-padding row zero, ``reset_parameters()``), a real ``weight`` parameter at
-construction in every strategy, so the usual init idioms work unchanged::
+on the parameter servers; :class:`EmbeddingBag` the same for ``torch.nn.EmbeddingBag``.
+Models written with torch's own classes need neither: under ParameterServerStrategy
+their big tables are swapped for these (:mod:`elasticdl.api.torch_tables`).
+
+Same signature, same initialisation (``N(0, 1)``, padding row zero,
+``reset_parameters()``), a real ``weight`` parameter at construction in every
+strategy, so the usual init idioms work unchanged::
 
     self.embedding = Embedding(sum(field_dims), embed_dim)
     torch.nn.init.xavier_uniform_(self.embedding.weight.data)     # torchfm
