@@ -140,6 +140,17 @@ class JobSpec:
                                      "distribution", min=0)
     get_model_steps: int = _f(1, "Async PS: pull the model every N steps", "distribution",
                               min=1)
+    ps_table_min_elements: int = _f(1_000_000, "ParameterServerStrategy: a torch "
+                                    "nn.Embedding or nn.EmbeddingBag with sparse=True or at "
+                                    "least this many elements becomes a row-sharded PS table "
+                                    "(0: every one; -1: none, and sparse=True ones are "
+                                    "refused); see docs/parameter_server.md", "distribution",
+                                    min=-1)
+    export_sparse_min_elements: int = _f(1 << 24, "ParameterServerStrategy: PS tables of at "
+                                         "least this many elements are exported sparse, as "
+                                         "the rows that exist, beside model.pt, and read so "
+                                         "by evaluate/predict (see docs/parameter_server.md)",
+                                         "distribution", min=0)
     comm_backend: str = _f("", "Allreduce backend: gloo or nccl (default: nccl on CUDA, "
                            "else gloo)", "distribution", choices=("", "gloo", "nccl"))
     fixed_global_batch_size: bool = _f(False, "Allreduce: keep the global batch constant "

@@ -72,6 +72,10 @@ class LocalJob:
 
             self.trainer = AllreduceTrainer(self.model_spec, spec, 0, device, SoloComm(),
                                             "127.0.0.1")
+        elif spec.job_type != JobType.TRAIN:   # the model of --checkpoint_dir_for_init
+            from elasticdl.worker.inference import inference_trainer
+
+            self.trainer = inference_trainer(self.model_spec, spec, device)
         else:
             self.trainer = LocalTrainer(self.model_spec, device, spec.seed, amp=spec.amp,
                                         clip_grad_norm=spec.clip_grad_norm)
@@ -119,8 +123,7 @@ class LocalJob:
                          self.spec.keep_checkpoint_max)
 
     def _restore(self) -> None:
-        if self.spec.job_type != JobType.TRAIN:
-            ckpt.load_for_inference(self.trainer, self.spec.checkpoint_dir_for_init)
+        if self.spec.job_type != JobType.TRAIN:   # loaded by inference_trainer
             self.core.start_at_version(self.trainer.model_version)
             return
         state = ckpt.load(self.spec.checkpoint_dir_for_init,
