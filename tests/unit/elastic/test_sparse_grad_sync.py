@@ -138,12 +138,31 @@ def _accumulated(rank: int, port: int) -> dict[str, Any]:
     return out
 
 
+def _aux(rank: int, port: int) -> dict[str, torch.Tensor]:
+    """A second backward in the step (an auxiliary loss on the table's rows)."""
+    model, opt = _make("sgd")
+    runner = _runner(rank, port, model, opt)
+
+    def step(ids: torch.Tensor, bag: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.mse_loss(model(ids, bag, x), y).backward()
+        (0.1 * model.emb(ids).pow(2).mean()).backward()
+        opt.step()
+
+    b = _batch(0, rank)
+    runner.submit(step, b, len(b[3]))
+    out = _snapshot(model)
+    runner.close()
+    return out
+
+
 def _member(rank: int, ports: list[int]) -> bytes:
     out: dict[str, Any] = {}
     for i, name in enumerate(("sgd", "adagrad")):
         out[f"ours_{name}"] = _ours(rank, ports[2 * i], name)
         out[f"ddp_{name}"] = _ddp(rank, ports[2 * i + 1], name)
     out["accumulation"] = _accumulated(rank, ports[4])
+    out["aux"] = _aux(rank, ports[5])
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -151,7 +170,7 @@ def _member(rank: int, ports: list[int]) -> bytes:
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, dict[str, Any]]:
-    ports = [free_port() for _ in range(5)]
+    ports = [free_port() for _ in range(6)]
     procs = Procs()
     try:
         for r in range(WORLD):
@@ -199,3 +218,19 @@ def test_sparse_accumulation_and_filler_follow_the_union_batch(results):
     opt.step()
     for k, v in model.state_dict().items():
         torch.testing.assert_close(r0["filler"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_backward_on_sparse_tables_is_reduced_too(results):
+    """Every backward of a step is averaged, the sparse rows as well (the second
+    backward's rows minus what the first reduction wrote)."""
+    r0, r1 = results[0]["aux"], results[1]["aux"]
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k
+    model, opt = _make("sgd")
+    parts = [_batch(0, r) for r in range(WORLD)]
+    ids, bag, x, y = (torch.cat([p[i] for p in parts]) for i in range(4))
+    F.mse_loss(model(ids, bag, x), y).backward()
+    (0.1 * model.emb(ids).pow(2).mean()).backward()
+    opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(r0[k], v, rtol=1e-5, atol=1e-6)
