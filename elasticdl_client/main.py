@@ -108,6 +108,13 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
         _fail(job_type, f"interrupted ({signal.Signals(signum).name}): job {spec.job_name} "
               "stopped", 128 + signum)
         return
+    if report is not None and report.get("status") == "succeeded_with_warnings":
+        health = report.get("training_health") or {}
+        print(f"elasticdl {job_type}: warning: job {spec.job_name} succeeded with warnings: "
+              f"training {health.get('status')}: {health.get('reason')} "
+              "(--on_divergence=warn; see training_health in job_report.json)",
+              file=sys.stderr)
+        return
     if report is not None and report.get("status") != "succeeded":
         failure = report.get("failure") or {}
         _fail(job_type, f"job {spec.job_name} {report.get('status')}: "

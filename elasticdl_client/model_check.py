@@ -102,11 +102,6 @@ def check_model(spec: JobSpec) -> JobSpec:
             raise ModelSpecError(f"{model_spec.module_path}: {e}") from e
     for name, module in model.named_modules():
         where = f"{model_spec.module_path}: layer {name or '(model)'!r}"
-        sparse = isinstance(module, (Embedding, torch.nn.Embedding)) and module.sparse
-        if spec.distribution_strategy == Strategy.ALLREDUCE and sparse:
-            raise ModelSpecError(f"{where}: sparse=True embeddings give sparse gradients, "
-                                 "which AllreduceStrategy does not support; use sparse=False "
-                                 "(or ParameterServerStrategy)")
         if on_ps and isinstance(module, Embedding):
             weight = module._parameters.get("weight")
             if weight is not None and not weight.requires_grad:

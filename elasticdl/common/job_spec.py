@@ -171,6 +171,14 @@ class JobSpec:
     skip_nonfinite_steps: bool = _f(False, "Skip (and count in the report) a step whose "
                                     "loss or gradient is NaN/Inf instead of failing its task",
                                     "training")
+    on_divergence: str = _f("warn", "What the master does when the training loss the "
+                            "workers report (windowed) turns non-finite, rises far above "
+                            "its best or never leaves its initial value: warn (the job "
+                            "ends succeeded_with_warnings), fail, or off; see "
+                            "docs/training.md#training-health", "training",
+                            choices=("warn", "fail", "off"))
+    health_window_tasks: int = _f(8, "Training tasks per window of the loss health "
+                                  "detector (--on_divergence)", "training", min=1)
     export_torchscript: bool = _f(False, "Also export the final model as TorchScript "
                                   "(model_scripted.pt) next to model.pt; a model that does "
                                   "not script gets a warning, never a failed job", "training")

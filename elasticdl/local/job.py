@@ -33,6 +33,7 @@ from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master import job_history, observability
 from elasticdl.master.job import JobCore
 from elasticdl.master.job_factory import core_from_spec
+from elasticdl.master.training_health import OnDivergence, final_status
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop
 from elasticdl.worker.trainer import LocalTrainer, select_device
@@ -190,7 +191,13 @@ class LocalJob:
                 self.save_checkpoint()
             ckpt.export_model(self.trainer.model, self.out_dir, spec.export_torchscript)
         self.core.refresh_report()
-        self.report.status = "succeeded"
+        verdict = self.core.health_verdict()
+        if verdict is not None and spec.on_divergence == OnDivergence.FAIL.value:
+            self.report.fail("master", f"training {verdict[0].value}: {verdict[1]} "
+                             "(--on_divergence=fail)", "")
+            self.report.write(self.out_dir)
+            return self.report.to_dict()
+        self.report.status = final_status("succeeded", verdict)
         self.report.extra["nonfinite_steps_skipped"] = stats.nonfinite_skipped
         self.report.extra["model_version"] = self.trainer.model_version
         self.report.extra["loop_wall_s"] = round(wall, 3)
