@@ -311,7 +311,7 @@ class JobController:
             return
         verdict = self.core.health_verdict()
         if verdict is not None:
-            self._fail("master", f"training {verdict[0].value}: {verdict[1]} "
+            self.fail("master", f"training {verdict[0].value}: {verdict[1]} "
                        "(--on_divergence=fail; evidence: training_health in the report)", "")
 
     def _observe(self, stop: threading.Event, now: float) -> Observation:
