@@ -34,8 +34,9 @@ the rows the PS would create.
 **Options.** ``sparse=True``: Local keeps torch's semantics (a sparse gradient:
 use an optimizer that takes one, e.g. ``SparseAdam``/``SGD``/``Adagrad``); on
 the PS rows are updated row-wise anyway, so it changes nothing there; allreduce
-synchronises the touched rows (docs/allreduce.md). ``scale_grad_by_freq=True`` is exact everywhere (the
-PS lookup scales by the count of each id in the minibatch, as torch does).
+synchronises the touched rows (docs/allreduce.md). ``scale_grad_by_freq=True`` is
+exact everywhere (the PS lookup scales by the count of each id in the minibatch, as
+torch does).
 ``max_norm`` is refused (it rewrites rows in place at lookup, which the PS does
 not do). ``_weight``/``_freeze`` (``from_pretrained``) are supported; a frozen
 table is refused under ParameterServerStrategy.
