@@ -260,27 +260,9 @@ class JobCore(Recovery):
             self.report.add_training(trained.epoch, trained.num_records, loss, learning_rate)
         if self.health is not None and task is not None and worker_id in holders and \
                 task.type == TaskType.TRAINING:
-            self._judge(task, success, error, loss)
+            self.health.judge_task(success, error, loss, task.num_records)
         self.evaluations.maybe_start(self.version)
         return trained
-
-    def _judge(self, task: Task, success: bool, error: str, loss: Optional[float]) -> None:
-        """Feed a training task's outcome to the health detector (module
-        :mod:`~elasticdl.master.training_health`): its mean loss, or a non-finite
-        loss/gradient (a task failed with NonFiniteError). Steps skipped under
-        ``--skip_nonfinite_steps`` are the user's choice (counted in the report),
-        not evidence."""
-        assert self.health is not None
-        if success:
-            turned = self.health.observe(loss, task.num_records)
-        elif error.startswith("NonFiniteError"):
-            turned = self.health.observe(None, 0, nonfinite=True)
-        else:
-            return
-        if turned:
-            logger.warning("training health: %s: %s (window means %s, best %s)",
-                           self.health.status.value, self.health.reason,
-                           [round(m, 4) for m in self.health.means], self.health.best)
 
     def health_verdict(self) -> Optional[tuple[HealthStatus, str]]:
         """The detector's unhealthy verdict ``(status, reason)``, or None (healthy, off)."""

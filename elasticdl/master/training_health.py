@@ -30,10 +30,13 @@ Pure: no I/O, no torch, no clock; bookkeeping is O(windows kept), never O(tasks)
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HealthRule", "HealthStatus", "LossHealth", "OnDivergence", "SUCCEEDED_WITH_WARNINGS",
            "final_status"]
@@ -106,6 +109,23 @@ class LossHealth:
         if self._tasks < self.rule.window_tasks and not self._nonfinite:
             return False
         return self._close()
+
+    def judge_task(self, success: bool, error: str, loss: Optional[float],
+                   records: int) -> None:
+        """A training task's outcome: its mean loss, or a non-finite loss/gradient (the
+        task failed with NonFiniteError); other failures are no evidence, nor are steps
+        skipped under ``--skip_nonfinite_steps`` (the user's choice, in the report).
+        A verdict that turns is logged with its evidence."""
+        if success:
+            turned = self.observe(loss, records)
+        elif error.startswith("NonFiniteError"):
+            turned = self.observe(None, 0, nonfinite=True)
+        else:
+            return
+        if turned:
+            logger.warning("training health: %s: %s (window means %s, best %s)",
+                           self.status.value, self.reason,
+                           [round(m, 4) for m in self.means], self.best)
 
     def restart(self) -> None:
         """Judge afresh (after a rollback): the verdict and windows go, the count of
