@@ -1,21 +1,8 @@
 """The elastic dataset fed by master tasks, and the ``ctx`` of a custom ``train_loop``
 (:class:`ElasticLoopContext`, the worker's :class:`~elasticdl.api.train_loop.TrainLoopContext`).
 
-A model module may define ``train_loop(ctx)`` for AllreduceStrategy::
-
-    def train_loop(ctx):
-        model, opt = ctx.model, ctx.optimizer
-
-        @ctx.step                       # retried through membership changes
-        def train_step(features, labels):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(features), labels)
-            loss.backward()             # gradients all-reduced by backward hooks
-            opt.step()
-            return loss
-
-        for features, labels in ctx.dataset:    # minibatches of master tasks, all epochs
-            loss = train_step(features, labels)  # None while accumulating / when retried
+A model module's ``train_loop(ctx)`` (the example is in :mod:`elasticdl.api.train_loop`)
+runs here, for AllreduceStrategy.
 
 The step function must be declared (``ctx.step``) before iterating
 ``ctx.dataset``: a member without data runs it on a filler batch with weight 0
