@@ -136,8 +136,13 @@ class DeepFactorizationMachineModel(torch.nn.Module):
 
 # ------------------------------------------------------------ the model module
 def custom_model(field_dims=FIELD_SIZES, embed_dim: int = 16, mlp_dims=(16, 16),
-                 dropout: float = 0.2) -> torch.nn.Module:
-    """torchfm ``examples/main.py``'s DeepFM: embed_dim 16, mlp_dims (16, 16), dropout 0.2."""
+                 dropout: float = 0.2, field_size: int = 0) -> torch.nn.Module:
+    """torchfm ``examples/main.py``'s DeepFM: embed_dim 16, mlp_dims (16, 16), dropout 0.2.
+
+    ``--model_params=field_size=N`` gives every field N ids instead of ``gen_data``'s sizes
+    (small tables: a laptop demo, the test suite's click log)."""
+    if field_size > 0:
+        field_dims = (field_size,) * len(field_dims)
     return DeepFactorizationMachineModel(list(field_dims), embed_dim, tuple(mlp_dims), dropout)
 
 

@@ -9,10 +9,18 @@ by about 0.02.)
   (``gen_data.py``'s format; ids from a few frequent values per field so that 1,500 records
   carry a learnable signal; Adam at lr 0.03 through ``--model_params``), in Local, PS (2 x 2,
   sync) and allreduce (2): validation AUC (whole set) of the exported ``model.pt``,
-  loaded strict into the module's upstream class, within 0.01 of the plain loop.
+  loaded strict into the module's upstream class. Local within 0.01 of the plain loop in
+  data order; PS and allreduce within 0.01 of the plain loop's band over orders.
 
 Tasks are in data order (no ``--shuffle``) and every process seeds torch with the job's seed
-(0) before building the model, as the plain loop does.
+(0) before building the model, as the plain loop does. Two workers still train in an order
+no seed fixes: a global step pairs a minibatch of each, and which ones depends on timing;
+each draws its own dropout masks. On 500 validation records that alone moves the AUC by
+about 0.007 (one standard deviation; 16 orders: 0.785..0.809), which is why a clean CI run
+once saw a PS job 0.0102 above the data-order loop. The two-worker jobs are held to the
+band of ``DFM_ORDERS`` plain runs over such pairings and dropout seeds, 0.01 either side.
+The tables are ``field_size=200`` ids a field (``--model_params``): the published sizes
+(1,026,100 ids) make each plain run 10 s of dense Adam over rows the log never uses.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ GLOBAL_BATCH = 64
 DFM_EPOCHS = 2
 DFM_LR = 0.03  # torchfm's 1e-3 does not move N(0, 1)-initialised linear rows in 48 steps
 DFM_TRAIN, DFM_VAL = 1500, 500
+DFM_FIELD = 200  # ids a field (custom_model's field_size)
+DFM_ORDERS = 32
 TOL = 0.01
 
 STRATEGIES = {
@@ -108,7 +118,7 @@ def _click_log(n: int, seed: int, field_sizes) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def clicks(tmp_path_factory) -> dict:
     _, _, _, gen = _zoo()
-    data = _click_log(DFM_TRAIN + DFM_VAL, 3, gen.FIELD_SIZES)
+    data = _click_log(DFM_TRAIN + DFM_VAL, 3, (DFM_FIELD,) * len(gen.FIELD_SIZES))
     out = tmp_path_factory.mktemp("clicks")
     dirs = {}
     for split, sl in (("train", slice(DFM_VAL, None)), ("val", slice(0, DFM_VAL))):
@@ -125,30 +135,59 @@ def _dfm_auc(model, clicks) -> float:
         return float(dfm.auc(clicks["label"][:DFM_VAL], model(clicks["ids"][:DFM_VAL])))
 
 
-@pytest.fixture(scope="module")
-def plain_dfm_auc(clicks) -> float:
+def _plain_dfm(clicks, order: int) -> float:
+    """The plain loop's AUC: order 0 is data order with the job's seed throughout; order k
+    pairs the 32-record minibatches of a random permutation into global batches of 64 (as
+    two workers' minibatches meet in one step) and seeds dropout with k."""
     _, _, dfm, _ = _zoo()
     torch.manual_seed(0)
-    model = dfm.custom_model()
+    model = dfm.custom_model(field_size=DFM_FIELD)
     ids, label = clicks["ids"][DFM_VAL:], clicks["label"][DFM_VAL:]
-    batches = [(ids[s:s + GLOBAL_BATCH], label[s:s + GLOBAL_BATCH])
-               for s in range(0, DFM_TRAIN, GLOBAL_BATCH)]
+    half = GLOBAL_BATCH // 2
+    chunks = list(range(0, DFM_TRAIN, half))
+    if order:
+        chunks = [chunks[i] for i in np.random.default_rng(order).permutation(len(chunks))]
+        torch.manual_seed(order)
+    batches = []
+    for i in range(0, len(chunks), 2):
+        rows = torch.cat([torch.arange(s, min(s + half, DFM_TRAIN)) for s in chunks[i:i + 2]])
+        batches.append((ids[rows], label[rows]))
     return _dfm_auc(_plain(model, dfm, batches, DFM_EPOCHS, lr=DFM_LR), clicks)
 
 
+@pytest.fixture(scope="module")
+def plain_dfm_auc(clicks) -> float:
+    return _plain_dfm(clicks, 0)
+
+
+@pytest.fixture(scope="module")
+def plain_dfm_band(clicks) -> tuple[float, float]:
+    """(lowest, highest) plain-loop AUC over ``DFM_ORDERS`` pairings and dropout seeds
+    (0.13 s a run)."""
+    aucs = [_plain_dfm(clicks, k) for k in range(DFM_ORDERS)]
+    return min(aucs), max(aucs)
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_torchfm_deepfm_matches_the_plain_loop(strategy, clicks, plain_dfm_auc, tmp_path):
+def test_torchfm_deepfm_matches_the_plain_loop(strategy, clicks, plain_dfm_auc, plain_dfm_band,
+                                               tmp_path):
     _, _, dfm, _ = _zoo()
     report = _run("deepfm.deepfm_torchfm.custom_model", clicks["train"], clicks["val"],
-                  strategy, DFM_EPOCHS, DFM_TRAIN, tmp_path, f"--model_params=lr={DFM_LR}")
+                  strategy, DFM_EPOCHS, DFM_TRAIN, tmp_path,
+                  f"--model_params=lr={DFM_LR};field_size={DFM_FIELD}")
     # the job's ``auc`` is a plain fn(labels, outputs): a batch-size-weighted mean of
     # per-minibatch AUCs (README, Metrics), not the AUC of the whole set the plain loop
     # computes; the comparison is on the whole set, with the exported model.pt
     job_auc = report["final_metrics"]["auc"]
-    model = dfm.custom_model()
+    model = dfm.custom_model(field_size=DFM_FIELD)
     model.load_state_dict(torch.load(os.path.join(report["job_dir"], "model.pt"),
                                      weights_only=True))  # strict: the upstream classes
     auc = _dfm_auc(model.eval(), clicks)
+    low, high = plain_dfm_band
     print(f"torchfm DeepFM {strategy}: model.pt AUC {auc:.4f} (job's per-batch mean "
-          f"{job_auc:.4f}), plain loop {plain_dfm_auc:.4f}")
-    assert abs(auc - plain_dfm_auc) <= TOL, (auc, plain_dfm_auc, report["evaluations"])
+          f"{job_auc:.4f}), plain loop {plain_dfm_auc:.4f} in data order, "
+          f"{low:.4f}..{high:.4f} over {DFM_ORDERS} orders")
+    if strategy == "Local":
+        assert abs(auc - plain_dfm_auc) <= TOL, (auc, plain_dfm_auc, report["evaluations"])
+    else:
+        assert low - TOL <= auc <= high + TOL, (auc, (low, high), report["evaluations"])
