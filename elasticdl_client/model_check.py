@@ -93,13 +93,15 @@ def check_model(spec: JobSpec) -> JobSpec:
                              f"{type(e).__name__}: {e}") from e
     import torch
 
+    if on_ps:
+        from elasticdl.api.torch_tables import TableSwapError, tables_to_ps
+
+        try:  # as the PS trainer will (elasticdl.worker.ps_trainer.build_ps_model)
+            tables_to_ps(model, spec.ps_table_min_elements)
+        except TableSwapError as e:
+            raise ModelSpecError(f"{model_spec.module_path}: {e}") from e
     for name, module in model.named_modules():
         where = f"{model_spec.module_path}: layer {name or '(model)'!r}"
-        sparse = isinstance(module, (Embedding, torch.nn.Embedding)) and module.sparse
-        if spec.distribution_strategy == Strategy.ALLREDUCE and sparse:
-            raise ModelSpecError(f"{where}: sparse=True embeddings give sparse gradients, "
-                                 "which AllreduceStrategy does not support; use sparse=False "
-                                 "(or ParameterServerStrategy)")
         if on_ps and isinstance(module, Embedding):
             weight = module._parameters.get("weight")
             if weight is not None and not weight.requires_grad:
@@ -109,13 +111,13 @@ def check_model(spec: JobSpec) -> JobSpec:
                 module.table_spec(f"{name}.weight" if name else "weight")
             except ValueError as e:
                 raise ModelSpecError(f"{where}: {e}") from e
-        if on_ps and isinstance(module, torch.nn.Embedding) and \
+        if on_ps and isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and \
                 module.weight.numel() >= DENSE_TABLE_WARN_ELEMENTS:
-            logger.warning("%s: torch.nn.Embedding of %d x %d is a dense parameter under "
+            logger.warning("%s: %s of %d x %d stays a dense parameter under "
                            "ParameterServerStrategy (every step pulls and pushes the whole "
-                           "table); elasticdl.api.layers.Embedding is a drop-in whose rows "
-                           "live on the PS", where, module.num_embeddings,
-                           module.embedding_dim)
+                           "table): it is below --ps_table_min_elements=%d", where,
+                           type(module).__name__, module.num_embeddings,
+                           module.embedding_dim, spec.ps_table_min_elements)
     if spec.sequential_tasks and getattr(model_spec.module, "init_state", None) is None:
         raise ModelSpecError(f"--sequential_tasks: {model_spec.module_path} defines no "
                              "init_state(features) (the model state it carries)")

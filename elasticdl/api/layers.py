@@ -1,9 +1,13 @@
 """User-facing layers.
 
 :class:`Embedding` is a drop-in for ``torch.nn.Embedding`` whose table can live
-on the parameter servers. Same signature, same initialisation (``N(0, 1)``,
-padding row zero, ``reset_parameters()``), a real ``weight`` parameter at
-construction in every strategy, so the usual init idioms work unchanged::
+on the parameter servers; :class:`EmbeddingBag` the same for ``torch.nn.EmbeddingBag``.
+Models written with torch's own classes need neither: under ParameterServerStrategy
+their big tables are swapped for these (:mod:`elasticdl.api.torch_tables`).
+
+Same signature, same initialisation (``N(0, 1)``, padding row zero,
+``reset_parameters()``), a real ``weight`` parameter at construction in every
+strategy, so the usual init idioms work unchanged::
 
     self.embedding = Embedding(sum(field_dims), embed_dim)
     torch.nn.init.xavier_uniform_(self.embedding.weight.data)     # torchfm
@@ -30,8 +34,9 @@ the rows the PS would create.
 **Options.** ``sparse=True``: Local keeps torch's semantics (a sparse gradient:
 use an optimizer that takes one, e.g. ``SparseAdam``/``SGD``/``Adagrad``); on
 the PS rows are updated row-wise anyway, so it changes nothing there; allreduce
-refuses it at model load. ``scale_grad_by_freq=True`` is exact everywhere (the
-PS lookup scales by the count of each id in the minibatch, as torch does).
+synchronises the touched rows (docs/allreduce.md). ``scale_grad_by_freq=True`` is
+exact everywhere (the PS lookup scales by the count of each id in the minibatch, as
+torch does).
 ``max_norm`` is refused (it rewrites rows in place at lookup, which the PS does
 not do). ``_weight``/``_freeze`` (``from_pretrained``) are supported; a frozen
 table is refused under ParameterServerStrategy.
@@ -42,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -51,7 +57,20 @@ from torch import nn
 
 from elasticdl.common.tables import TableSpec, initial_rows, parse_initializer
 
-Lookup = Callable[["Embedding", torch.Tensor], torch.Tensor]
+
+@dataclass(frozen=True)
+class PulledRows:
+    """What a table's lookup returns for one forward: the deduplicated rows of the
+    ids (``rows``, a leaf whose gradient goes to the rows' owner), ``index``: the ids
+    remapped to positions in ``rows`` (same shape), and ``padding``: the position of
+    the layer's ``padding_idx`` among the rows (None when it is not among them)."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    padding: Optional[int] = None
+
+
+Lookup = Callable[["Embedding", torch.Tensor], PulledRows]
 
 _TABLES_ON_PS = contextvars.ContextVar("elasticdl_tables_on_ps", default=False)
 
@@ -233,14 +252,20 @@ class Embedding(nn.Module):
             del self._parameters["weight"]
             self.register_parameter("weight", None)
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self._lookup is not None:
-            return self._lookup(self, input)
+    def local_weight(self) -> torch.Tensor:
+        """The weight of a table that is not attached (raises if there is none)."""
         weight = self._parameters.get("weight")
         if weight is None:
-            raise RuntimeError("Embedding built inside tables_on_ps() was never attached to "
-                               "a parameter server")
-        return F.embedding(input, weight, self.padding_idx, None, self.norm_type,
+            raise RuntimeError(f"{type(self).__name__} built inside tables_on_ps() was never "
+                               "attached to a parameter server")
+        return weight
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._lookup is not None:
+            pulled = self._lookup(self, input)
+            return F.embedding(pulled.index, pulled.rows, pulled.padding, None, self.norm_type,
+                               self.scale_grad_by_freq, False)
+        return F.embedding(input, self.local_weight(), self.padding_idx, None, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
 
     def extra_repr(self) -> str:
@@ -256,3 +281,59 @@ class Embedding(nn.Module):
         if self.on_ps:
             s += f", table on PS as {self.table_name!r}"
         return s
+
+
+class EmbeddingBag(Embedding):
+    """``torch.nn.EmbeddingBag`` whose table can live on the parameter servers
+    (what :func:`elasticdl.api.torch_tables.tables_to_ps` turns a torch
+    ``nn.EmbeddingBag`` into). Same signature, same initialisation and forward
+    (``input``, ``offsets``, ``per_sample_weights``; modes ``sum``/``mean``/``max``,
+    ``padding_idx``, ``include_last_offset``). Attached to the PS, the bag is
+    reduced by ``F.embedding_bag`` over the batch's pulled unique rows (ids
+    remapped to their positions), so autograd gives exactly the rows' gradient.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
+                 _weight: Optional[torch.Tensor] = None, include_last_offset: bool = False,
+                 padding_idx: Optional[int] = None, device: Any = None,
+                 dtype: Optional[torch.dtype] = None, *, _freeze: bool = False,
+                 initializer: Optional[str] = None, seed: Optional[int] = None):
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"EmbeddingBag mode must be sum, mean or max, got {mode!r}")
+        self.mode = mode
+        self.include_last_offset = bool(include_last_offset)
+        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
+                         scale_grad_by_freq, sparse, _weight, _freeze, device, dtype,
+                         initializer=initializer, seed=seed)
+
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True,  # type: ignore[override]
+                        max_norm: Optional[float] = None, norm_type: float = 2.0,
+                        scale_grad_by_freq: bool = False, mode: str = "mean",
+                        sparse: bool = False, include_last_offset: bool = False,
+                        padding_idx: Optional[int] = None) -> EmbeddingBag:
+        """``nn.EmbeddingBag.from_pretrained``."""
+        if embeddings.dim() != 2:
+            raise ValueError("Embeddings parameter is expected to be 2-dimensional")
+        rows, cols = embeddings.shape
+        return cls(rows, cols, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+                   embeddings, include_last_offset, padding_idx, _freeze=freeze)
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,  # type: ignore[override]
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self._lookup is not None:
+            pulled = self._lookup(self, input)
+            index = pulled.index if offsets is None else pulled.index.to(offsets.dtype)
+            return F.embedding_bag(index, pulled.rows, offsets, None, self.norm_type,
+                                   self.scale_grad_by_freq, self.mode, False,
+                                   per_sample_weights, self.include_last_offset,
+                                   pulled.padding)
+        return F.embedding_bag(input, self.local_weight(), offsets, None, self.norm_type,
+                               self.scale_grad_by_freq, self.mode, self.sparse,
+                               per_sample_weights, self.include_last_offset, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode!r}" + \
+            (", include_last_offset=True" if self.include_last_offset else "")

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Collection
 from typing import Any, Optional
 
 import torch
@@ -100,11 +101,12 @@ def _export_torchscript(model: torch.nn.Module, path: str) -> Optional[str]:
     return path
 
 
-def load_for_inference(trainer: Any, path: str) -> int:
+def load_for_inference(trainer: Any, path: str, skip: Collection[str] = ()) -> int:
     """Load model weights (and version) into ``trainer.model`` from a single-writer
     or PS checkpoint, or from a job's output (``--output``: its exported
     ``model.pt``, a plain state dict; the version its report names); returns the
-    model version."""
+    model version. Tables in ``skip`` (attached as rows, see
+    :func:`sparse_tables_for_inference`) are not read whole from a PS checkpoint."""
     from elasticdl.common.job_report import exported_model_version
 
     exported = exported_model_version(path)
@@ -123,6 +125,24 @@ def load_for_inference(trainer: Any, path: str) -> int:
     else:
         from elasticdl.checkpoint.ps_shards import export_state_dict
 
-        trainer.model.load_state_dict(export_state_dict(vdir))
+        trainer.model.load_state_dict(export_state_dict(vdir, skip))
         trainer.model_version = version_of(vdir)
     return trainer.model_version
+
+
+def sparse_tables_for_inference(path: str, min_elements: int) -> dict[str, Any]:
+    """The tables an evaluate/predict job reads as their rows that exist
+    (:class:`~elasticdl.common.sparse_tables.SparseRows` by table name): a job
+    output's sparse export, or a PS checkpoint's lazy tables and those of at least
+    ``min_elements`` elements; empty for anything else."""
+    from elasticdl.common.job_report import exported_model_version
+    from elasticdl.common.sparse_tables import has_sparse_export, read_tables
+
+    if exported_model_version(path) is not None:
+        return dict(read_tables(path)) if has_sparse_export(path) else {}
+    vdir = resolve(path)
+    if os.path.exists(os.path.join(vdir, "model.pt")):
+        return {}
+    from elasticdl.checkpoint.ps_shards import sparse_rows
+
+    return dict(sparse_rows(vdir, min_elements))

@@ -19,12 +19,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 import torch
 
 from elasticdl.checkpoint import single as ckpt
+from elasticdl.common.sparse_tables import SparseRows, sort_rows
 from elasticdl.common.tables import TableSpec
 
 logger = logging.getLogger(__name__)
@@ -87,10 +89,25 @@ def version_dir_of(checkpoint_dir: str, version: int) -> str:
     return ckpt.version_dir(checkpoint_dir, version)
 
 
-def export_state_dict(version_dir: str) -> dict[str, torch.Tensor]:
+def is_sparse(spec: TableSpec, min_elements: int) -> bool:
+    """A table inference reads as its rows that exist: of at least ``min_elements``
+    elements (``--export_sparse_min_elements``)."""
+    return spec.num_embeddings * spec.dim >= min_elements
+
+
+def sparse_rows(version_dir: str, min_elements: int) -> dict[str, SparseRows]:
+    """The tables of a PS checkpoint that :func:`is_sparse`, as the rows that exist
+    (memory: those rows, never the table's size; an id never created gets its
+    initializer's row, as from the PS)."""
+    return {name: sort_rows(t["spec"], t["ids"], t["weights"])
+            for name, t in tables_of(load_shards(version_dir)).items()
+            if is_sparse(t["spec"], min_elements)}
+
+
+def export_state_dict(version_dir: str, skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The plain model state dict of a PS checkpoint (``model.load_state_dict`` ready).
 
-    Embedding tables come out whole (``num_embeddings x dim``): rows never
+    Embedding tables (but ``skip``) come out whole (``num_embeddings x dim``): rows never
     created on a PS hold their initial values, exactly as they would have.
     """
     shards = load_shards(version_dir)
@@ -99,6 +116,8 @@ def export_state_dict(version_dir: str) -> dict[str, torch.Tensor]:
         out.update(s["dense"])
         out.update(s["buffers"])
     for name, t in tables_of(shards).items():
+        if name in skip:
+            continue
         spec: TableSpec = t["spec"]
         if spec.explicit:  # every row was pushed and checkpointed
             if np.unique(t["ids"]).shape[0] != spec.num_embeddings:

@@ -282,6 +282,8 @@ def pod_manifest(job_spec: JobSpec, *, type: ReplicaType, index: int,
     }
     if port:
         container["ports"] = [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
+    if getattr(job_spec, "data_secret", ""):   # object-storage credentials, by reference
+        container["envFrom"] = [{"secretRef": {"name": job_spec.data_secret}}]
     volumes, mounts = _volumes(job_spec)
     if mounts:
         container["volumeMounts"] = mounts

@@ -68,10 +68,15 @@ class JobSpec:
                                            "Name of an optional prediction writer class",
                                            "model")
     # --- data
-    training_data: str = _f("", "File or directory of training records", "data")
-    validation_data: str = _f("", "File or directory of validation records", "data")
-    prediction_data: str = _f("", "File or directory of records to predict", "data")
+    training_data: str = _f("", "File or directory (or s3://, gs://, hdfs:// URL) of "
+                            "training records", "data")
+    validation_data: str = _f("", "File or directory (or URL) of validation records", "data")
+    prediction_data: str = _f("", "File or directory (or URL) of records to predict", "data")
     data_reader_params: str = _f("", 'Reader options: "sep=|;header=true"', "data")
+    data_endpoint: str = _f("", "S3-compatible endpoint URL for s3:// data and checkpoints, "
+                            "e.g. http://minio:9000 (default: AWS_ENDPOINT_URL or AWS); "
+                            "credentials come from the environment, never a flag "
+                            "(docs/data.md)", "data")
     minibatch_size: int = _f(64, "Records per minibatch", "data", min=1)
     eval_minibatch_size: int = _f(0, "Records per minibatch in evaluation and prediction "
                                   "(0: --minibatch_size)", "data", min=0)
@@ -92,7 +97,8 @@ class JobSpec:
     # --- training
     evaluation_steps: int = _f(0, "Evaluate every N model versions (0: only at epoch end)",
                                "training", min=0)
-    checkpoint_dir: str = _f("", "Where checkpoints are written", "training")
+    checkpoint_dir: str = _f("", "Where checkpoints are written (a directory; s3://... "
+                             "for Local and --cluster=local jobs, docs/data.md)", "training")
     checkpoint_steps: int = _f(0, "Checkpoint every N model versions (0: never)", "training",
                                min=0)
     keep_checkpoint_max: int = _f(0, "Checkpoints kept (0 keeps all)", "training", min=0)
@@ -134,6 +140,17 @@ class JobSpec:
                                      "distribution", min=0)
     get_model_steps: int = _f(1, "Async PS: pull the model every N steps", "distribution",
                               min=1)
+    ps_table_min_elements: int = _f(1_000_000, "ParameterServerStrategy: a torch "
+                                    "nn.Embedding or nn.EmbeddingBag with sparse=True or at "
+                                    "least this many elements becomes a row-sharded PS table "
+                                    "(0: every one; -1: none, and sparse=True ones are "
+                                    "refused); see docs/parameter_server.md", "distribution",
+                                    min=-1)
+    export_sparse_min_elements: int = _f(1 << 24, "ParameterServerStrategy: PS tables of at "
+                                         "least this many elements are exported sparse, as "
+                                         "the rows that exist, beside model.pt, and read so "
+                                         "by evaluate/predict (see docs/parameter_server.md)",
+                                         "distribution", min=0)
     comm_backend: str = _f("", "Allreduce backend: gloo or nccl (default: nccl on CUDA, "
                            "else gloo)", "distribution", choices=("", "gloo", "nccl"))
     fixed_global_batch_size: bool = _f(False, "Allreduce: keep the global batch constant "
@@ -154,6 +171,14 @@ class JobSpec:
     skip_nonfinite_steps: bool = _f(False, "Skip (and count in the report) a step whose "
                                     "loss or gradient is NaN/Inf instead of failing its task",
                                     "training")
+    on_divergence: str = _f("warn", "What the master does when the training loss the "
+                            "workers report (windowed) turns non-finite, rises far above "
+                            "its best or never leaves its initial value: warn (the job "
+                            "ends succeeded_with_warnings), fail, or off; see "
+                            "docs/training.md#training-health", "training",
+                            choices=("warn", "fail", "off"))
+    health_window_tasks: int = _f(8, "Training tasks per window of the loss health "
+                                  "detector (--on_divergence)", "training", min=1)
     export_torchscript: bool = _f(False, "Also export the final model as TorchScript "
                                   "(model_scripted.pt) next to model.pt; a model that does "
                                   "not script gets a warning, never a failed job", "training")
@@ -203,6 +228,10 @@ class JobSpec:
     volume: str = _f("", 'Volumes: "host_path=/d,mount_path=/data;claim_name=c,'
                      'mount_path=/m"', "cluster", kind="volume")
     envs: str = _f("", 'Environment of every replica: "A=1,B=2"', "cluster", kind="envs")
+    data_secret: str = _f("", "Kubernetes Secret whose keys become environment variables "
+                          "of every pod (object-storage credentials: AWS_ACCESS_KEY_ID, "
+                          "AWS_SECRET_ACCESS_KEY...); the manifests name it, never its "
+                          "values (docs/data.md)", "cluster")
     cluster_spec: str = _f("", "JSON file (or JSON) patched into every pod spec", "cluster")
     yaml: str = _f("", "Write the job's manifests to this file instead of submitting",
                    "cluster")
@@ -286,6 +315,19 @@ class JobSpec:
             if self.workers_min >= self.num_workers:
                 raise JobSpecError("autoscale", "needs a range to size within: "
                                    "--num_workers=MIN:MAX with MIN < MAX")
+        for flag in ("checkpoint_dir", "checkpoint_dir_for_init", "output"):
+            if "://" in getattr(self, flag) and (flag == "output" or not re.match(
+                    r"^(s3|s3a|gs|gcs|hdfs)://[^@\s]+$", getattr(self, flag))):
+                raise JobSpecError(flag, "URLs are supported for data and (s3://, gs://, "
+                                   "hdfs://) checkpoints only (docs/data.md); use a local "
+                                   "or mounted directory")
+        if self.data_secret and not re.match(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+                                             self.data_secret):
+            raise JobSpecError("data_secret", f"is not a Secret name: {self.data_secret!r}")
+        if self.data_endpoint and not re.match(r"^https?://[^/@\s]+(/\S*)?$",
+                                               self.data_endpoint):
+            raise JobSpecError("data_endpoint", "must be an http(s):// URL without "
+                               "credentials, e.g. http://minio:9000")
         if self.sequential_tasks and self.shuffle:
             raise JobSpecError("sequential_tasks", "keeps tasks in data order: drop --shuffle")
         if self.sequential_tasks and self.distribution_strategy == Strategy.ALLREDUCE:

@@ -13,8 +13,10 @@ import operator
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
+
+from elasticdl.data.errors import DataError, MalformedRecordError
 
 logger = logging.getLogger(__name__)
 
@@ -25,38 +27,11 @@ class Shard(NamedTuple):
     """A contiguous range of records of one data file."""
 
     name: str
-    """Absolute path of the data file."""
+    """Absolute path (or URL) of the data file."""
     start: int
     """Index of the first record in the file (0-based)."""
     count: int  # type: ignore[assignment]  # shadows tuple.count; the name is the contract
     """Number of records."""
-
-
-class DataError(Exception):
-    """Data cannot be read: missing path, unknown format, unreadable or inconsistent file.
-
-    The message always names the offending path.
-    """
-
-
-class MalformedRecordError(DataError):
-    """One record of a file cannot be parsed.
-
-    Attributes:
-        path: the file holding the record.
-        record_index: 0-based index of the record within the file (header lines not counted).
-        reason: why the record is malformed, e.g. ``"expected 3 fields, got 2"``.
-    """
-
-    def __init__(self, path: str, record_index: int, reason: str) -> None:
-        super().__init__(f"{path}: malformed record {record_index}: {reason}")
-        self.path = path
-        self.record_index = record_index
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Keep the exception picklable (it may cross a process boundary).
-        return (type(self), (self.path, self.record_index, self.reason))
 
 
 class DataReader(ABC):
@@ -92,6 +67,7 @@ class DataReader(ABC):
 
 
 M = TypeVar("M")
+T = TypeVar("T")
 
 
 class FileDataReader(DataReader, Generic[M]):
@@ -108,7 +84,9 @@ class FileDataReader(DataReader, Generic[M]):
             raise TypeError("files must be a sequence of paths, not a single string")
         if not files:
             raise DataError("no data files given")
-        self._files: tuple[str, ...] = tuple(sorted({os.path.abspath(f) for f in files}))
+        from elasticdl.data.fs import normalize
+
+        self._files: tuple[str, ...] = tuple(sorted({normalize(f) for f in files}))
         self._init_state()
 
     def _init_state(self) -> None:
@@ -164,10 +142,22 @@ class FileDataReader(DataReader, Generic[M]):
             )
         if start == end:
             return []
-        return self._read_range(path, meta, start, end)
+        return self._remote(path, f"read records {start}-{end}",
+                            lambda: self._read_range(path, meta, start, end))
+
+    def _remote(self, path: str, what: str, op: Callable[[], T]) -> T:
+        """``op()`` on a local file; on a URL, with transient errors retried
+        (:func:`elasticdl.data.fs.retrying`)."""
+        from elasticdl.data import fs
+
+        if not fs.is_url(path):
+            return op()
+        return fs.retrying(path, what, op)
 
     def _resolve(self, name: str) -> str:
-        path = os.path.abspath(name)
+        from elasticdl.data.fs import normalize
+
+        path = normalize(name)
         if path not in self._locks:
             raise DataError(f"{name}: not a file of this dataset")
         return path
@@ -180,9 +170,9 @@ class FileDataReader(DataReader, Generic[M]):
         with self._locks[path]:
             meta = self._meta.get(path)
             if meta is None:
-                if not os.path.isfile(path):
+                if "://" not in path and not os.path.isfile(path):
                     raise DataError(f"{path}: no such data file")
-                meta = self._scan(path)
+                meta = self._remote(path, "index", lambda: self._scan(path))
                 self._meta[path] = meta
         return meta
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from elasticdl.data import fs
 from elasticdl.data.api import DataError, FileDataReader
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ HF_DICT = "dataset_dict.json"
 def is_hf_dataset_dir(path: str) -> bool:
     """Whether ``path`` is a directory written by ``save_to_disk`` (a Dataset or a
     DatasetDict)."""
+    if fs.is_url(path):
+        return fs.isfile(fs.join(path, HF_DICT)) or (
+            fs.isfile(fs.join(path, HF_STATE)) and fs.isfile(fs.join(path, HF_INFO)))
     return os.path.isdir(path) and (
         os.path.isfile(os.path.join(path, HF_DICT))
         or (os.path.isfile(os.path.join(path, HF_STATE))
@@ -48,22 +52,20 @@ def hf_dataset_files(path: str) -> list[str]:
         DataError: a DatasetDict directory (its splits are named), or a ``state.json``
             that lists no data file or a missing one.
     """
-    path = os.path.abspath(path)
-    dict_file = os.path.join(path, HF_DICT)
-    if os.path.isfile(dict_file):
+    path = fs.normalize(path)
+    dict_file = fs.join(path, HF_DICT)
+    if fs.isfile(dict_file):
         try:
-            with open(dict_file, encoding="utf-8") as f:
-                splits = json.load(f).get("splits", [])
-        except (OSError, ValueError) as err:
+            splits = json.loads(fs.read_bytes(dict_file)).get("splits", [])
+        except ValueError as err:
             raise DataError(f"{dict_file}: unreadable: {err}") from err
         first = str(splits[0]) if splits else "train"
         raise DataError(f"{path} is a Hugging Face DatasetDict (splits {splits}); name one "
-                        f"split's directory, e.g. {os.path.join(path, first)}")
-    state_file = os.path.join(path, HF_STATE)
+                        f"split's directory, e.g. {fs.join(path, first)}")
+    state_file = fs.join(path, HF_STATE)
     try:
-        with open(state_file, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, ValueError) as err:
+        state = json.loads(fs.read_bytes(state_file))
+    except ValueError as err:
         raise DataError(f"{state_file}: unreadable: {err}") from err
     if state.get("_indices_data_files"):
         raise DataError(f"{path}: the saved dataset has an indices mapping; save it after "
@@ -71,8 +73,8 @@ def hf_dataset_files(path: str) -> list[str]:
     names = [d.get("filename") for d in state.get("_data_files", [])]
     if not names or not all(isinstance(n, str) and n for n in names):
         raise DataError(f"{state_file}: lists no data files (_data_files)")
-    files = [os.path.join(path, n) for n in names]
-    missing = [f for f in files if not os.path.isfile(f)]
+    files = [fs.join(path, n) for n in names]
+    missing = [f for f in files if not fs.isfile(f)]
     if missing:
         raise DataError(f"{path}: data file(s) listed in {HF_STATE} missing: {missing[:3]}")
     return files
@@ -89,7 +91,14 @@ def _pyarrow(path: str) -> Any:
 
 
 def _open(pa: Any, path: str) -> Any:
-    """A reader of the file (IPC file format or stream format) over a memory map."""
+    """A reader of the file (IPC file format or stream format) over a memory map; over an
+    object, over a file that reads it by range (the stream format reads the batches before
+    the last one wanted)."""
+    if fs.is_url(path):
+        try:
+            return pa.ipc.open_file(fs.open_input(path))
+        except pa.ArrowInvalid:
+            return pa.ipc.open_stream(fs.open_input(path))
     source = pa.memory_map(path, "r")
     try:
         return pa.ipc.open_file(source)
@@ -110,7 +119,7 @@ class ArrowDataReader(FileDataReader[np.ndarray]):
 
     def __init__(self, files: Sequence[str], *, columns: Sequence[str] | None = None) -> None:
         super().__init__(files)
-        self._files = tuple(os.path.abspath(f) for f in files)   # the given order
+        self._files = tuple(fs.normalize(f) for f in files)   # the given order
         self._columns = list(columns) if columns is not None else None
 
     def _scan(self, path: str) -> np.ndarray:

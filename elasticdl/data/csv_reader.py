@@ -20,6 +20,11 @@ Index persistence: with a cache directory (``index_cache_dir``, else the ``ELAST
 environment variable, which the master sets to ``<job_dir>/data_index``) each file's index is
 saved there as ``.npy``, keyed by the file's absolute path, size and modification time, and
 memory-mapped back instead of re-reading the file: a restarted master serves at once.
+
+Object storage (``s3://...``, :mod:`elasticdl.data.fs`): indexing streams the object once in
+blocks; a read is one ranged GET of exactly its records' bytes. The cache key is the URL, size
+and ETag; the cache directory may itself be a URL (``ELASTICDL_INDEX_CACHE=s3://b/cache``), so
+that pods that share no disk share the master's index instead of each streaming the object.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import codecs
 import csv
 import hashlib
+import io
 import itertools
 import logging
 import os
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from elasticdl.data import fs
 from elasticdl.data.api import DataError, FileDataReader, MalformedRecordError
 
 logger = logging.getLogger(__name__)
@@ -69,7 +76,7 @@ def build_line_index(path: str, block_size: int = BLOCK_SIZE, skip_bom: bool = T
     buf = bytearray(block_size)
     size = 0
     try:
-        with open(path, "rb", buffering=0) as f:
+        with (fs.open_input(path) if fs.is_url(path) else open(path, "rb", buffering=0)) as f:
             while n := f.readinto(buf):
                 block = np.frombuffer(buf, dtype=np.uint8, count=n)
                 ends = np.flatnonzero(block == _NEWLINE)
@@ -96,6 +103,14 @@ def build_line_index(path: str, block_size: int = BLOCK_SIZE, skip_bom: bool = T
 
 def _save_index(cached: str, offsets: np.ndarray) -> None:
     """Keep an index for the next reader (atomic; a cache: failing to write it only warns)."""
+    if fs.is_url(cached):
+        out = io.BytesIO()
+        np.save(out, offsets)
+        try:
+            fs.write_bytes(cached, out.getvalue())
+        except DataError as err:
+            logger.warning("cannot keep the line index in %s: %s", fs.redact(cached), err)
+        return
     tmp = f"{cached}.{os.getpid()}.tmp.npy"
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
@@ -107,6 +122,8 @@ def _save_index(cached: str, offsets: np.ndarray) -> None:
 
 def _read_span(path: str, begin: int, stop: int) -> bytes:
     """Return bytes ``[begin, stop)`` of ``path``, raising DataError if they are not all there."""
+    if fs.is_url(path):
+        return fs.read_range(path, begin, stop)    # one ranged GET
     try:
         with open(path, "rb") as f:
             f.seek(begin)
@@ -170,6 +187,10 @@ class _LineFileReader(FileDataReader[LineIndex]):
         directory = self._index_cache_dir or os.environ.get(INDEX_CACHE_ENV, "")
         if not directory:
             return None
+        if fs.is_url(path):    # keyed by URL, size and ETag: a rewritten object is indexed anew
+            obj = fs.info(path)
+            key = f"{path}|{obj.size}|{obj.version}|{self._encoding == 'utf-8'}"
+            return fs.join(directory, hashlib.sha1(key.encode()).hexdigest() + ".npy")
         try:
             st = os.stat(path)
         except OSError as err:
@@ -180,7 +201,11 @@ class _LineFileReader(FileDataReader[LineIndex]):
     def _index_lines(self, path: str) -> np.ndarray:
         began = time.perf_counter()
         cached = self._index_cache(path)
-        if cached is not None and os.path.exists(cached):
+        if cached is not None and fs.is_url(cached):
+            shared = _load_remote_index(cached)
+            if shared is not None:
+                return shared
+        elif cached is not None and os.path.exists(cached):
             try:
                 offsets = np.load(cached, mmap_mode="r")
                 logger.debug("index of %s reused from %s", path, cached)
@@ -219,6 +244,19 @@ class _LineFileReader(FileDataReader[LineIndex]):
             raise DataError(f"{path}: file changed since it was indexed")
         del lines[end - start :]
         return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def _load_remote_index(cached: str) -> np.ndarray | None:
+    """An index kept in object storage, or None when there is none yet (or it is unreadable)."""
+    try:
+        data = fs.read_bytes(cached)
+    except DataError:
+        return None
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except (OSError, ValueError) as err:
+        logger.warning("index cache %s unreadable (%s): indexing again", fs.redact(cached), err)
+        return None
 
 
 class TextDataReader(_LineFileReader):
@@ -288,7 +326,7 @@ class CSVDataReader(_LineFileReader):
     def _first_header(self) -> tuple[str, ...]:
         for path in self._files:
             try:
-                with open(path, "rb") as f:
+                with fs.open_input(path, 1 << 16) if fs.is_url(path) else open(path, "rb") as f:
                     line = f.readline()
             except OSError as err:
                 raise DataError(f"{path}: cannot read: {err}") from err

@@ -8,6 +8,7 @@ from typing import Any, Optional
 from elasticdl.common.enums import JobType
 from elasticdl.common.task import TaskType
 from elasticdl.data.api import DataError, DataReader
+from elasticdl.data.fs import configure_from_spec
 from elasticdl.data.registry import create_data_reader
 
 _TYPES = {"training": TaskType.TRAINING, "evaluation": TaskType.EVALUATION,
@@ -24,6 +25,7 @@ def create_readers(spec: Any, custom_reader: Optional[Callable[..., DataReader]]
     (:mod:`elasticdl.data.torch_dataset`; this imports torch). Raises DataError
     naming an unreadable path.
     """
+    configure_from_spec(spec)    # --data_endpoint, for this process and its children
     if model_spec is not None and getattr(model_spec, "dataset", None) is not None:
         from elasticdl.data.dataset_source import data_flags
         from elasticdl.data.torch_dataset import dataset_readers, pin_memory_default
@@ -69,6 +71,8 @@ def master_readers(spec: Any, probe_command: Sequence[str], defined: bool = Fals
     module's source defines no ``dataset`` (:mod:`elasticdl.data.dataset_source`) and ``defined`` is
     False: ``{}``."""
     from elasticdl.data import dataset_source as ds
+
+    configure_from_spec(spec)    # the probe subprocess inherits --data_endpoint
 
     module_name = spec.model_def.rsplit(".", 1)[0]
     if not (defined or ds.module_defines(spec.model_zoo, module_name, ds.DATASET_FN)):

@@ -4,10 +4,14 @@ Record counts come from the array headers, without reading array data. ``.npy`` 
 memory-mapped on each read, so a read touches only the pages of its rows and the returned rows
 are read-only views of the mapping. ``.npz`` members cannot be mapped (they may be compressed),
 so a file's arrays are loaded on its first read and kept in a small LRU cache.
+
+From object storage (:mod:`elasticdl.data.fs`): a ``.npy`` read is its header plus one ranged
+read of its rows; an ``.npz`` is fetched whole by each process that reads it (then cached).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 import zipfile
@@ -17,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from elasticdl.data import fs
 from elasticdl.data.api import DataError, FileDataReader
 
 logger = logging.getLogger(__name__)
@@ -29,7 +34,43 @@ NPZ_CACHE_FILES = 2
 _Arrays = dict[str, np.ndarray]
 
 
+def _npy_header(path: str) -> tuple[tuple[int, ...], np.dtype, int]:
+    """``(shape, dtype, data offset)`` of a ``.npy`` object, from its header (one small
+    ranged read); C-order arrays of plain dtypes only (their rows are contiguous bytes)."""
+    try:
+        with fs.open_input(path, 1 << 16) as fp:
+            version = np.lib.format.read_magic(fp)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+            else:
+                raise ValueError(f"unsupported .npy format version {version}")
+            offset = fp.tell()
+    except ValueError as err:
+        raise DataError(f"{fs.redact(path)}: cannot read as .npy: {err}") from err
+    if not shape:
+        raise DataError(f"{path}: a .npy data file must hold an array of at least one dimension")
+    if dtype.hasobject or (fortran and len(shape) > 1):
+        raise DataError(f"{fs.redact(path)}: a .npy object read by range must hold a C-order "
+                        "array of a plain dtype (no objects, not Fortran order)")
+    return tuple(shape), dtype, offset
+
+
+def _npy_remote_rows(path: str, count: int, start: int, end: int) -> list[Any]:
+    """Rows ``[start, end)`` of a ``.npy`` object: its header, then one ranged read."""
+    shape, dtype, offset = _npy_header(path)
+    if shape[0] != count:
+        raise DataError(f"{fs.redact(path)}: file changed since it was indexed")
+    row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+    data = fs.read_range(path, offset + start * row, offset + end * row)
+    array = np.frombuffer(data, dtype=dtype).reshape((end - start, *shape[1:]))
+    return list(array)
+
+
 def _npy_count(path: str) -> int:
+    if fs.is_url(path):
+        return _npy_header(path)[0][0]
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as err:
@@ -55,7 +96,8 @@ def _member_shape(archive: zipfile.ZipFile, member: str) -> tuple[int, ...]:
 
 def _npz_count(path: str) -> int:
     try:
-        with zipfile.ZipFile(path) as archive:
+        with (fs.open_input(path, 1 << 20) if fs.is_url(path) else open(path, "rb")) as f, \
+                zipfile.ZipFile(f) as archive:
             shapes = {
                 member.removesuffix(".npy"): _member_shape(archive, member)
                 for member in archive.namelist()
@@ -116,6 +158,8 @@ class NumPyDataReader(FileDataReader[int]):
         return meta
 
     def _read_range(self, path: str, meta: int, start: int, end: int) -> list[Any]:
+        if not self._is_npz and fs.is_url(path):
+            return _npy_remote_rows(path, meta, start, end)
         if not self._is_npz:
             try:
                 array = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -136,7 +180,9 @@ class NumPyDataReader(FileDataReader[int]):
                 self._npz_cache.move_to_end(path)
                 return arrays
             try:
-                with np.load(path, allow_pickle=False) as npz:
+                # an object is fetched whole (members may be compressed): prefer .npy or Parquet
+                source = io.BytesIO(fs.read_bytes(path)) if fs.is_url(path) else path
+                with np.load(source, allow_pickle=False) as npz:
                     arrays = {name: npz[name] for name in npz.files}
             except (OSError, ValueError, zipfile.BadZipFile) as err:
                 raise DataError(f"{path}: cannot read as .npz: {err}") from err

@@ -75,10 +75,17 @@ def dataset_files(path: str) -> list[str]:
     A file is its own dataset. A directory's data files are its regular files (non-recursive),
     without hidden files, ``_``-prefixed files and sidecars (:data:`SIDECAR_SUFFIXES`).
 
+    A URL (``s3://bucket/prefix``, see :mod:`elasticdl.data.fs`) is listed the same way: one
+    listing of the prefix, or one stat of an object.
+
     Raises:
         DataError: ``path`` does not exist, or is a directory without data files.
     """
-    path = os.path.abspath(os.path.expanduser(path))
+    from elasticdl.data import fs
+
+    if fs.is_url(path):
+        return _remote_dataset_files(fs.normalize(path))
+    path = fs.normalize(path)    # file:// URLs too
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
@@ -97,6 +104,19 @@ def dataset_files(path: str) -> list[str]:
         raise DataError(f"{path}: cannot list directory: {err}") from err
     if not files:
         raise DataError(f"{path}: directory holds no data files")
+    return sorted(files)
+
+
+def _remote_dataset_files(url: str) -> list[str]:
+    """The data files of an object URL (itself) or of a prefix (its objects, as for a
+    directory), from one listing."""
+    from elasticdl.data import fs
+
+    files = [f.url for f in fs.list_files(url)
+             if not f.url.rsplit("/", 1)[-1].startswith((".", "_"))
+             and not f.url.endswith(SIDECAR_SUFFIXES)]
+    if not files:
+        raise DataError(f"{fs.redact(url)}: prefix holds no data files")
     return sorted(files)
 
 
@@ -134,10 +154,11 @@ def create_data_reader(path: str, params: Mapping[str, str] | None = None) -> Da
     params = dict(params or {})
     fmt = params.pop(FORMAT_PARAM, None)
     from elasticdl.data.arrow_reader import hf_dataset_files, is_hf_dataset_dir
+    from elasticdl.data.fs import normalize
 
-    if is_hf_dataset_dir(os.path.abspath(os.path.expanduser(path))):
+    if is_hf_dataset_dir(normalize(path)):
         # a Hugging Face datasets save_to_disk directory: its .arrow files, in order
-        files = hf_dataset_files(os.path.abspath(os.path.expanduser(path)))
+        files = hf_dataset_files(normalize(path))
         fmt = fmt or "arrow"
     else:
         files = dataset_files(path)

@@ -41,6 +41,13 @@ by the first gradient hook of a backward (forward, which moves the buffers, is
 done by then; on every member before any bucket, so collectives stay in the
 same order) and overlap with backward.
 
+Sparse tables (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``) stay
+out of the buckets: at the end of backward their coalesced rows, weighted by
+records like the buckets, are all-gathered and summed
+(:mod:`elasticdl.elastic.sparse_sync`) and ``.grad`` becomes the coalesced
+sparse sum divided by ``N``; accumulation, further backward passes and filler
+steps follow the dense rules (a sparse ``.grad`` accumulates by concatenation).
+
 Buckets are laid out in reverse parameter order (roughly the order gradients
 become ready in backward), the first one small (1 MiB) so communication starts
 early, the others ``bucket_cap_mb`` — the layout torch DDP uses. On CUDA the
@@ -58,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from elasticdl.common.collective import guard, wait
+from elasticdl.elastic.sparse_sync import SparseRows, as_rows
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +88,23 @@ class GradientAllreducer:
         buffers: the model's buffers, synchronised with every reduction.
         bucket_cap_mb: size of every bucket but the first.
         first_bucket_mb: size of the first bucket.
+        sparse: the parameters among ``params`` whose gradients are sparse rows
+            (:func:`~elasticdl.elastic.sparse_sync.sparse_grad_params`); the same
+            on every member.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter],
                  buffers: Iterable[torch.Tensor] = (), bucket_cap_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0):
+                 first_bucket_mb: float = 1.0, sparse: Iterable[torch.nn.Parameter] = ()):
         self.params = [p for p in params if p.requires_grad]
+        sparse_ids = {id(p) for p in sparse}
+        self._sparse_index = [i for i, p in enumerate(self.params) if id(p) in sparse_ids]
+        self._sparse_set = set(self._sparse_index)
+        self._rows = SparseRows([self.params[i] for i in self._sparse_index])
+        # per sparse table: the gathered sum of the last reduction, what earlier
+        # reductions of the step wrote (like _Bucket.prior)
+        self._sparse_sums: list[Optional[torch.Tensor]] = [None] * len(self._sparse_index)
+        self._sparse_prior: list[Optional[torch.Tensor]] = [None] * len(self._sparse_index)
         self.buffers = [b for b in buffers if b is not None]
         self._buffer_work: list[tuple[list[torch.Tensor], torch.Tensor, bool, Any]] = []
         self._records = 0.0
@@ -128,6 +147,8 @@ class GradientAllreducer:
             current, size, cap = [], 0, cap_mb * 2**20
 
         for i in reversed(range(len(self.params))):
+            if i in self._sparse_set:
+                continue
             p = self.params[i]
             if current:
                 ref = self.params[current[0]]
@@ -165,6 +186,8 @@ class GradientAllreducer:
             bucket.ready.clear()
             bucket.work = None
             bucket.prior = None
+        self._sparse_sums = [None] * len(self._sparse_index)
+        self._sparse_prior = [None] * len(self._sparse_index)
         device = self.params[0].device if self.params else torch.device("cpu")
         self._meta = torch.tensor(meta, dtype=torch.float64, device=device)
         with guard("step meta all_reduce"):
@@ -199,6 +222,14 @@ class GradientAllreducer:
                 bucket.prior = written
             bucket.ready.clear()
             bucket.work = None
+        for k, summed in enumerate(self._sparse_sums):
+            if self._cleared or total <= 0 or summed is None:
+                self._sparse_prior[k] = None
+            else:  # what finish() wrote into .grad
+                prior = self._sparse_prior[k]
+                written = summed / total
+                self._sparse_prior[k] = (written + prior).coalesce() if prior is not None \
+                    else written
         self._cleared = False
         self._next = 0
         self._queued = False
@@ -215,7 +246,10 @@ class GradientAllreducer:
         may block until its collective times out, so the caller disposes of
         them (:func:`elasticdl.common.collective.dispose`)."""
         pending = [w for w in [self._meta_work] + [b.work for b in self._buckets] +
-                   [bw[3] for bw in self._buffer_work] if w is not None]
+                   [bw[3] for bw in self._buffer_work] + self._rows.abandon()
+                   if w is not None]
+        self._sparse_sums = [None] * len(self._sparse_index)
+        self._sparse_prior = [None] * len(self._sparse_index)
         self._active = self._armed = False
         self._meta_work = None
         self._buffer_work = []
@@ -238,10 +272,13 @@ class GradientAllreducer:
                 if self.buffers and not self._buffer_work:
                     self._launch_buffers()  # forward is done: overlap them with backward
             grad = param.grad
-            if grad is None:
-                return
+            if grad is None or index in self._sparse_set:
+                return  # sparse tables: their rows are exchanged at the end of backward
             if grad.is_sparse:
-                raise RuntimeError("sparse gradients are not supported by allreduce")
+                raise RuntimeError(
+                    f"a sparse gradient for a parameter of shape {tuple(param.shape)} whose "
+                    "module is not marked sparse=True: allreduce sends sparse rows only for "
+                    "the weights of modules with sparse=True (nn.Embedding, nn.EmbeddingBag)")
             b, off = self._where[index]
             bucket = self._buckets[b]
             self._copy_in(bucket, off, param.numel(), grad)
@@ -261,6 +298,20 @@ class GradientAllreducer:
             dst.copy_(src)
         else:
             torch.mul(src, self._scale, out=dst)
+
+    def _sparse_rows(self) -> list[Optional[torch.Tensor]]:
+        """This member's contribution per sparse table: its ``.grad`` rows (minus what
+        earlier reductions of the step wrote) times its records; None for none."""
+        out: list[Optional[torch.Tensor]] = []
+        for k, i in enumerate(self._sparse_index):
+            grad = self.params[i].grad
+            if not self._armed or grad is None or self._scale == 0.0:
+                out.append(None)  # unarmed / idle: zeros, even if filler grads hold nan
+                continue
+            prior = self._sparse_prior[k]
+            rows = as_rows(grad - prior if prior is not None else grad)
+            out.append(rows if self._scale == 1.0 else rows * self._scale)
+        return out
 
     def _launch_ready(self) -> None:
         while self._next < len(self._buckets):
@@ -338,6 +389,8 @@ class GradientAllreducer:
                         bucket.flat[off:off + p.numel()].zero_()
                 self._launch(bucket)
             self._next = len(self._buckets)
+            if self._sparse_index:  # after every bucket: the same order on every member
+                self._sparse_sums = list(self._rows.reduce(self._sparse_rows(), self._group))
             if self._meta_work is not None:
                 wait(self._meta_work, "step meta all_reduce")
                 assert self._meta is not None
@@ -365,6 +418,13 @@ class GradientAllreducer:
                     if bucket.prior is not None:
                         p.grad.add_(bucket.prior[off:off + p.numel()].view_as(p))
             bucket.work = None
+        if total > 0:
+            for k, i in enumerate(self._sparse_index):
+                rows = self._sparse_sums[k]
+                assert rows is not None
+                grad = rows / total
+                prior = self._sparse_prior[k]
+                self.params[i].grad = (grad + prior).coalesce() if prior is not None else grad
         self._reductions += 1
         self._cleared = False
         return self.result

@@ -64,6 +64,7 @@ from elasticdl.common.elastic_state import (
 )
 from elasticdl.elastic.grad_sync import GradientAllreducer
 from elasticdl.elastic.group import ElasticGroup
+from elasticdl.elastic.sparse_sync import sparse_grad_params
 from elasticdl.elastic.trained import TrainedRecords
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,8 @@ class ElasticRunner:
         # returns False to skip the update; after_step(applied) follows the update
         self.before_step: Optional[Callable[[], bool]] = None
         self.after_step: Optional[Callable[[bool], None]] = None
-        self.grads = GradientAllreducer(state.model.parameters(), state.model.buffers())
+        self.grads = GradientAllreducer(state.model.parameters(), state.model.buffers(),
+                                        sparse=sparse_grad_params(state.model))
         self.confirmed_version = 0
         self.is_filler = False
         self.recoveries = 0

@@ -33,6 +33,7 @@ from elasticdl.local.task_source import LocalTaskSource
 from elasticdl.master import job_history, observability
 from elasticdl.master.job import JobCore
 from elasticdl.master.job_factory import core_from_spec
+from elasticdl.master.training_health import OnDivergence, final_status
 from elasticdl.worker.prediction import PredictionSink
 from elasticdl.worker.task_loop import LoopStats, TaskLoop
 from elasticdl.worker.trainer import LocalTrainer, select_device
@@ -72,6 +73,10 @@ class LocalJob:
 
             self.trainer = AllreduceTrainer(self.model_spec, spec, 0, device, SoloComm(),
                                             "127.0.0.1")
+        elif spec.job_type != JobType.TRAIN:   # the model of --checkpoint_dir_for_init
+            from elasticdl.worker.inference import inference_trainer
+
+            self.trainer = inference_trainer(self.model_spec, spec, device)
         else:
             self.trainer = LocalTrainer(self.model_spec, device, spec.seed, amp=spec.amp,
                                         clip_grad_norm=spec.clip_grad_norm)
@@ -119,8 +124,7 @@ class LocalJob:
                          self.spec.keep_checkpoint_max)
 
     def _restore(self) -> None:
-        if self.spec.job_type != JobType.TRAIN:
-            ckpt.load_for_inference(self.trainer, self.spec.checkpoint_dir_for_init)
+        if self.spec.job_type != JobType.TRAIN:   # loaded by inference_trainer
             self.core.start_at_version(self.trainer.model_version)
             return
         state = ckpt.load(self.spec.checkpoint_dir_for_init,
@@ -187,7 +191,13 @@ class LocalJob:
                 self.save_checkpoint()
             ckpt.export_model(self.trainer.model, self.out_dir, spec.export_torchscript)
         self.core.refresh_report()
-        self.report.status = "succeeded"
+        verdict = self.core.health_verdict()
+        if verdict is not None and spec.on_divergence == OnDivergence.FAIL.value:
+            self.report.fail("master", f"training {verdict[0].value}: {verdict[1]} "
+                             "(--on_divergence=fail)", "")
+            self.report.write(self.out_dir)
+            return self.report.to_dict()
+        self.report.status = final_status("succeeded", verdict)
         self.report.extra["nonfinite_steps_skipped"] = stats.nonfinite_skipped
         self.report.extra["model_version"] = self.trainer.model_version
         self.report.extra["loop_wall_s"] = round(wall, 3)

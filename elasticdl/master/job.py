@@ -39,6 +39,7 @@ from elasticdl.master.protocols import ProtocolBook
 from elasticdl.master.recovery import Recovery
 from elasticdl.master.replicas import ReplicaBook
 from elasticdl.master.task_manager import TaskManager
+from elasticdl.master.training_health import HealthStatus, LossHealth
 from elasticdl.master.versions import ModelVersions, VersionError
 
 __all__ = ["JobCore", "Metric", "Refusal", "TaskResult", "VersionError"]
@@ -72,6 +73,8 @@ class JobCore(Recovery):
         self.listeners = JobListeners()
         self.evaluations = EvaluationBarrier(task_manager, self.aggregator, report,
                                              self.notify, manage_evaluations)
+        # judges the training loss the workers report (None: --on_divergence=off)
+        self.health: Optional[LossHealth] = None
         self._begun = False
         # called with the core after each refresh_report (the job history writer)
         self.refresh_hooks: list[Any] = []
@@ -255,8 +258,24 @@ class JobCore(Recovery):
             task.type == TaskType.TRAINING else None
         if trained is not None:
             self.report.add_training(trained.epoch, trained.num_records, loss, learning_rate)
+        if self.health is not None and task is not None and worker_id in holders and \
+                task.type == TaskType.TRAINING:
+            self.health.judge_task(success, error, loss, task.num_records)
         self.evaluations.maybe_start(self.version)
         return trained
+
+    def health_verdict(self) -> Optional[tuple[HealthStatus, str]]:
+        """The detector's unhealthy verdict ``(status, reason)``, or None (healthy, off)."""
+        with self._lock:
+            h = self.health
+            return None if h is None or h.healthy else (h.status, h.reason)
+
+    def restart_health(self) -> None:
+        """Judge the loss afresh (after a divergence rollback)."""
+        with self._lock:
+            if self.health is not None:
+                self.health.restart()
+                self._log("health_restart")
 
     def report_evaluation(self, task_id: int, model_version: int,
                           metrics: Sequence[Metric], states: bytes = b"") -> None:
@@ -325,6 +344,9 @@ class JobCore(Recovery):
             report.extra["prediction"] = tm.prediction_report()
         report.extra["model_version"] = self.version
         report.extra["nonfinite_steps_skipped"] = tm.counters.get("nonfinite_steps_skipped", 0)
+        if self.health is not None:
+            with self._lock:
+                report.extra["training_health"] = self.health.report()
         for hook in self.refresh_hooks:
             hook(self)
         return report
@@ -354,6 +376,7 @@ class JobCore(Recovery):
                 "versions": self.versions.state_dict(),
                 "evaluation": {**self.evaluations.state_dict(), "begun": self._begun},
                 **({"lr_plateau": ms.state_dict()} if ms is not None else {}),
+                **({"health": self.health.state_dict()} if self.health is not None else {}),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -370,3 +393,5 @@ class JobCore(Recovery):
             self._begun = state["evaluation"]["begun"]
             if self.metric_schedule is not None:
                 self.metric_schedule.load_state_dict(state.get("lr_plateau"))
+            if self.health is not None:
+                self.health.load_state_dict(state.get("health"))

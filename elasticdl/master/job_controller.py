@@ -43,6 +43,7 @@ from elasticdl.master.job_phase import JobPhase, Observation, next_phase
 from elasticdl.master.policy import Action, RelaunchPolicy
 from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.replica_launcher import PSLaunch, ReplicaLauncher, WorkerLaunch
+from elasticdl.master.training_health import OnDivergence, final_status
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +289,7 @@ class JobController:
         self._guarded("stopping hung workers", self._stop_hung_workers)
         self._guarded("advancing the recovery protocols", self.executor.advance)
         self._guarded("elastic scaling", self.elastic.step)
+        self._guarded("judging the training loss", self._check_health)
         now = time.monotonic()
         if now - self._last_report >= self.report_interval_s:
             self._last_report = now
@@ -299,8 +301,18 @@ class JobController:
         if step.failure is not None:
             self.fail(*step.failure)
         elif step.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED):
-            self.report.status = step.phase.value
+            # --on_divergence=warn: an unhealthy job never ends a plain "succeeded"
+            self.report.status = final_status(step.phase.value, self.core.health_verdict())
         self.phase, self._finishing_since = step.phase, step.since
+
+    def _check_health(self) -> None:
+        """``--on_divergence=fail``: an unhealthy verdict fails the job, naming it."""
+        if self.spec.on_divergence != OnDivergence.FAIL.value or self.report.failure is not None:
+            return
+        verdict = self.core.health_verdict()
+        if verdict is not None:
+            self.fail("master", f"training {verdict[0].value}: {verdict[1]} "
+                       "(--on_divergence=fail; evidence: training_health in the report)", "")
 
     def _observe(self, stop: threading.Event, now: float) -> Observation:
         """What :func:`next_phase` decides from (only what the step it takes needs)."""

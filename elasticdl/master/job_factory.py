@@ -7,13 +7,14 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from elasticdl.common.enums import Strategy
+from elasticdl.common.enums import JobType, Strategy
 from elasticdl.common.job_report import JobReport, exported_model_version
 from elasticdl.common.schedule import Schedule
 from elasticdl.common.task import TaskType
 from elasticdl.master.job import JobCore
 from elasticdl.master.lr_plateau import MetricSchedule
 from elasticdl.master.task_manager import TaskManager
+from elasticdl.master.training_health import HealthRule, LossHealth
 
 
 def core_from_spec(spec: Any, readers: Mapping[TaskType, Any], first_task_id: int = 0,
@@ -36,6 +37,8 @@ def core_from_spec(spec: Any, readers: Mapping[TaskType, Any], first_task_id: in
     core = JobCore(tm, report, Schedule.from_spec(spec), minibatch_size=spec.minibatch_size,
                    job_type=spec.job_type, start_version=start_version)
     core.metric_schedule = MetricSchedule.from_spec(spec)
+    if getattr(spec, "on_divergence", "off") != "off" and spec.job_type == JobType.TRAIN:
+        core.health = LossHealth(HealthRule(window_tasks=spec.health_window_tasks))
     return core
 
 

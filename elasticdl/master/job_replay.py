@@ -96,6 +96,8 @@ class ReplayTarget(Protocol):
 
     def resize_workers(self, low: int, high: int, reason: str) -> dict[str, Any]: ...
 
+    def restart_health(self) -> None: ...
+
 
 Handler = Callable[[ReplayTarget, Record], Any]
 
@@ -179,6 +181,7 @@ HANDLERS: dict[Op, Handler] = {
                                                  rec["counts"]),
     Op.NOTE_EXIT: lambda core, rec: core.note_exit(rec["w"], rec["replica"], rec["fallback"]),
     Op.RESIZE: lambda core, rec: core.resize_workers(rec["min"], rec["max"], rec["reason"]),
+    Op.HEALTH_RESTART: lambda core, rec: core.restart_health(),
 }
 
 

@@ -42,3 +42,4 @@ class Op(str, enum.Enum):
     GONE = "gone"
     NOTE_EXIT = "note_exit"
     RESIZE = "resize"                   # elasticdl scale: new worker bounds (scaling.py)
+    HEALTH_RESTART = "health_restart"   # the loss is judged afresh (a divergence rollback)

@@ -41,6 +41,7 @@ from elasticdl.master.journal import JournalLockedError
 from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.scaling import WorkerCounts
 from elasticdl.master.servicer import MasterServicer, start_master_server
+from elasticdl.master.training_health import SUCCEEDED_WITH_WARNINGS
 
 logger = logging.getLogger("elasticdl.master")
 
@@ -206,7 +207,7 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
         server.stop(grace=2).wait(5)
         obs.close()
         journal.close()
-    return 0 if status == "succeeded" else 1
+    return 0 if status in ("succeeded", SUCCEEDED_WITH_WARNINGS) else 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:

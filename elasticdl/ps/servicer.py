@@ -229,6 +229,17 @@ class PServicer(pb_grpc.PServerServicer):
         rows = self.shard.pull_embedding(request.table, ids, create=not request.no_create)
         return codec.encode(rows, request.table)
 
+    @_guard
+    def export_rows(self, request: pb.ExportRowsRequest,
+                    context: grpc.ServicerContext) -> Iterator[pb.EmbeddingRows]:
+        """The rows of a table this PS holds, ids ascending, in pages (sparse export)."""
+        spec = self.shard.params.table(request.table).spec   # ValueError: unknown table
+        check_range("max_rows", request.max_rows, 0, MAX_IDS_PER_PULL)
+        max_rows = request.max_rows or max(1, (4 << 20) // (spec.dim * 4))
+        pages = self.shard.export_rows(request.table, max_rows)
+        return (pb.EmbeddingRows(table=request.table, id_tensor=codec.encode_ids(ids),
+                                 values=codec.encode(rows)) for ids, rows in pages)
+
     # ------------------------------------------------------------ pushes
     def _dense_grad(self, msg: pb.Tensor) -> torch.Tensor:
         param = self.shard.params.dense.get(msg.name)

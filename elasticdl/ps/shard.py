@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -228,6 +228,27 @@ class PSShard:
         with self._cond:
             self._require_init()
             return self.params.table(table).lookup(ids, create)
+
+    def export_rows(self, table: str, max_rows: int) -> Iterator[tuple[np.ndarray,
+                                                                      torch.Tensor]]:
+        """Pages of at most ``max_rows`` rows of ``table`` that exist here, ids ascending
+        (the order is taken now, checks raise now; each page is copied under the lock
+        as it is read, so the extra memory is one id array and one page, never a copy
+        of the table)."""
+        with self._cond:
+            self._require_init()
+            t = self.params.table(table)
+            ids = np.sort(t.row_ids[:t.size])
+
+        def pages() -> Iterator[tuple[np.ndarray, torch.Tensor]]:
+            for start in range(0, ids.shape[0], max_rows):
+                page = ids[start:start + max_rows]
+                with self._cond:
+                    current = self.params.table(table)
+                    rows = current.weights.index_select(0, current.slots(page, create=False))
+                yield page, rows
+
+        return pages()
 
     def applied(self, task_ids: Optional[Iterable[int]] = None
                 ) -> tuple[int, list[tuple[int, int, int, int]]]:

@@ -258,6 +258,31 @@ class PSClient:
         self._all(pull, "pull_embedding")
         return out
 
+    def export_rows(self, table: str, dim: int, dtype: torch.dtype,
+                    on_rows: Callable[[np.ndarray, torch.Tensor], None],
+                    max_rows: int = 0) -> int:
+        """Hand every row of ``table`` that exists on the PS to ``on_rows(ids, rows)``,
+        page by page (one PS after another, ids ascending per PS: a stream retried
+        after a reconnect skips what was already handed over); returns the rows."""
+        seen = [0]
+        for ps in range(self.num_ps):
+            last = [-1]
+
+            def pages(stub: PSStub, last: list[int] = last) -> None:
+                req = pb.ExportRowsRequest(table=table, max_rows=max_rows)
+                for msg in stub.export_rows(req, timeout=self.rpc_timeout_s):
+                    ids = codec.decode_ids(msg.id_tensor)
+                    keep = ids > last[0]
+                    if not keep.any():
+                        continue
+                    rows = codec.decode(msg.values, dtype, [ids.shape[0], dim])
+                    on_rows(ids[keep], rows if keep.all() else rows[torch.from_numpy(keep)])
+                    last[0] = int(ids[-1])
+                    seen[0] += int(keep.sum())
+
+            self.call(ps, pages, "export_rows")
+        return seen[0]
+
     def pull_embedding(self, table: str, ids: Any, dim: int,
                        dtype: torch.dtype = torch.float32, create: bool = True) -> torch.Tensor:
         """Rows of ``ids`` (any shape; duplicates pulled once), shape ids.shape + (dim,)."""

@@ -12,6 +12,7 @@ the same hooks (all of them, also on a retry to some PS only), and the push's
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
@@ -23,7 +24,26 @@ from elasticdl.worker.ps_amp import GradNorm
 from elasticdl.worker.ps_client import PSClient, PSNotInitializedError
 from elasticdl.worker.ps_stream import Identity
 
+logger = logging.getLogger(__name__)
+
 Staged = tuple[torch.Tensor, Optional[Callable[[], None]]]
+_warned_sparse: set[str] = set()
+
+
+def dense_gradient(name: str, grad: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of a dense parameter (a module's own ``sparse=True``
+    lookup into it that was not made a PS table) as the dense gradient it stands
+    for: the push carries dense tensors, and the PS applies what torch's optimizer
+    would apply to ``grad.to_dense()``. Warned once per parameter (it costs the
+    whole parameter's bytes)."""
+    if not grad.is_sparse:
+        return grad
+    if name not in _warned_sparse:
+        _warned_sparse.add(name)
+        logger.warning("parameter %r has a sparse gradient: pushed dense (%d elements); "
+                       "an nn.Embedding/nn.EmbeddingBag becomes a PS table instead (see "
+                       "--ps_table_min_elements)", name, grad.numel())
+    return grad.coalesce().to_dense()
 
 
 def stage(t: torch.Tensor) -> Staged:
@@ -71,6 +91,7 @@ class PushSession:
         self._lock = threading.Lock()
 
     def on_dense(self, name: str, grad: torch.Tensor) -> None:
+        grad = dense_gradient(name, grad)
         if self.norm is not None:
             self.norm.add_dense(grad)
         ps = self.t.owner[name]

@@ -27,19 +27,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import time
 import zlib
+from collections.abc import Collection
 from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from elasticdl.api.layers import Embedding, tables_on_ps
+from elasticdl.api.layers import Embedding, PulledRows, tables_on_ps
 from elasticdl.api.model_spec import ModelSpec
+from elasticdl.api.torch_tables import tables_to_ps
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.malloc import tune_malloc
+from elasticdl.common.sparse_tables import SparseExportWriter, export_bytes
 from elasticdl.common.tables import TableSpec
 from elasticdl.common.task import Task
 from elasticdl.worker.poller import minibatch_count
@@ -65,6 +68,16 @@ def _kill_hook(worker_id: int) -> int:
     return int(steps) if int(worker) == worker_id else -1
 
 
+def build_ps_model(model_spec: ModelSpec, job_spec: JobSpec) -> torch.nn.Module:
+    """The model as a PS worker holds it: built inside ``tables_on_ps()`` (lazy tables
+    without a local weight), torch's qualifying tables swapped for PS tables
+    (:func:`~elasticdl.api.torch_tables.tables_to_ps`)."""
+    with tables_on_ps():
+        model = model_spec.build_model()
+    tables_to_ps(model, job_spec.ps_table_min_elements)
+    return model
+
+
 class PSTrainer(Trainer):
     """Model replica whose parameters live on the parameter servers."""
 
@@ -88,8 +101,7 @@ class PSTrainer(Trainer):
         self.scaler = LossScaler() if job_spec.amp == "fp16" else None
         self._kill_after_steps = _kill_hook(worker_id)
         self.client = client or PSClient(ps_addrs)
-        with tables_on_ps():
-            self.model = model_spec.build_model().to(device)
+        self.model = build_ps_model(model_spec, job_spec).to(device)
         self.model.train()
         self.sequence = SequenceState.of_spec(model_spec)
         self.init_timeout_s = init_timeout_s
@@ -105,6 +117,7 @@ class PSTrainer(Trainer):
                 if weight is not None:
                     self._initial_rows[table] = weight
                 module.attach(self._lookup, table)
+        self._declared = dict(self.tables)   # as the model declared them (for exports)
         self.params = dict(self.model.named_parameters())
         state_keys = set(self.model.state_dict())
         self.buffers = {n: b for n, b in self.model.named_buffers() if n in state_keys}
@@ -217,7 +230,9 @@ class PSTrainer(Trainer):
                 self._push_model([e.ps])
         self.pull_dense()
 
-    def _lookup(self, layer: Embedding, ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, layer: Embedding, ids: torch.Tensor) -> PulledRows:
+        """The deduplicated rows of ``ids`` (training: a leaf whose gradient is
+        pushed to the rows' PS) and ``ids`` remapped to positions among them."""
         flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
         uniq, inverse = np.unique(flat, return_inverse=True)
         session = self._session  # None: evaluation or prediction (no rows created)
@@ -234,7 +249,7 @@ class PSTrainer(Trainer):
             rows.register_post_accumulate_grad_hook(
                 lambda leaf: session.on_sparse(layer.table_name, uniq, leaf.grad))
         index = torch.from_numpy(inverse.reshape(ids.shape)).to(self.device)
-        return F.embedding(index, rows, pad, scale_grad_by_freq=layer.scale_grad_by_freq)
+        return PulledRows(rows, index, pad)
 
     # ------------------------------------------------------------ steps
     def _on_grad(self, name: str, param: torch.Tensor) -> None:
@@ -350,13 +365,22 @@ class PSTrainer(Trainer):
         return super().forward(features)
 
     # ------------------------------------------------------------ export
-    def state_dict_from_ps(self, batch_ids: int = 1 << 20) -> dict[str, torch.Tensor]:
+    def sparse_tables(self) -> list[str]:
+        """Tables exported as their rows that exist: those of at least
+        ``--export_sparse_min_elements`` elements."""
+        limit = self.job_spec.export_sparse_min_elements
+        return [n for n, spec in self._declared.items() if spec.num_embeddings * spec.dim >= limit]
+
+    def state_dict_from_ps(self, batch_ids: int = 1 << 20,
+                           skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
         """The model's plain state dict with the PS's newest values; embedding
-        tables whole (rows never trained hold their initial values)."""
+        tables (but ``skip``) whole (rows never trained hold their initial values)."""
         self.versions = [-1] * self.client.num_ps  # force a full pull
         self._pull_or_reinit()
         state = {n: t.detach().cpu().clone() for n, t in self.model.state_dict().items()}
         for name, spec in self.tables.items():
+            if name in skip:
+                continue
             table = torch.empty((spec.num_embeddings, spec.dim), dtype=spec.dtype)
             for start in range(0, spec.num_embeddings, batch_ids):
                 ids = np.arange(start, min(start + batch_ids, spec.num_embeddings))
@@ -367,18 +391,38 @@ class PSTrainer(Trainer):
 
     def export_model(self, directory: str) -> list[str]:
         """Write the final model like the Local strategy does (``model.pt``: a
-        plain state dict loadable without elasticdl); returns the paths."""
+        plain state dict loadable without elasticdl) and the tables of
+        :meth:`sparse_tables` as their rows that exist, beside it
+        (:mod:`elasticdl.common.sparse_tables`); returns the paths."""
         from elasticdl.checkpoint.api import export_model
 
-        state = self.state_dict_from_ps()
-        with tables_on_ps():
-            model = self.spec.build_model()
+        sparse = self.sparse_tables()
+        paths = []
+        if sparse:
+            writer = SparseExportWriter(directory)
+            for name in sparse:
+                spec = self._declared[name]
+                writer.declare(spec)
+
+                def add(ids: np.ndarray, values: torch.Tensor, spec: TableSpec = spec) -> None:
+                    writer.add(spec, ids, values)
+
+                rows = self.client.export_rows(name, spec.dim, spec.dtype, add)
+                logger.info("exported table %s sparse: %d of %d rows exist", name, rows,
+                            spec.num_embeddings)
+            paths.append(writer.close())
+            logger.info("sparse export written: %s (%d bytes); peak RSS of this process so "
+                        "far %.0f MiB", paths[-1], export_bytes(directory),
+                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        state = self.state_dict_from_ps(skip=sparse)
+        model = build_ps_model(self.spec, self.job_spec)
         for name, module in model.named_modules():
             if isinstance(module, Embedding):
                 key = f"{name}.weight" if name else "weight"
-                module.weight = torch.nn.Parameter(state[key])
+                module.register_parameter("weight", None if key in sparse
+                                          else torch.nn.Parameter(state[key]))
         model.load_state_dict(state, strict=True)
-        return export_model(model, directory, self.job_spec.export_torchscript)
+        return export_model(model, directory, self.job_spec.export_torchscript) + paths
 
     def save_checkpoint(self) -> str:
         """Every PS writes its shard of its current version into the job's checkpoint

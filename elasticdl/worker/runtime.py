@@ -210,10 +210,13 @@ class LocalRuntime(TaskLoopRuntime):
     @classmethod
     def build(cls, ctx: RuntimeContext) -> LocalRuntime:
         spec = ctx.job_spec
+        if spec.job_type != JobType.TRAIN:
+            from elasticdl.worker.inference import inference_trainer
+
+            return cls(inference_trainer(ctx.model_spec, spec, ctx.resolved_device()), spec,
+                       ctx.worker_id)
         trainer = LocalTrainer(ctx.model_spec, ctx.resolved_device(), spec.seed,
                                amp=spec.amp, clip_grad_norm=spec.clip_grad_norm)
-        if spec.job_type != JobType.TRAIN:
-            ckpt.load_for_inference(trainer, spec.checkpoint_dir_for_init)
         return cls(trainer, spec, ctx.worker_id)
 
     def export(self, directory: str) -> list[str]:

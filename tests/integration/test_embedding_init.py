@@ -244,7 +244,6 @@ def feed(records, mode):
 
 @pytest.mark.parametrize("option,strategy,message", [
     ("max_norm=1.0", "ParameterServerStrategy", "max_norm"),
-    ("sparse=True", "AllreduceStrategy", "sparse"),
 ])
 def test_unsupported_option_fails_in_the_client_before_any_replica(tmp_path, option, strategy,
                                                                     message):

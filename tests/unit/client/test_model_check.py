@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -47,31 +49,57 @@ def test_fp16_without_cuda_fails_naming_the_flag():
                                   device="cpu"))
 
 
-def test_a_large_plain_nn_embedding_under_ps_is_warned_about(tmp_path, caplog):
-    """A plain torch.nn.Embedding stays a dense parameter under PS (whole table pulled and
-    pushed every step): the client says so and names the drop-in."""
-    (tmp_path / "dense_table.py").write_text(
+def _table_zoo(tmp_path, table: str) -> str:
+    """A zoo whose module (named after the test's directory: modules are cached by name)
+    builds ``table`` as layer '1'."""
+    (tmp_path / f"{tmp_path.name}.py").write_text(
         "import torch\n"
         "def custom_model():\n"
-        "    return torch.nn.Sequential(torch.nn.Embedding(65536, 16))\n"
+        f"    return torch.nn.Sequential(torch.nn.Linear(1, 1), {table})\n"
         "def loss(labels, outputs):\n    return outputs.sum()\n"
         "def optimizer(params):\n    return torch.optim.SGD(params, lr=0.1)\n"
         "def feed(records, mode):\n    return records, None\n")
-    spec = job_spec_from_flags("train", {
-        "model_zoo": str(tmp_path), "model_def": "dense_table.custom_model",
+    return str(tmp_path)
+
+
+def _table_spec(zoo: str, strategy: str = "ParameterServerStrategy", **extra):
+    return job_spec_from_flags("train", {
+        "model_zoo": zoo, "model_def": f"{os.path.basename(zoo)}.custom_model",
         "training_data": "/nonexistent", "cluster": "local",
-        "distribution_strategy": "ParameterServerStrategy", "num_workers": 2})
+        "distribution_strategy": strategy, "num_workers": 2, **extra})
+
+
+def test_a_large_torch_table_under_ps_is_a_ps_table_or_warned_about(tmp_path, caplog):
+    """A torch nn.Embedding of >= --ps_table_min_elements becomes a PS table; one kept
+    dense by a larger threshold is warned about (whole table pulled and pushed each step)."""
+    zoo = _table_zoo(tmp_path, "torch.nn.Embedding(65536, 16)")
     with caplog.at_level("WARNING", logger="elasticdl_client.model_check"):
-        check_before_launch(spec)
-    assert any("65536 x 16 is a dense parameter" in r.getMessage() and
-               "elasticdl.api.layers.Embedding" in r.getMessage() for r in caplog.records)
+        check_before_launch(_table_spec(zoo))
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="elasticdl_client.model_check"):
+        check_before_launch(_table_spec(zoo, ps_table_min_elements=2_000_000))
+    assert any("Embedding of 65536 x 16 stays a dense parameter" in r.getMessage() and
+               "--ps_table_min_elements=2000000" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING", logger="elasticdl_client.model_check"):
-        check_before_launch(job_spec_from_flags("train", {
-            "model_zoo": str(tmp_path), "model_def": "dense_table.custom_model",
-            "training_data": "/nonexistent", "cluster": "local",
-            "distribution_strategy": "AllreduceStrategy", "num_workers": 2}))
+        check_before_launch(_table_spec(zoo, "AllreduceStrategy"))
     assert not caplog.records
+
+
+@pytest.mark.parametrize("table,match", [
+    ("torch.nn.EmbeddingBag(10, 4, max_norm=1.0, sparse=True)", "EmbeddingBag '1': max_norm"),
+    ("torch.nn.Embedding.from_pretrained(torch.zeros(2**20, 1))", "Embedding '1': a frozen"),
+])
+def test_a_torch_table_the_ps_cannot_hold_is_refused_before_launch(tmp_path, table, match):
+    with pytest.raises(ModelSpecError, match=match):
+        check_before_launch(_table_spec(_table_zoo(tmp_path, table)))
+
+
+def test_a_sparse_torch_table_kept_off_the_ps_is_refused_before_launch(tmp_path):
+    zoo = _table_zoo(tmp_path, "torch.nn.EmbeddingBag(10, 4, sparse=True)")
+    check_before_launch(_table_spec(zoo))   # sparse=True: a PS table whatever its size
+    with pytest.raises(ModelSpecError, match="EmbeddingBag '1': sparse=True"):
+        check_before_launch(_table_spec(zoo, ps_table_min_elements=-1))
 
 
 def test_a_fresh_run_into_an_earlier_runs_checkpoints_is_refused(tmp_path):

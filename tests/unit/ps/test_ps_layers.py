@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from elasticdl.api.layers import Embedding, LazyTableError, tables_on_ps
+from elasticdl.api.layers import Embedding, LazyTableError, PulledRows, tables_on_ps
 from elasticdl.common.tables import initial_rows
 from tests.conftest import MODEL_ZOO
 
@@ -55,7 +55,8 @@ def test_tables_on_ps_skips_the_local_table_until_attached():
     with pytest.raises(RuntimeError, match="never attached"):
         layer(torch.tensor([1]))
     seen = []
-    layer.attach(lambda lyr, ids: seen.append(ids) or torch.zeros(ids.shape + (8,)), "t")
+    layer.attach(lambda lyr, ids: seen.append(ids) or PulledRows(
+        torch.zeros(1, 8), torch.zeros_like(ids)), "t")
     assert layer(torch.tensor([[3]])).shape == (1, 1, 8) and layer.on_ps
     assert "table on PS as 't'" in repr(layer)
 

@@ -1,0 +1,220 @@
+"""Training health: is the loss the workers report going anywhere? (issue 28)
+
+Workers report each training task's mean loss (``ReportTaskResultRequest.loss``;
+a non-finite mean is not sent); a step whose loss or gradient is NaN/Inf fails its
+task with ``NonFiniteError`` (or, with ``--skip_nonfinite_steps``, is skipped and
+counted: the user's choice, not evidence here). :class:`LossHealth` folds
+those reports into *windows* of ``window_tasks`` completed training tasks (the
+records-weighted mean loss of the window) and decides, at each window's close:
+
+* **non-finite** — a task failed with a non-finite loss or gradient: ``diverged``;
+* **rising** — the window mean is above ``best × rise_factor`` *and* has climbed back
+  more than ``rise_fraction`` of the way from the best window mean to the first
+  window's mean (or above the first), for ``patience`` consecutive windows:
+  ``diverged`` (the fraction keeps a healthy job's late noise — best 0.05, a window
+  at 0.08 — from counting);
+* **flat at its initial value** — after ``stall_windows`` windows, the best window
+  mean is still within ``stall_progress`` of the first window's and the last
+  ``stall_windows`` window means lie within ``stall_tolerance`` of each other:
+  ``stalled`` (e.g. a CNN whose ReLUs died, stuck at ln 10 for ten classes).
+
+The relative rules need a positive first window mean (a "loss" that starts at 0 or
+below, such as a counting fixture's, is judged only for non-finite values). The
+first unhealthy verdict sticks (the job's report keeps its evidence); after a
+rollback :meth:`LossHealth.restart` starts judging afresh and keeps the history.
+
+Pure: no I/O, no torch, no clock; bookkeeping is O(windows kept), never O(tasks).
+:meth:`state_dict` is JSON-able (the job core snapshots and journals it).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HealthRule", "HealthStatus", "LossHealth", "OnDivergence", "SUCCEEDED_WITH_WARNINGS",
+           "final_status"]
+
+
+class HealthStatus(str, enum.Enum):
+    HEALTHY = "healthy"
+    DIVERGED = "diverged"
+    STALLED = "stalled"
+
+
+class OnDivergence(str, enum.Enum):
+    """``--on_divergence``: what the master does with an unhealthy verdict."""
+
+    WARN = "warn"          # log it; the job ends ``succeeded_with_warnings``
+    FAIL = "fail"          # the job fails with the verdict as its root cause
+    OFF = "off"            # no detector (no ``training_health`` in the report)
+
+
+@dataclass(frozen=True)
+class HealthRule:
+    """The detector's thresholds (module docs)."""
+
+    window_tasks: int = 8
+    rise_factor: float = 1.25
+    rise_fraction: float = 0.5
+    patience: int = 2
+    stall_windows: int = 6
+    stall_tolerance: float = 0.02
+    stall_progress: float = 0.1
+    keep: int = 16            # window means kept as evidence (at least stall_windows)
+
+    def __post_init__(self) -> None:
+        if self.window_tasks < 1 or self.patience < 1 or self.stall_windows < 2:
+            raise ValueError(f"invalid health rule {self}")
+        if self.keep < max(self.stall_windows, self.patience):
+            raise ValueError(f"keep={self.keep} must hold stall_windows and patience windows")
+
+
+class LossHealth:
+    """Windowed loss judge (module docs)."""
+
+    def __init__(self, rule: Optional[HealthRule] = None):
+        self.rule = rule or HealthRule()
+        self.status = HealthStatus.HEALTHY
+        self.reason = ""
+        self.windows = 0                    # windows closed since the last restart
+        self.means: deque[float] = deque(maxlen=self.rule.keep)
+        self.initial: Optional[float] = None
+        self.best: Optional[float] = None
+        self.rising = 0                     # consecutive rising windows
+        self.restarts = 0
+        self.verdict_window: Optional[int] = None
+        self._sum = 0.0                     # the open window
+        self._records = 0
+        self._tasks = 0
+        self._nonfinite = 0
+
+    # ----------------------------------------------------------------- input
+    def observe(self, loss: Optional[float], records: int, nonfinite: bool = False) -> bool:
+        """A completed training task's mean loss over ``records`` (None: not reported),
+        or a task that met a non-finite loss/gradient (``nonfinite``). Returns True
+        when this report turned the status unhealthy."""
+        if nonfinite or (loss is not None and not math.isfinite(loss)):
+            self._nonfinite += 1
+        elif loss is not None and records > 0:
+            self._sum += float(loss) * records
+            self._records += int(records)
+        self._tasks += 1
+        if self._tasks < self.rule.window_tasks and not self._nonfinite:
+            return False
+        return self._close()
+
+    def judge_task(self, success: bool, error: str, loss: Optional[float],
+                   records: int) -> None:
+        """A training task's outcome: its mean loss, or a non-finite loss/gradient (the
+        task failed with NonFiniteError); other failures are no evidence, nor are steps
+        skipped under ``--skip_nonfinite_steps`` (the user's choice, in the report).
+        A verdict that turns is logged with its evidence."""
+        if success:
+            turned = self.observe(loss, records)
+        elif error.startswith("NonFiniteError"):
+            turned = self.observe(None, 0, nonfinite=True)
+        else:
+            return
+        if turned:
+            logger.warning("training health: %s: %s (window means %s, best %s)",
+                           self.status.value, self.reason,
+                           [round(m, 4) for m in self.means], self.best)
+
+    def restart(self) -> None:
+        """Judge afresh (after a rollback): the verdict and windows go, the count of
+        restarts stays."""
+        keep = self.restarts + 1
+        self.__init__(self.rule)  # type: ignore[misc]
+        self.restarts = keep
+
+    # -------------------------------------------------------------- deciding
+    def _close(self) -> bool:
+        nonfinite, records, total = self._nonfinite, self._records, self._sum
+        self._sum, self._records, self._tasks, self._nonfinite = 0.0, 0, 0, 0
+        if nonfinite:
+            return self._verdict(HealthStatus.DIVERGED,
+                                 f"non-finite loss or gradient in {nonfinite} task(s)")
+        if records == 0:
+            return False   # no loss reported in this window (e.g. a custom loop)
+        mean = total / records
+        self.windows += 1
+        self.means.append(mean)
+        if self.initial is None:
+            self.initial = mean
+        if self.best is None or mean < self.best:
+            self.best = mean
+        if self.status != HealthStatus.HEALTHY or self.initial <= 0:
+            return False
+        r, best, initial = self.rule, self.best, self.initial
+        if mean > best * r.rise_factor and mean > best + r.rise_fraction * (initial - best):
+            self.rising += 1
+        else:
+            self.rising = 0
+        if self.rising >= r.patience:
+            return self._verdict(HealthStatus.DIVERGED,
+                                 f"window mean {mean:.4g} rose above the best {best:.4g} for "
+                                 f"{self.rising} windows")
+        if self.windows >= r.stall_windows and best >= initial * (1 - r.stall_progress):
+            last = list(self.means)[-r.stall_windows:]
+            if max(last) - min(last) <= r.stall_tolerance * abs(sum(last) / len(last)):
+                return self._verdict(HealthStatus.STALLED,
+                                     f"the loss never left its initial value {initial:.4g} "
+                                     f"in {self.windows} windows (last {last[-1]:.4g})")
+        return False
+
+    def _verdict(self, status: HealthStatus, reason: str) -> bool:
+        if self.status != HealthStatus.HEALTHY:
+            return False
+        self.status, self.reason, self.verdict_window = status, reason, self.windows
+        return True
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == HealthStatus.HEALTHY
+
+    # ---------------------------------------------------------------- report
+    def report(self) -> dict[str, Any]:
+        """The job report's ``training_health``: status and its evidence."""
+        return {"status": self.status.value, "reason": self.reason,
+                "windows": self.windows, "verdict_window": self.verdict_window,
+                "window_means": [round(m, 6) for m in self.means],
+                "initial": self.initial, "best": self.best, "restarts": self.restarts,
+                "thresholds": asdict(self.rule)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"status": self.status.value, "reason": self.reason, "windows": self.windows,
+                "means": list(self.means), "initial": self.initial, "best": self.best,
+                "rising": self.rising, "restarts": self.restarts,
+                "verdict_window": self.verdict_window,
+                "open": [self._sum, self._records, self._tasks, self._nonfinite]}
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        if not state:
+            return
+        self.status = HealthStatus(state["status"])
+        self.reason = state["reason"]
+        self.windows = int(state["windows"])
+        self.means = deque((float(m) for m in state["means"]), maxlen=self.rule.keep)
+        self.initial, self.best = state["initial"], state["best"]
+        self.rising, self.restarts = int(state["rising"]), int(state["restarts"])
+        self.verdict_window = state.get("verdict_window")
+        s, rec, tasks, nf = state["open"]
+        self._sum, self._records, self._tasks, self._nonfinite = float(s), int(rec), int(tasks), \
+            int(nf)
+
+
+SUCCEEDED_WITH_WARNINGS = "succeeded_with_warnings"
+
+
+def final_status(status: str, verdict: Optional[tuple[HealthStatus, str]]) -> str:
+    """The job report's terminal ``status``: a job that would succeed with an
+    unhealthy verdict (``--on_divergence=warn``) ends ``succeeded_with_warnings``,
+    never a plain ``succeeded``."""
+    return SUCCEEDED_WITH_WARNINGS if status == "succeeded" and verdict is not None else status

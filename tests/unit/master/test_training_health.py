@@ -1,0 +1,163 @@
+"""Decision tests of the training-health detector (issue 28): loss sequences in,
+verdicts out; bookkeeping bounded by the windows kept."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from elasticdl.master.training_health import HealthRule, HealthStatus, LossHealth
+
+RULE = HealthRule(window_tasks=4)
+
+
+def _feed(health: LossHealth, losses, records: int = 32) -> list[int]:
+    """Feed per-task losses; the task indexes at which the verdict turned."""
+    turned = []
+    for i, loss in enumerate(losses):
+        if health.observe(loss, records):
+            turned.append(i)
+    return turned
+
+
+def test_a_finite_decreasing_noisy_loss_stays_healthy():
+    h = LossHealth(RULE)
+    losses = [2.3 * math.exp(-i / 40) + 0.05 + 0.02 * ((i * 7) % 5) for i in range(2000)]
+    assert _feed(h, losses) == []
+    assert h.status == HealthStatus.HEALTHY and h.windows == 500
+    # late noise (best ~0.05, windows at ~0.1) is no divergence: far from the initial 2.3
+    assert _feed(h, [0.12] * 40) == []
+    assert len(h.means) == RULE.keep and len(json.dumps(h.state_dict())) < 2000
+
+
+def test_nan_is_diverged_at_once():
+    h = LossHealth(RULE)
+    assert _feed(h, [2.0, 1.9, 1.8, 1.7, 1.6]) == []
+    assert h.observe(float("nan"), 32)
+    assert h.status == HealthStatus.DIVERGED and "non-finite" in h.reason
+
+
+def test_a_task_failed_with_nonfinite_error_is_diverged():
+    h = LossHealth(RULE)
+    _feed(h, [2.0] * 3)
+    assert h.observe(None, 0, nonfinite=True)
+    assert h.status == HealthStatus.DIVERGED
+
+
+def test_a_loss_rising_far_above_its_best_is_diverged_after_patience():
+    h = LossHealth(RULE)
+    down = [2.3 - 0.1 * i for i in range(16)]      # windows 2.15 .. 0.95
+    up = [2.2] * 4 + [2.3] * 4                     # back near the initial value
+    turned = _feed(h, down + up)
+    assert turned == [len(down) + 7]               # the second rising window
+    rep = h.report()
+    assert rep["status"] == "diverged" and rep["best"] < 1.0
+    assert rep["window_means"][-2:] == [2.2, 2.3] and rep["thresholds"]["patience"] == 2
+
+
+def test_one_spike_is_not_divergence():
+    h = LossHealth(RULE)
+    _feed(h, [2.3 - 0.1 * i for i in range(16)])
+    assert _feed(h, [2.5] * 4 + [0.9] * 4 + [2.5] * 4 + [0.8] * 8) == []
+    assert h.healthy
+
+
+def test_a_loss_exploding_from_the_start_is_diverged():
+    h = LossHealth(RULE)
+    assert _feed(h, [2.3] * 4 + [5.0] * 4 + [50.0] * 4) == [11]
+    assert h.status == HealthStatus.DIVERGED
+
+
+def test_a_loss_flat_at_its_initial_value_is_stalled():
+    h = LossHealth(RULE)
+    # the digits async case: a spike above ln 10 in the first window, then exactly ln 10
+    losses = [2.46, 2.4, 2.35, 2.31] + [math.log(10)] * 40
+    turned = _feed(h, losses)
+    assert h.status == HealthStatus.STALLED, h.report()
+    assert turned == [4 * (RULE.stall_windows + 1) - 1]   # 6 flat windows after the first
+    assert "never left its initial value" in h.reason
+
+
+def test_a_slowly_improving_loss_is_not_stalled():
+    h = LossHealth(RULE)
+    assert _feed(h, [2.3 * (0.97 ** i) for i in range(200)]) == []
+
+
+def test_a_loss_that_starts_at_zero_is_judged_for_nonfinite_only():
+    h = LossHealth(RULE)  # the counting fixtures: 0 in epoch 1, 16 in epoch 2
+    assert _feed(h, [0.0] * 40 + [16.0] * 40) == []
+    assert h.healthy
+    assert h.observe(float("inf"), 8) and h.status == HealthStatus.DIVERGED
+
+
+def test_state_round_trips_and_restart_judges_afresh():
+    h = LossHealth(RULE)
+    _feed(h, [2.3] * 4 + [5.0] * 8 + [1.0, 2.0])
+    again = LossHealth(RULE)
+    again.load_state_dict(json.loads(json.dumps(h.state_dict())))
+    assert again.state_dict() == h.state_dict() and not again.healthy
+    again.restart()
+    assert again.healthy and again.restarts == 1 and again.windows == 0
+    assert _feed(again, [2.3 - 0.05 * i for i in range(20)]) == []
+
+
+# ----------------------------------------------------- through the job core
+def _core(window_tasks: int = 2):
+    from elasticdl.common.job_report import JobReport
+    from elasticdl.master.job import JobCore
+    from elasticdl.master.task_manager import TaskManager
+
+    tm = TaskManager([("t", 0, 400)], records_per_task=10, num_epochs=1, max_task_retries=3)
+    core = JobCore(tm, JobReport("j", "PS", "local", 1, 0), minibatch_size=10)
+    core.health = LossHealth(HealthRule(window_tasks=window_tasks))
+    return core
+
+
+def _train(core, losses, worker_id: int = 0):
+    for loss in losses:
+        task = core.get(worker_id)
+        if loss == "nonfinite":
+            core.report_task(task.task_id, worker_id, False,
+                             "NonFiniteError: non-finite loss (nan) at step 3")
+        else:
+            core.report_task(task.task_id, worker_id, True, loss=loss)
+
+
+def test_the_core_judges_reported_losses_and_reports_the_evidence(tmp_path):
+    from elasticdl.master.journal import Journal
+    from elasticdl.master.training_health import final_status
+
+    core = _core()
+    core.attach_journal(Journal(str(tmp_path / "j"), fsync=False))
+    core.begin()
+    _train(core, [2.3, 2.3, 1.0, 0.9, 0.8, 0.7])
+    assert core.health_verdict() is None
+    assert final_status("succeeded", core.health_verdict()) == "succeeded"
+    _train(core, [2.3] * 4)   # back at the initial value for 2 windows (patience)
+    status, reason = core.health_verdict()
+    assert status == HealthStatus.DIVERGED and "rose above the best" in reason
+    health = core.refresh_report().to_dict()["training_health"]
+    assert health["status"] == "diverged" and health["best"] == 0.75
+    assert health["window_means"] == [2.3, 0.95, 0.75, 2.3, 2.3]
+    assert final_status("succeeded", core.health_verdict()) == "succeeded_with_warnings"
+    assert final_status("failed", core.health_verdict()) == "failed"
+    # a restarted master replays the journal to the same verdict and evidence
+    again = _core()
+    again.restore(Journal(str(tmp_path / "j"), fsync=False))
+    assert again.state_dict()["health"] == core.state_dict()["health"]
+    core.restart_health()
+    assert core.health_verdict() is None and core.health.restarts == 1
+
+
+def test_a_task_failed_with_a_nonfinite_loss_marks_the_job_diverged():
+    core = _core()
+    _train(core, [2.3, 2.2, "nonfinite"])
+    status, reason = core.health_verdict()
+    assert status == HealthStatus.DIVERGED and "non-finite" in reason
+
+
+def test_other_task_failures_are_no_evidence():
+    core = _core()
+    task = core.get(0)
+    core.report_task(task.task_id, 0, False, "ConnectionError: PS 1 unreachable")
+    assert core.health_verdict() is None and core.health.windows == 0
