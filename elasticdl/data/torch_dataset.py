@@ -20,6 +20,11 @@ no forkserver), so they hold no lock of the worker's. Every batch is awaited for
 (:class:`LoaderTimeout`, a retryable error: the master re-queues the task), its
 processes stopped, instead of freezing the worker until the task's lease expires.
 
+A loader process exits within a second of the worker that made it (:class:`ExitWithOwner`):
+its parent is the forkserver, not the worker, so torch's own watchdog (which watches the
+parent) never fires, and a worker killed, or exiting without closing its DataLoader, would
+leave its loader processes and the forkserver they keep alive running forever.
+
 Imports torch: workers and Local jobs only. The master learns the size without torch
 (:mod:`elasticdl.data.dataset_source`).
 """
@@ -28,7 +33,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Optional
 
@@ -64,6 +71,48 @@ def loader_context() -> Any:
         ctx.set_forkserver_preload(["torch", "torch.utils.data"])
         return ctx
     return multiprocessing.get_context("spawn")
+
+
+LOADER_POLL_S = 5.0
+"""How often a wait for a batch from loader processes checks that they live."""
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """The start time of a live (not zombie) process, None when it is gone: a pid and its
+    start time name one process even after the pid is reused. Where there is no /proc,
+    the pid alone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        return "alive"
+    return None if fields[0] in ("Z", "X") else fields[19]   # state; field 22 starttime
+
+
+class ExitWithOwner:
+    """``worker_init_fn`` of loader processes: a daemon thread that ends the process
+    (``os._exit``) once the process that built the DataLoader is gone, checked every
+    ``interval_s`` (module docs)."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.pid = os.getpid()
+        self.start = _process_start(self.pid)
+        self.interval_s = interval_s
+
+    def __call__(self, worker_id: int) -> None:
+        threading.Thread(target=self._watch, name="elasticdl-owner-watch",
+                         daemon=True).start()
+
+    def _watch(self) -> None:
+        while _process_start(self.pid) == self.start:
+            time.sleep(self.interval_s)
+        os._exit(0)
 
 
 def check_map_style(dataset: Any, where: str) -> int:
@@ -228,7 +277,11 @@ class TorchDatasetReader(DataReader):
             it = iter(loader)
             done = 0
             try:
-                for batch in it:
+                while True:
+                    try:
+                        batch = self._next_batch(it)
+                    except StopIteration:
+                        break
                     yield batch
                     done += 1
             except Exception as e:  # noqa: BLE001 - located, or re-raised as it is
@@ -257,6 +310,21 @@ class TorchDatasetReader(DataReader):
                 raise BatchLoadError(f"{self.path}: loading records {start}-{stop} failed: "
                                      f"{type(e).__name__}: {e}") from e
 
+    def _next_batch(self, it: Iterator[Any]) -> Any:
+        """``next(it)`` within :attr:`timeout_s`. The DataLoader's own timeout is a poll of
+        at most :data:`LOADER_POLL_S`: at each, it checks that its processes live and
+        raises "exited unexpectedly" for a dead one (a forkserver's child is not this
+        process's: no SIGCHLD tells the DataLoader, which would otherwise learn of the
+        death only at the whole timeout); a poll that times out with every process alive
+        waits on, up to the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return next(it)
+            except RuntimeError as e:
+                if "DataLoader timed out" not in str(e) or time.monotonic() >= deadline:
+                    raise
+
     def _get_loader(self) -> DataLoader:
         if self._loader is None:
             workers = self.num_workers
@@ -266,7 +334,8 @@ class TorchDatasetReader(DataReader):
                 num_workers=workers, pin_memory=self.pin_memory and torch.cuda.is_available(),
                 persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
                 multiprocessing_context=loader_context() if workers > 0 else None,
-                timeout=self.timeout_s if workers > 0 else 0,
+                worker_init_fn=ExitWithOwner() if workers > 0 else None,
+                timeout=min(self.timeout_s, LOADER_POLL_S) if workers > 0 else 0,
                 # its own generator: an iterator's base seed never draws from the global
                 # RNG, which the training thread's dropout uses (runs stay reproducible)
                 generator=torch.Generator().manual_seed(0))

@@ -40,3 +40,18 @@ class StuckInALoader(LockedSquares):
         if i == self.stuck_at and get_worker_info() is not None:
             time.sleep(3600)
         return super().__getitem__(i)
+
+
+class LoaderPids(Dataset):
+    """Item ``i`` is ``(pid of the process that loaded it, i)``."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        import os
+
+        return torch.tensor([os.getpid()]), torch.tensor(i)

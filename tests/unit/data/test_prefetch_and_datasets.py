@@ -335,11 +335,60 @@ def test_a_dead_loader_process_is_a_retryable_error_not_bad_data():
 
     reader = TorchDatasetReader("/data/ds", DiesInAWorker(16, kill_at=9), num_workers=1)
     records = TaskRecords(reader, _task(0, 16, shard="/data/ds"), "training", 4, _pair)
+    started = time.monotonic()
     with pytest.raises(RuntimeError, match="a DataLoader worker process died loading "
                                            "records") as caught:
         with records.produce() as batches:
             list(batches)
     assert not isinstance(caught.value, DataError)  # the task is retried, the job goes on
+    # learnt at a poll (5 s), not at the whole --data_loader_timeout_s (120 s): a
+    # forkserver's child is not this process's, no SIGCHLD tells the DataLoader
+    assert time.monotonic() - started < 60
+
+
+OWNER_EXITS = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from elasticdl.data.torch_dataset import TorchDatasetReader
+from tests.unit.data.loader_datasets import LoaderPids
+
+reader = TorchDatasetReader("ds", LoaderPids(64), num_workers=2, timeout_s=60)
+pids = set()
+for pid, _ in reader.batches([(0, 8), (8, 16), (16, 24), (24, 32)]):
+    pids.update(pid.flatten().tolist())
+with open(f"/proc/{min(pids)}/stat") as f:
+    server = int(f.read().rsplit(")", 1)[1].split()[1])
+print(" ".join(map(str, sorted(pids))), server, flush=True)
+os._exit(0)   # as a killed worker: the DataLoader is never shut down
+"""
+
+
+def test_loader_processes_and_their_forkserver_end_with_the_worker(tmp_path):
+    """A worker that ends without shutting its DataLoader down (killed; ``os._exit``)
+    leaves no process behind: its loader processes (children of the forkserver, whose
+    own watchdog watches the server) exit within seconds, and the forkserver with them."""
+    log = tmp_path / "out.txt"
+    with open(log, "w") as f:   # a file: a pipe would be held open by what is left behind
+        rc = subprocess.run([sys.executable, "-c", OWNER_EXITS, ROOT], stdout=f,
+                            stderr=subprocess.STDOUT, timeout=120).returncode
+    assert rc == 0, log.read_text()[-3000:]
+    *loaders, server = (int(p) for p in log.read_text().split()[-3:])
+    assert len(set(loaders)) == 2 and server not in loaders
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in (*loaders, server)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in (*loaders, server) if alive(p)]
+    for p in left:   # never leave them behind, even when the test fails
+        os.kill(p, 9)
+    assert not left, f"still running after the worker exited: {left} (server {server})"
 
 
 # ------------------------------------------- loader processes and stuck loaders (#32)
@@ -395,12 +444,16 @@ def test_loader_processes_do_not_inherit_a_lock_another_thread_holds():
         reader.close()
 
 
-def test_a_stuck_loader_process_fails_the_task_naming_the_dataloader():
+def test_a_stuck_loader_process_fails_the_task_naming_the_dataloader(monkeypatch):
     """A batch that never comes is a named, retryable task failure within the
-    timeout (not bad data, not a freeze), and the loader's processes are stopped."""
+    timeout (not bad data, not a freeze), and the loader's processes are stopped; the
+    wait is made of polls (here 1 s, checking the processes live), which go on to the
+    timeout."""
+    from elasticdl.data import torch_dataset
     from elasticdl.data.torch_dataset import LoaderTimeout
     from tests.unit.data.loader_datasets import StuckInALoader
 
+    monkeypatch.setattr(torch_dataset, "LOADER_POLL_S", 1.0)
     reader = TorchDatasetReader("/data/ds", StuckInALoader(32, stuck_at=20), num_workers=1,
                                 timeout_s=3)
     records = TaskRecords(reader, _task(0, 32, shard="/data/ds"), "training", 8, _pair)
