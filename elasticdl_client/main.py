@@ -110,10 +110,14 @@ def _run_job(job_type: str, flags: dict[str, Any]) -> None:
         return
     if report is not None and report.get("status") == "succeeded_with_warnings":
         health = report.get("training_health") or {}
+        if health.get("status") == "healthy" and health.get("restarts"):
+            what = (f"training diverged and was rolled back {health['restarts']} time(s), "
+                    "then trained healthy (--on_divergence=rollback")
+        else:
+            what = (f"training {health.get('status')}: {health.get('reason')} "
+                    f"(--on_divergence={spec.on_divergence}")
         print(f"elasticdl {job_type}: warning: job {spec.job_name} succeeded with warnings: "
-              f"training {health.get('status')}: {health.get('reason')} "
-              "(--on_divergence=warn; see training_health in job_report.json)",
-              file=sys.stderr)
+              f"{what}; see training_health in job_report.json)", file=sys.stderr)
         return
     if report is not None and report.get("status") != "succeeded":
         failure = report.get("failure") or {}

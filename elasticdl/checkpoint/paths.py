@@ -33,6 +33,28 @@ def complete_versions(checkpoint_dir: str) -> list[int]:
     return sorted(out)
 
 
+DIVERGED_PREFIX = "diverged-"
+
+
+def set_aside(checkpoint_dir: str, above: int, below: int | None = None) -> list[int]:
+    """Rename the complete versions in ``(above, below)`` to ``diverged-version-N`` (kept
+    for a post-mortem, invisible to every reader of versions): the checkpoints a
+    diverged model wrote, once the job rolled back to ``above``. Idempotent. Returns
+    the versions set aside."""
+    moved = []
+    for v in complete_versions(checkpoint_dir):
+        if v > above and (below is None or v < below):
+            src = version_dir(checkpoint_dir, v)
+            dst = base = os.path.join(checkpoint_dir, DIVERGED_PREFIX + os.path.basename(src))
+            n = 0
+            while os.path.exists(dst):
+                n += 1
+                dst = f"{base}.{n}"
+            os.rename(src, dst)
+            moved.append(v)
+    return moved
+
+
 def resolve(path: str) -> str:
     """A ``version-N`` directory for ``path``: itself, or the newest complete
     version inside a checkpoint directory.

@@ -59,11 +59,14 @@ def initial_source(spec: Any) -> str:
     return init_dir(spec) or NONE
 
 
-def rollback_source(spec: Any, base: int) -> Optional[dict[str, Any]]:
+def rollback_source(spec: Any, base: int, at_most: Optional[int] = None
+                    ) -> Optional[dict[str, Any]]:
     """``{"dir": version dir, "checkpoint": version}`` every PS rolls back to when
-    one is lost, or None (no checkpoint anywhere)."""
+    one is lost (the newest; with ``at_most``, the newest at or below it: a divergence
+    rollback), or None (no checkpoint anywhere)."""
     own = [v for v in (paths.complete_versions(spec.checkpoint_dir)
-                       if spec.checkpoint_dir else []) if v > base]
+                       if spec.checkpoint_dir else [])
+           if v > base and (at_most is None or v <= at_most)]
     if own:
         return {"dir": os.path.abspath(paths.version_dir(spec.checkpoint_dir, own[-1])),
                 "checkpoint": own[-1]}

@@ -174,9 +174,17 @@ class JobSpec:
     on_divergence: str = _f("warn", "What the master does when the training loss the "
                             "workers report (windowed) turns non-finite, rises far above "
                             "its best or never leaves its initial value: warn (the job "
-                            "ends succeeded_with_warnings), fail, or off; see "
+                            "ends succeeded_with_warnings), fail, rollback (PS jobs with "
+                            "--checkpoint_dir: every PS back to the newest checkpoint at or "
+                            "before the best loss, the learning rate cut by "
+                            "--divergence_lr_factor), or off; see "
                             "docs/training.md#training-health", "training",
-                            choices=("warn", "fail", "off"))
+                            choices=("warn", "fail", "rollback", "off"))
+    divergence_lr_factor: float = _f(0.5, "--on_divergence=rollback: each rollback "
+                                     "multiplies every learning rate the PS apply by this",
+                                     "training")
+    max_divergence_rollbacks: int = _f(3, "--on_divergence=rollback: the job fails at the "
+                                       "verdict after this many rollbacks", "training", min=1)
     health_window_tasks: int = _f(8, "Training tasks per window of the loss health "
                                   "detector (--on_divergence)", "training", min=1)
     export_torchscript: bool = _f(False, "Also export the final model as TorchScript "
@@ -330,6 +338,15 @@ class JobSpec:
                                "credentials, e.g. http://minio:9000")
         if self.sequential_tasks and self.shuffle:
             raise JobSpecError("sequential_tasks", "keeps tasks in data order: drop --shuffle")
+        if self.on_divergence == "rollback" and self.job_type == JobType.TRAIN and (
+                self.distribution_strategy != Strategy.PS or
+                not self.checkpoint_dir or self.checkpoint_steps <= 0):
+            raise JobSpecError("on_divergence", "rollback needs ParameterServerStrategy with "
+                               "--checkpoint_dir and --checkpoint_steps (the PS roll back to "
+                               "a checkpoint); use warn or fail")
+        if not 0.0 < self.divergence_lr_factor <= 1.0:
+            raise JobSpecError("divergence_lr_factor", f"must be in (0, 1], got "
+                               f"{self.divergence_lr_factor}")
         if self.sequential_tasks and self.distribution_strategy == Strategy.ALLREDUCE:
             raise JobSpecError("sequential_tasks", "AllreduceStrategy does not carry a model "
                                "state; use Local or ParameterServerStrategy")

@@ -38,6 +38,9 @@ class Task:
     # TRAINING, on the wire only: reductions of a metric-driven LR schedule decided
     # when the task went out (elasticdl.master.lr_plateau)
     lr_reductions: int = field(default=0, compare=False, repr=False)
+    # TRAINING, on the wire only: the learning-rate scale of --on_divergence=rollback
+    # (elasticdl.master.training_health; 1.0 until a divergence rollback)
+    lr_scale: float = field(default=1.0, compare=False, repr=False)
     # allreduce TRAINING tasks: the master's closed training tasks as (generation,
     # flat [lo, hi) intervals), attached when handed out, never stored
     closed: Optional[tuple[int, tuple[int, ...]]] = field(default=None, compare=False,

@@ -22,11 +22,13 @@ def task_to_proto(task: Task) -> pb.Task:
     return pb.Task(task_id=task.task_id, type=int(task.type),  # type: ignore[arg-type]
                    shard=pb.Shard(name=task.shard_name, start=task.start, end=task.end),
                    model_version=task.model_version, epoch=task.epoch,
-                   metric_states=list(task.metric_states), lr_reductions=task.lr_reductions)
+                   metric_states=list(task.metric_states), lr_reductions=task.lr_reductions,
+                   lr_scale=task.lr_scale if task.lr_scale != 1.0 else 0.0)
 
 
 def task_from_proto(msg: pb.Task) -> Task:
     closed = (msg.closed_generation, tuple(msg.closed)) if msg.has_closed else None
     return Task(msg.task_id, TaskType(msg.type), msg.shard.name, msg.shard.start,
                 msg.shard.end, msg.epoch, msg.model_version, tuple(msg.metric_states),
-                lr_reductions=int(msg.lr_reductions), closed=closed)
+                lr_reductions=int(msg.lr_reductions), lr_scale=float(msg.lr_scale or 1.0),
+                closed=closed)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import grpc
 
+from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.common import faults
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.job_spec import JobSpec
@@ -147,6 +148,7 @@ class ProtocolExecutor:
         if act == Act.FAIL:
             self.c.fail("master", action.reason, "")
         elif act == Act.LAUNCH_PS:
+            self._set_aside(p)   # before the step: a master that dies here does it again
             launch = list(p.data["launch"])
             core.protocol_step(p.pid, Step.PS_LAUNCHED, launch=[], launched=launch)
             faults.point("after_ps_launched")
@@ -160,6 +162,7 @@ class ProtocolExecutor:
         elif act == Act.ROLLBACK_ALL:
             self._start(p, self._rollback_all, p)
         elif act == Act.CLOSE:
+            self._set_aside(p, below=p.data.get("new_version"))
             core.protocol_close(p.pid)
             if p.kind == Kind.ROLLBACK:
                 logger.warning("PS rollback %d closed: every PS at checkpoint %s, versions "
@@ -173,6 +176,20 @@ class ProtocolExecutor:
             worker_id = self.c.launch_worker()
             logger.warning("no worker left for the final export: launched worker-%d for it",
                            worker_id)
+
+    def _set_aside(self, p: RecoveryProtocol, below: Optional[int] = None) -> None:
+        """A divergence rollback: the checkpoints above its source are the diverged
+        model's; set them aside (:func:`~elasticdl.checkpoint.paths.set_aside`), those
+        written meanwhile (below the versions after the rollback) again at the close."""
+        ckpt_dir = self.c.spec.checkpoint_dir
+        if not p.data.get("set_aside") or not ckpt_dir or "://" in ckpt_dir:
+            return
+        moved = ckpt_paths.set_aside(ckpt_dir, int(p.data["checkpoint"]),
+                                     int(below) if below is not None else None)
+        if moved:
+            logger.warning("divergence rollback %d: checkpoint version(s) %s set aside as "
+                           "%sversion-N (written by the diverged model)", p.pid, moved,
+                           ckpt_paths.DIVERGED_PREFIX)
 
     def _start(self, p: RecoveryProtocol, fn: Callable[..., Any], *args: Any) -> None:
         box: dict[str, Any] = {}

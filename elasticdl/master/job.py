@@ -260,7 +260,7 @@ class JobCore(Recovery):
             self.report.add_training(trained.epoch, trained.num_records, loss, learning_rate)
         if self.health is not None and task is not None and worker_id in holders and \
                 task.type == TaskType.TRAINING:
-            self.health.judge_task(success, error, loss, task.num_records)
+            self.health.judge_task(success, error, loss, task.num_records, self.version)
         self.evaluations.maybe_start(self.version)
         return trained
 

@@ -290,6 +290,7 @@ class JobController:
         self._guarded("advancing the recovery protocols", self.executor.advance)
         self._guarded("elastic scaling", self.elastic.step)
         self._guarded("judging the training loss", self._check_health)
+        self._guarded("relaunching workers for reopened training", self._reopened)
         now = time.monotonic()
         if now - self._last_report >= self.report_interval_s:
             self._last_report = now
@@ -301,18 +302,64 @@ class JobController:
         if step.failure is not None:
             self.fail(*step.failure)
         elif step.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED):
-            # --on_divergence=warn: an unhealthy job never ends a plain "succeeded"
-            self.report.status = final_status(step.phase.value, self.core.health_verdict())
+            # --on_divergence=warn: an unhealthy job never ends a plain "succeeded", nor
+            # one that needed a divergence rollback to end healthy
+            self.report.status = final_status(step.phase.value, self.core.health_verdict(),
+                                              self.core.divergence_rollbacks())
         self.phase, self._finishing_since = step.phase, step.since
 
     def _check_health(self) -> None:
-        """``--on_divergence=fail``: an unhealthy verdict fails the job, naming it."""
-        if self.spec.on_divergence != OnDivergence.FAIL.value or self.report.failure is not None:
+        """``--on_divergence=fail``: an unhealthy verdict fails the job, naming it;
+        ``rollback``: every PS rolls back to the newest checkpoint at or before the
+        best window, the learning rate cut (at most --max_divergence_rollbacks times;
+        then, or without such a checkpoint, the job fails)."""
+        mode = self.spec.on_divergence
+        if mode not in (OnDivergence.FAIL.value, OnDivergence.ROLLBACK.value) or \
+                self.report.failure is not None:
             return
         verdict = self.core.health_verdict()
-        if verdict is not None:
-            self.fail("master", f"training {verdict[0].value}: {verdict[1]} "
-                       "(--on_divergence=fail; evidence: training_health in the report)", "")
+        if verdict is None:
+            return
+        what = f"training {verdict[0].value}: {verdict[1]}"
+        if mode == OnDivergence.FAIL.value:
+            self.fail("master", f"{what} (--on_divergence=fail; evidence: training_health "
+                      "in the report)", "")
+            return
+        if self.core.rolling_back():
+            return   # a PS rollback is open: judged again once it closes
+        done = self.core.divergence_rollbacks()
+        if done >= self.spec.max_divergence_rollbacks:
+            self.fail("master", f"{what}, after {done} divergence rollback(s) "
+                      "(--max_divergence_rollbacks; evidence: training_health in the report)",
+                      "")
+            return
+        best = self.core.health_best_version()
+        source = restore.rollback_source(self.spec, self.core.start_version(), at_most=best)
+        if source is None:
+            self.fail("master", f"{what}; no checkpoint at or before model version {best} "
+                      "(the best loss) to roll back to (--on_divergence=rollback: set "
+                      "--checkpoint_steps lower, --keep_checkpoint_max higher)", "")
+            return
+        logger.warning("%s: rolling every PS back to checkpoint %d (the best loss was at "
+                       "version %d), learning rates x%g from now on (divergence rollback "
+                       "%d of at most %d)", what, source["checkpoint"], best,
+                       self.spec.divergence_lr_factor ** (done + 1), done + 1,
+                       self.spec.max_divergence_rollbacks)
+        self.core.divergence_rollback(source, time.time())
+
+    def _reopened(self) -> None:
+        """A PS rollback (a PS lost, the loss diverged) re-queued training after every
+        worker had finished and exited, none failing: launch the job's minimum of
+        workers for it (else the job would fail with every worker gone)."""
+        b = self.book
+        if self.spec.job_type != JobType.TRAIN or self.phase.is_terminal or \
+                b.next_worker_id == 0 or b.num_live() or b.first_failure is not None or \
+                self.core.finished():
+            return
+        for _ in range(max(1, self.spec.workers_min)):
+            self.launch_worker()
+        logger.warning("training reopened (a PS rollback) after every worker had finished: "
+                       "launched %d worker(s)", max(1, self.spec.workers_min))
 
     def _observe(self, stop: threading.Event, now: float) -> Observation:
         """What :func:`next_phase` decides from (only what the step it takes needs)."""

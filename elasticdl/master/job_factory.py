@@ -39,6 +39,7 @@ def core_from_spec(spec: Any, readers: Mapping[TaskType, Any], first_task_id: in
     core.metric_schedule = MetricSchedule.from_spec(spec)
     if getattr(spec, "on_divergence", "off") != "off" and spec.job_type == JobType.TRAIN:
         core.health = LossHealth(HealthRule(window_tasks=spec.health_window_tasks))
+        core.divergence_lr_factor = float(getattr(spec, "divergence_lr_factor", 0.5))
     return core
 
 

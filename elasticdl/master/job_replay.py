@@ -98,6 +98,9 @@ class ReplayTarget(Protocol):
 
     def restart_health(self) -> None: ...
 
+    def divergence_rollback(self, source: dict[str, Any], now: float
+                            ) -> Optional[RecoveryProtocol]: ...
+
 
 Handler = Callable[[ReplayTarget, Record], Any]
 
@@ -182,6 +185,7 @@ HANDLERS: dict[Op, Handler] = {
     Op.NOTE_EXIT: lambda core, rec: core.note_exit(rec["w"], rec["replica"], rec["fallback"]),
     Op.RESIZE: lambda core, rec: core.resize_workers(rec["min"], rec["max"], rec["reason"]),
     Op.HEALTH_RESTART: lambda core, rec: core.restart_health(),
+    Op.DIVERGED: lambda core, rec: core.divergence_rollback(rec["source"], rec["now"]),
 }
 
 

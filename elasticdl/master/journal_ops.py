@@ -43,3 +43,4 @@ class Op(str, enum.Enum):
     NOTE_EXIT = "note_exit"
     RESIZE = "resize"                   # elasticdl scale: new worker bounds (scaling.py)
     HEALTH_RESTART = "health_restart"   # the loss is judged afresh (a divergence rollback)
+    DIVERGED = "diverged"               # a divergence rollback opens (--on_divergence)

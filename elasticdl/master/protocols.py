@@ -13,6 +13,11 @@ PS rollback (``rollback``)::
     REQUESTED(launch=[ps...], source) -> PS_LAUNCHED -> ROLLING_BACK(new_version,
     incarnation) -> REQUEUED -> closed
 
+A divergence rollback (``--on_divergence=rollback``) is the same protocol with no PS
+to launch and ``set_aside``: the checkpoint versions above its source, written by the
+diverged model, are set aside (``diverged-version-N``) when it launches and again
+when it closes, so no later rollback, resume or export takes one.
+
 A PS that dies while one is open joins it (back to REQUESTED, the same
 source): two PS deaths, or a PS and a master death, in any order, end in one
 rollback of every PS to one checkpoint. A ROLLING_BACK step taken by an
@@ -89,6 +94,7 @@ class ProtocolBook:
         self.exported: Optional[str] = None
         self.rollbacks_done = 0
         self.export_attempts = 0
+        self.divergence_rollbacks = 0   # --on_divergence=rollback's: the LR scale's exponent
 
     def find(self, kind: Kind) -> Optional[Protocol]:
         return next((p for p in self.open.values() if p.kind == kind), None)
@@ -114,7 +120,10 @@ class ProtocolBook:
         return {"open": [p.to_json() for p in self.open.values()], "next_id": self.next_id,
                 "incarnation": self.incarnation, "exported": self.exported,
                 "rollbacks_done": self.rollbacks_done,
-                "export_attempts": self.export_attempts}
+                "export_attempts": self.export_attempts,
+                # only once there is one: a journal of before (v1) reads back unchanged
+                **({"divergence_rollbacks": self.divergence_rollbacks}
+                   if self.divergence_rollbacks else {})}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         state = state or {}
@@ -124,6 +133,7 @@ class ProtocolBook:
         self.exported = state.get("exported")
         self.rollbacks_done = int(state.get("rollbacks_done", 0))
         self.export_attempts = int(state.get("export_attempts", 0))
+        self.divergence_rollbacks = int(state.get("divergence_rollbacks", 0))
 
 
 # ------------------------------------------------------------------ decisions

@@ -30,6 +30,8 @@ class Recovery(Journaled):
     # only a worker that trained holds the model (allreduce members; a PS worker
     # pulls it from the PS, so any may export): set before a restore replays
     export_requires_training = False
+    # --divergence_lr_factor: each divergence rollback cuts the PS learning rates by it
+    divergence_lr_factor = 0.5
 
     # ------------------------------------------------------------ incarnation
     def new_incarnation(self) -> int:
@@ -124,6 +126,40 @@ class Recovery(Journaled):
             self._log("ps_lost", index=index, source=source, now=now)
             return p
 
+    def divergence_rollback(self, source: dict[str, Any], now: float) -> Optional[Protocol]:
+        """The training loss diverged (``--on_divergence=rollback``): every PS goes back
+        to ``source`` (no PS to launch; the checkpoint versions above it are set aside),
+        the learning rates the PS apply are cut once more (:meth:`lr_scale`), and the
+        loss is judged afresh when the rollback closes (:meth:`protocol_close`). None
+        (nothing done) while a rollback is open."""
+        with self._lock:
+            if self.protocols.find(Kind.ROLLBACK) is not None:
+                return None
+            p = self.protocols.start(Kind.ROLLBACK, Step.REQUESTED,
+                                     {"launch": [], "set_aside": True, **source}, now)
+            self.protocols.divergence_rollbacks += 1
+            export = self.protocols.find(Kind.EXPORT)
+            if export is not None and export.step == Step.CLAIMED:
+                self.protocols.step(export.pid, Step.OPEN, worker=None)
+            self._log("diverged", source=source, now=now)
+            return p
+
+    def divergence_rollbacks(self) -> int:
+        with self._lock:
+            return self.protocols.divergence_rollbacks
+
+    def health_best_version(self) -> int:
+        """The model version at the loss detector's best window (0: none)."""
+        with self._lock:
+            health = getattr(self, "health", None)
+            return int(health.best_version) if health is not None else 0
+
+    def lr_scale(self) -> float:
+        """What every training task tells the PS to scale their learning rates by:
+        ``--divergence_lr_factor`` to the number of divergence rollbacks (1.0: none)."""
+        with self._lock:
+            return float(self.divergence_lr_factor ** self.protocols.divergence_rollbacks)
+
     def protocol_step(self, pid: int, step: Step, **data: Any) -> Protocol:
         with self._lock:
             p = self.protocols.step(pid, step, **data)
@@ -152,6 +188,11 @@ class Recovery(Journaled):
             p = self.protocols.close(pid)
             if p.kind == Kind.EXPORT:
                 self.protocols.exported = p.data.get("path", "")
+            health = getattr(self, "health", None)
+            if p.data.get("set_aside") and health is not None:
+                # the loss is judged afresh once every PS holds the restored model (the
+                # diverged one trained on until then: its losses are no evidence)
+                health.restart()
             self._log("protocol_close", pid=pid)
 
     def open_protocols(self) -> list[Protocol]:

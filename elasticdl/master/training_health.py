@@ -53,6 +53,9 @@ class OnDivergence(str, enum.Enum):
 
     WARN = "warn"          # log it; the job ends ``succeeded_with_warnings``
     FAIL = "fail"          # the job fails with the verdict as its root cause
+    # every PS back to the newest checkpoint at or before the best window, the learning
+    # rate cut by --divergence_lr_factor, judged afresh (--max_divergence_rollbacks)
+    ROLLBACK = "rollback"
     OFF = "off"            # no detector (no ``training_health`` in the report)
 
 
@@ -90,16 +93,20 @@ class LossHealth:
         self.rising = 0                     # consecutive rising windows
         self.restarts = 0
         self.verdict_window: Optional[int] = None
+        self.best_version = 0               # model version when the best window closed
+        self._version = 0                   # newest model version reported in the window
         self._sum = 0.0                     # the open window
         self._records = 0
         self._tasks = 0
         self._nonfinite = 0
 
     # ----------------------------------------------------------------- input
-    def observe(self, loss: Optional[float], records: int, nonfinite: bool = False) -> bool:
+    def observe(self, loss: Optional[float], records: int, nonfinite: bool = False,
+                version: int = 0) -> bool:
         """A completed training task's mean loss over ``records`` (None: not reported),
-        or a task that met a non-finite loss/gradient (``nonfinite``). Returns True
-        when this report turned the status unhealthy."""
+        or a task that met a non-finite loss/gradient (``nonfinite``), at model
+        ``version``. Returns True when this report turned the status unhealthy."""
+        self._version = max(self._version, int(version))
         if nonfinite or (loss is not None and not math.isfinite(loss)):
             self._nonfinite += 1
         elif loss is not None and records > 0:
@@ -111,15 +118,15 @@ class LossHealth:
         return self._close()
 
     def judge_task(self, success: bool, error: str, loss: Optional[float],
-                   records: int) -> None:
+                   records: int, version: int = 0) -> None:
         """A training task's outcome: its mean loss, or a non-finite loss/gradient (the
         task failed with NonFiniteError); other failures are no evidence, nor are steps
         skipped under ``--skip_nonfinite_steps`` (the user's choice, in the report).
         A verdict that turns is logged with its evidence."""
         if success:
-            turned = self.observe(loss, records)
+            turned = self.observe(loss, records, version=version)
         elif error.startswith("NonFiniteError"):
-            turned = self.observe(None, 0, nonfinite=True)
+            turned = self.observe(None, 0, nonfinite=True, version=version)
         else:
             return
         if turned:
@@ -128,11 +135,15 @@ class LossHealth:
                            [round(m, 4) for m in self.means], self.best)
 
     def restart(self) -> None:
-        """Judge afresh (after a rollback): the verdict and windows go, the count of
-        restarts stays."""
-        keep = self.restarts + 1
+        """Judge afresh (after a rollback): the verdict, the windows and the rise count
+        go; the count of restarts, the model version reached (it never goes back) and
+        the references stay: the first window's mean and the best one (with its
+        version) describe the same model on the same data, and a restart that took its
+        first window (the restored, already trained model) as the initial value would
+        call the noise of a converged loss a divergence."""
+        keep = (self.restarts + 1, self._version, self.initial, self.best, self.best_version)
         self.__init__(self.rule)  # type: ignore[misc]
-        self.restarts = keep
+        self.restarts, self._version, self.initial, self.best, self.best_version = keep
 
     # -------------------------------------------------------------- deciding
     def _close(self) -> bool:
@@ -150,6 +161,7 @@ class LossHealth:
             self.initial = mean
         if self.best is None or mean < self.best:
             self.best = mean
+            self.best_version = self._version
         if self.status != HealthStatus.HEALTHY or self.initial <= 0:
             return False
         r, best, initial = self.rule, self.best, self.initial
@@ -185,14 +197,15 @@ class LossHealth:
         return {"status": self.status.value, "reason": self.reason,
                 "windows": self.windows, "verdict_window": self.verdict_window,
                 "window_means": [round(m, 6) for m in self.means],
-                "initial": self.initial, "best": self.best, "restarts": self.restarts,
-                "thresholds": asdict(self.rule)}
+                "initial": self.initial, "best": self.best, "best_version": self.best_version,
+                "restarts": self.restarts, "thresholds": asdict(self.rule)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"status": self.status.value, "reason": self.reason, "windows": self.windows,
                 "means": list(self.means), "initial": self.initial, "best": self.best,
                 "rising": self.rising, "restarts": self.restarts,
-                "verdict_window": self.verdict_window,
+                "verdict_window": self.verdict_window, "best_version": self.best_version,
+                "version": self._version,
                 "open": [self._sum, self._records, self._tasks, self._nonfinite]}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
@@ -205,6 +218,8 @@ class LossHealth:
         self.initial, self.best = state["initial"], state["best"]
         self.rising, self.restarts = int(state["rising"]), int(state["restarts"])
         self.verdict_window = state.get("verdict_window")
+        self.best_version = int(state.get("best_version", 0))
+        self._version = int(state.get("version", 0))
         s, rec, tasks, nf = state["open"]
         self._sum, self._records, self._tasks, self._nonfinite = float(s), int(rec), int(tasks), \
             int(nf)
@@ -213,8 +228,10 @@ class LossHealth:
 SUCCEEDED_WITH_WARNINGS = "succeeded_with_warnings"
 
 
-def final_status(status: str, verdict: Optional[tuple[HealthStatus, str]]) -> str:
+def final_status(status: str, verdict: Optional[tuple[HealthStatus, str]],
+                 divergence_rollbacks: int = 0) -> str:
     """The job report's terminal ``status``: a job that would succeed with an
-    unhealthy verdict (``--on_divergence=warn``) ends ``succeeded_with_warnings``,
-    never a plain ``succeeded``."""
-    return SUCCEEDED_WITH_WARNINGS if status == "succeeded" and verdict is not None else status
+    unhealthy verdict (``--on_divergence=warn``), or healthy only after a divergence
+    rollback, ends ``succeeded_with_warnings``, never a plain ``succeeded``."""
+    warned = verdict is not None or divergence_rollbacks > 0
+    return SUCCEEDED_WITH_WARNINGS if status == "succeeded" and warned else status

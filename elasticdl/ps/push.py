@@ -40,6 +40,7 @@ class GradientPush:
     grad_scale: float = 1.0
     discard: bool = False
     lr_reductions: int = 0      # metric-driven LR reductions its task carried
+    lr_scale: float = 1.0       # its task's divergence-rollback LR scale (master's)
 
     @property
     def identity(self) -> Optional[tuple[int, int]]:
@@ -73,6 +74,7 @@ class Group:
     owned: set[str] = field(default_factory=set)  # dense sums that are our own tensors
     epoch: int = 0              # the newest epoch of its pushes
     lr_reductions: int = 0      # the most LR reductions any of its pushes carried
+    lr_scale: float = 1.0       # the smallest divergence-rollback scale of its pushes
     learning_rate: float = 0.0  # set when applied
 
     def add(self, push: GradientPush) -> None:
@@ -85,6 +87,7 @@ class Group:
         g.workers.add(push.worker_id)
         g.epoch = max(g.epoch, push.epoch)
         g.lr_reductions = max(g.lr_reductions, push.lr_reductions)
+        g.lr_scale = min(g.lr_scale, push.lr_scale)
         if push.identity is not None:
             g.identities[push.identity] = push.num_records
         if push.discard:
@@ -124,6 +127,8 @@ def validate(params: Parameters, push: GradientPush) -> None:
                          "may not change it")
     if push.lr_reductions < 0:
         raise ValueError(f"lr_reductions must be >= 0, got {push.lr_reductions}")
+    if not (math.isfinite(push.lr_scale) and 0 < push.lr_scale <= 1):
+        raise ValueError(f"lr_scale must be in (0, 1], got {push.lr_scale}")
     if push.minibatch < 0 or push.num_records < 0 or push.epoch < 0:
         raise ValueError(f"minibatch ({push.minibatch}), num_records "
                          f"({push.num_records}) and epoch ({push.epoch}) must be >= 0")

@@ -265,7 +265,8 @@ class PServicer(pb_grpc.PServerServicer):
                             learning_rate=request.learning_rate, task_id=request.task_id,
                             minibatch=request.minibatch, num_records=request.num_records,
                             epoch=request.epoch, grad_scale=request.grad_scale or 1.0,
-                            discard=request.discard, lr_reductions=request.lr_reductions)
+                            discard=request.discard, lr_reductions=request.lr_reductions,
+                            lr_scale=request.lr_scale or 1.0)
         for msg in request.dense:
             if msg.name in push.dense:
                 raise ValueError(f"gradient of {msg.name!r} given twice")
@@ -292,7 +293,8 @@ class PServicer(pb_grpc.PServerServicer):
                 push = GradientPush(version=msg.version, worker_id=msg.worker_id,
                                     learning_rate=msg.learning_rate, task_id=msg.task_id,
                                     minibatch=msg.minibatch, num_records=msg.num_records,
-                                    epoch=msg.epoch, lr_reductions=msg.lr_reductions)
+                                    epoch=msg.epoch, lr_reductions=msg.lr_reductions,
+                                    lr_scale=msg.lr_scale or 1.0)
             if msg.grad_scale:  # the worker knows it once backward is done: any message
                 push.grad_scale = msg.grad_scale
             push.discard = push.discard or msg.discard

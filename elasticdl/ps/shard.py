@@ -390,14 +390,16 @@ class PSShard:
 
     def _apply_group(self, g: Group, lr_factor: float) -> None:
         """Step the optimizers with the record-weighted average of ``g`` (learning
-        rates as scheduled, times ``lr_factor`` for this apply only), step the
+        rates as scheduled, times ``lr_factor`` and the group's ``lr_scale`` for this
+        apply only), step the
         scheduler, bump the version, record its identities (lock held)."""
         schedule = self.schedule
         assert schedule is not None  # initialised
         schedule.enter_epoch(g.epoch)
         schedule.enter_reductions(g.lr_reductions)
         scale = g.weight0 / g.total if g.total else 1.0
-        with schedule.scaled(lr_factor):
+        # lr_scale: --on_divergence=rollback's cut, on top of the schedule (master's)
+        with schedule.scaled(lr_factor * g.lr_scale):
             g.learning_rate = schedule.lr()
             if g.dense:
                 if self.optimizer is None:

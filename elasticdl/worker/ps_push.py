@@ -74,15 +74,17 @@ class PushSession:
     """One step's gradient pushes to the PS in ``targets``."""
 
     def __init__(self, trainer: PushingTrainer, targets: list[int], epoch: int = 0,
-                 norm: Optional[GradNorm] = None, lr_reductions: int = 0):
+                 norm: Optional[GradNorm] = None, lr_reductions: int = 0,
+                 lr_scale: float = 1.0):
         self.t = trainer
         self.targets = set(targets)
         self.epoch = epoch
         self.lr_reductions = lr_reductions
+        self.lr_scale = lr_scale
         self.norm = norm
         self.streams = {i: trainer.client.open_push_stream(i, trainer.versions[i],
                                                            trainer.worker_id, trainer.identity,
-                                                           epoch, lr_reductions)
+                                                           epoch, lr_reductions, lr_scale)
                         for i in targets if trainer.streaming[i]}
         self.dense: dict[int, dict[str, torch.Tensor]] = {i: {} for i in targets}
         self.sparse: dict[int, list[tuple[str, np.ndarray, torch.Tensor]]] = \
@@ -149,7 +151,7 @@ class PushSession:
                 futures[ps] = self.t.client.push_gradients(
                     ps, self.t.versions[ps], dense, sparse, parts[ps],
                     self.t.worker_id, self.t.identity, self.epoch, grad_scale, discard,
-                    self.lr_reductions)
+                    self.lr_reductions, self.lr_scale)
         out: dict[int, Any] = {}
         for ps in self.targets:
             try:

@@ -94,6 +94,7 @@ class PSTrainer(Trainer):
         self.identity: Identity = (0, 0, 0)  # of the minibatch being trained
         self.epoch = 0                        # of the task being trained
         self.lr_reductions = 0                # its metric-driven LR reductions (master's)
+        self.lr_scale = 1.0                   # its divergence-rollback LR scale (master's)
         self.clip_grad_norm = float(job_spec.clip_grad_norm)
         self.amp = job_spec.amp  # autocast in the shared compute_loss (checked by PSRuntime)
         # fp16 autocast needs a loss scale; the optimizer is on the PS, so the
@@ -262,6 +263,7 @@ class PSTrainer(Trainer):
         the task pushed them): the task resumes after them."""
         self.epoch = task.epoch
         self.lr_reductions = int(getattr(task, "lr_reductions", 0))
+        self.lr_scale = float(getattr(task, "lr_scale", 1.0))
         done, _, closed = self.client.task_applied(task.task_id)
         if closed:   # the master counted it done meanwhile (a straggler's copy)
             logger.info("worker %d: task %d is closed on every PS; nothing to train",
@@ -339,7 +341,8 @@ class PSTrainer(Trainer):
         self.model.zero_grad(set_to_none=True)
         norm = GradNorm(float64=self.scaler is not None) \
             if self.clip_grad_norm > 0 or self.scaler is not None else None
-        session = PushSession(self, targets, self.epoch, norm, self.lr_reductions)
+        session = PushSession(self, targets, self.epoch, norm, self.lr_reductions,
+                              self.lr_scale)
         self._session = session
         try:
             loss = self.compute_loss(features, labels)
