@@ -80,7 +80,7 @@ def train_job(train: str, val: str, out: str, epochs: int) -> float:
     through the worker's prefetch, as in any job): the median over the epochs after the
     first."""
     from elasticdl.common.job_spec import job_spec_from_flags
-    from elasticdl.worker.local_job import run_local_job
+    from elasticdl.local.job import run_local_job
 
     spec = job_spec_from_flags("train", {
         "model_zoo": os.path.join(ROOT, "model_zoo"), "model_def": "digits.digits_cnn.custom_model",

@@ -36,9 +36,9 @@ HF_DICT = "dataset_dict.json"
 def is_hf_dataset_dir(path: str) -> bool:
     """Whether ``path`` is a directory written by ``save_to_disk`` (a Dataset or a
     DatasetDict)."""
-    if fs.is_url(path):
-        return fs.isfile(fs.join(path, HF_DICT)) or (
-            fs.isfile(fs.join(path, HF_STATE)) and fs.isfile(fs.join(path, HF_INFO)))
+    if fs.is_url(path):    # one listing of the prefix (none for an object or nothing there)
+        names = {name for name, is_dir in fs.list_entries(path) if not is_dir}
+        return HF_DICT in names or (HF_STATE in names and HF_INFO in names)
     return os.path.isdir(path) and (
         os.path.isfile(os.path.join(path, HF_DICT))
         or (os.path.isfile(os.path.join(path, HF_STATE))

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -22,26 +23,41 @@ from elasticdl.data.errors import DataError, MalformedRecordError
 
 logger = logging.getLogger("elasticdl.data.fs")   # one logger for the file-system layer
 
-__all__ = ["DEFAULT_RETRY_BUDGET_S", "RETRY_BUDGET_ENV", "is_transient", "redact",
-           "retry_budget_s", "retrying"]
+__all__ = ["DEFAULT_RETRY_BUDGET_S", "RETRY_BUDGET_ENV", "is_not_found", "is_transient",
+           "redact", "retry_budget_s", "retrying"]
 
 RETRY_BUDGET_ENV = "ELASTICDL_DATA_RETRY_S"
 """Environment variable: seconds a remote operation keeps retrying transient errors."""
 DEFAULT_RETRY_BUDGET_S = 60.0
-_TRANSIENT_NAMES = frozenset({
-    "ConnectionError", "HTTPClientError", "EndpointConnectionError", "ConnectionClosedError",
-    "ReadTimeoutError", "ConnectTimeoutError", "ProxyConnectionError", "IncompleteRead",
-    "ResponseStreamingError", "ClientConnectionError", "ClientPayloadError",
-    "ServerDisconnectedError", "ServerTimeoutError", "ClientOSError", "TimeoutError",
-    "FSTimeoutError",
-})
+_TRANSIENT_NAMES = frozenset({"ConnectionError", "TimeoutError"})
 _TRANSIENT_ERRNOS = frozenset({
     errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
-    errno.EBUSY,                    # s3fs: 503 SlowDown
-    getattr(errno, "EREMOTEIO", 121),   # s3fs: 500 InternalError
+    errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH,
 })
-_TRANSIENT_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown",
-                              "RequestTimeout", "Throttling", "ThrottlingException"})
+# pyarrow's S3 errors are OSErrors whose message names the AWS SDK's error, e.g.
+#   "When listing objects under key 'a/' in bucket 'b': AWS Error SLOW_DOWN during
+#    ListObjectsV2 operation: Please reduce your request rate."
+#   "AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 7, Could not connect
+#    to server" (refused; 18: a body cut short; 28: timed out)
+#   "AWS Error UNKNOWN (HTTP status 503) during HeadObject operation: No response body."
+# GCS's carry google-cloud's status: "google::cloud::Status(UNAVAILABLE: ...)".
+_AWS_ERROR = re.compile(r"AWS Error ([A-Z_]+)")
+_HTTP_STATUS = re.compile(r"HTTP status (\d{3})")
+_GCS_STATUS = re.compile(r"google::cloud::Status\(([A-Z_]+)")
+_TRANSIENT_CODES = frozenset({
+    "NETWORK_CONNECTION", "SLOW_DOWN", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE",
+    "THROTTLING", "REQUEST_TIMEOUT", "REQUEST_LIMIT_EXCEEDED", "TOO_MANY_REQUESTS",
+    # google-cloud
+    "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INTERNAL", "ABORTED",
+})
+_DENIED_CODES = frozenset({
+    "ACCESS_DENIED", "SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_KEY_ID",
+    "INVALID_CLIENT_TOKEN_ID", "MISSING_AUTHENTICATION_TOKEN", "EXPIRED_TOKEN",
+    "UNRECOGNIZED_CLIENT", "INVALID_SIGNATURE",
+    "PERMISSION_DENIED", "UNAUTHENTICATED",
+})
+_MISSING_CODES = frozenset({"NO_SUCH_BUCKET", "NO_SUCH_KEY", "RESOURCE_NOT_FOUND", "NOT_FOUND",
+                            "NO_SUCH_UPLOAD"})
 
 T = TypeVar("T")
 
@@ -63,22 +79,44 @@ def _chain(err: BaseException) -> list[BaseException]:
     return seen
 
 
+def _code(err: BaseException) -> tuple[str, int]:
+    """The store's error code and HTTP status named in ``err``'s message ("", 0 if none)."""
+    text = str(err)
+    code = _AWS_ERROR.search(text) or _GCS_STATUS.search(text)
+    status = _HTTP_STATUS.search(text)
+    return (code.group(1) if code else ""), (int(status.group(1)) if status else 0)
+
+
+def _denied(e: BaseException) -> bool:
+    code, status = _code(e)
+    return isinstance(e, PermissionError) or code in _DENIED_CODES or status in (401, 403)
+
+
+def is_not_found(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) says the bucket, object or prefix does not
+    exist (``FileNotFoundError``, ``NO_SUCH_BUCKET``, ``NO_SUCH_KEY``, HTTP 404)."""
+    for e in _chain(err):
+        code, status = _code(e)
+        if isinstance(e, FileNotFoundError) or code in _MISSING_CODES or status == 404:
+            return True
+    return False
+
+
 def is_transient(err: BaseException) -> bool:
-    """Whether ``err`` (or what caused it) is worth retrying: a connection refused or reset,
-    a timeout, an HTTP 5xx or throttling. Missing objects, denied access and malformed data
-    are permanent."""
+    """Whether ``err`` (or what caused it) is worth retrying: a connection refused, reset or
+    cut short, a timeout, an HTTP 5xx or 429, throttling. Missing objects, denied access
+    and malformed data are permanent."""
     chain = _chain(err)
     for e in chain:
-        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError,
-                          NotADirectoryError, MalformedRecordError)):
+        if isinstance(e, (IsADirectoryError, NotADirectoryError, MalformedRecordError)) or \
+                _denied(e):
             return False
+    if is_not_found(err):
+        return False
     for e in chain:
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error") or {}
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0
-            if error.get("Code") in _TRANSIENT_CODES or int(status) >= 500:
-                return True
+        code, status = _code(e)
+        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+            return True
         if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
             return True
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
@@ -87,11 +125,11 @@ def is_transient(err: BaseException) -> bool:
 
 
 def _reason(err: BaseException) -> str:
-    if any(isinstance(e, FileNotFoundError) for e in _chain(err)):
-        return f"no such bucket or object ({err})"
-    if any(isinstance(e, PermissionError) for e in _chain(err)):
+    if any(_denied(e) for e in _chain(err)):
         return (f"access denied ({err}); check the credentials (AWS_ACCESS_KEY_ID/"
                 "AWS_SECRET_ACCESS_KEY, a credentials file) and --data_endpoint")
+    if is_not_found(err):
+        return f"no such bucket or object ({err})"
     return f"{type(err).__name__}: {err}"
 
 

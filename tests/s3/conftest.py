@@ -3,7 +3,8 @@ dataset in a bucket as CSV, Parquet and NumPy.
 
 The server starts once (bounded by :data:`tests.s3.seaweed.START_TIMEOUT_S`), is always
 stopped at the end, and every test of this folder is skipped, with the reason, where it
-cannot start (no ``weed`` binary, no s3fs).
+cannot start (no ``weed`` binary, no free port, no answer in time). Its client and the
+job's are pyarrow's S3 file system (a dev dependency: missing, the tier fails, not skips).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ PARQUET_ROW_GROUP = 128
 def s3_server(tmp_path_factory):
     """A running SeaweedFS S3 server; the test process gets its endpoint and credentials
     in the environment (as a job would)."""
-    pytest.importorskip("s3fs", reason="s3fs not installed (pip install s3fs)")
     try:
         server = SeaweedS3(str(tmp_path_factory.mktemp("seaweed")))
         server.start()
@@ -45,15 +45,14 @@ def s3_server(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _fresh_s3_clients():
-    """Each test gets fresh s3fs clients (credentials and endpoints change between tests)."""
-    try:
-        import s3fs
-    except ImportError:
-        yield
-        return
-    s3fs.S3FileSystem.clear_instance_cache()
+    """Each test starts with no cached file system or object handle of the fs layer (a
+    change of credentials or endpoint gets a new client anyway; this also drops handles of
+    objects another test rewrote)."""
+    from elasticdl.data import fs
+
+    fs._clear_cache()
     yield
-    s3fs.S3FileSystem.clear_instance_cache()
+    fs._clear_cache()
 
 
 def write_parquet(npz_dir: str, out_dir: str, row_group: int = PARQUET_ROW_GROUP) -> int:

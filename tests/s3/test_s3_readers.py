@@ -44,6 +44,37 @@ def test_reader_on_s3_matches_local(s3_digits, name, tmp_path, monkeypatch):
     assert remote_reader.create_shards()[0].name.startswith(f"s3://{BUCKET}/")
 
 
+class _Counting:
+    """A pyarrow file of the fs layer whose reads are counted (bytes fetched per read)."""
+
+    def __init__(self, file, fetched: list[int]) -> None:
+        self._file, self._fetched = file, fetched
+
+    def read_at(self, nbytes, offset):
+        data = self._file.read_at(nbytes, offset)
+        self._fetched.append(len(data))
+        return data
+
+    def read(self, nbytes=None):
+        data = self._file.read(nbytes)
+        self._fetched.append(len(data))
+        return data
+
+    def read_buffer(self, nbytes=None):    # what pyarrow calls on a Python file that has it
+        data = self._file.read_buffer(nbytes)
+        self._fetched.append(len(data))
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+
 def test_reads_are_ranged_never_whole_objects(s3_digits, tmp_path, monkeypatch):
     """A worker's read of a task: CSV one ranged GET of the task's bytes; Parquet the
     footer and the row groups of the task; never the whole object."""
@@ -54,17 +85,12 @@ def test_reads_are_ranged_never_whole_objects(s3_digits, tmp_path, monkeypatch):
     size = fs.info(shard.name).size
     # a worker: a fresh reader, the index from the master's cache
     worker = create_data_reader(url)
-    filesystem, _ = fs.filesystem(shard.name)
     fetched: list[int] = []
-    real_cat = filesystem.cat_file
-
-    def counting_cat(path, *args, **kw):
-        data = real_cat(path, *args, **kw)
-        fetched.append(len(data))
-        return data
-
-    monkeypatch.setattr(filesystem, "cat_file", counting_cat)
-    monkeypatch.setattr(filesystem, "open", _forbid_open)
+    real_handle = fs._handle
+    monkeypatch.setattr(fs, "_handle", lambda *a, **kw: _Counting(real_handle(*a, **kw),
+                                                                    fetched))
+    monkeypatch.setattr(fs, "open_input", _forbid_open)
+    monkeypatch.setattr(fs, "read_bytes", _forbid_open)
     rows = worker.read(shard.name, 64, 128)
     assert len(rows) == 64
     # the task's bytes (64 of ~720 records), and once per file the first record (its width)
@@ -80,17 +106,10 @@ def _forbid_open(*args, **kwargs):
 
 def test_parquet_reads_only_its_row_groups(s3_digits, monkeypatch):
     """A task's read of a Parquet object fetches its footer and row groups, not the file."""
-    import s3fs.core
-
     fetched: list[int] = []
-    real = s3fs.core.S3File._fetch_range
-
-    def fetch(self, start, end):
-        data = real(self, start, end)
-        fetched.append(len(data))
-        return data
-
-    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", fetch)
+    real_open = fs.open_input
+    monkeypatch.setattr(fs, "open_input", lambda *a, **kw: _Counting(real_open(*a, **kw),
+                                                                        fetched))
     url, _ = s3_digits["train_parquet"]
     reader = create_data_reader(url)
     shard = reader.create_shards()[0]
@@ -121,7 +140,7 @@ def test_csv_index_cache_in_the_bucket(s3_server, s3_digits, monkeypatch):
     n = create_data_reader(url).num_records()
     assert s3_server.filesystem().ls(f"{BUCKET}/_index_cache")
     reader = create_data_reader(url)
-    monkeypatch.setattr(fs.filesystem(url)[0], "open", _forbid_open)
+    monkeypatch.setattr(fs, "open_input", _forbid_open)
     assert reader.num_records() == n
 
 

@@ -5,25 +5,55 @@ from __future__ import annotations
 
 import errno
 import logging
+import sys
 import time
 
 import numpy as np
 import pytest
 
 from elasticdl.data import DataError, MalformedRecordError, create_data_reader, fs
+from elasticdl.data.fs_faults import is_not_found
 
-
-class ClientError(Exception):
-    """Shaped like botocore's ClientError (a ``response`` dict)."""
-
-    def __init__(self, code: str, status: int) -> None:
-        super().__init__(f"An error occurred ({code})")
-        self.response = {"Error": {"Code": code},
-                         "ResponseMetadata": {"HTTPStatusCode": status}}
-
-
-class EndpointConnectionError(Exception):
-    """Named like botocore's (classified by name: botocore need not be importable)."""
+# pyarrow's errors as observed against a SeaweedFS S3 server (tests/s3) and, for the codes
+# it does not produce (SlowDown, 5xx, throttling, timeouts), a stub HTTP server answering S3
+# error documents; pyarrow raises OSError (FileNotFoundError for a missing object) whose
+# message names the AWS SDK's error
+REFUSED = ("When getting information for key 'a/x.csv' in bucket 'bkt': AWS Error "
+           "NETWORK_CONNECTION during HeadObject operation: curlCode: 7, Could not connect to "
+           "server; Details: Failed to connect to 127.0.0.1:49017 after 0 ms: Could not "
+           "connect to server")
+CUT_SHORT = ("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 18, "
+             "Transferred a partial file; Details: end of response with 23416439 bytes missing")
+TIMED_OUT = ("When listing objects under key 'p/' in bucket 'b': AWS Error NETWORK_CONNECTION "
+             "during ListObjectsV2 operation: curlCode: 28, Timeout was reached; Details: "
+             "Operation too slow. Less than 1 bytes/sec transferred the last 2 seconds")
+RESTARTING = ("AWS Error INTERNAL_FAILURE during GetObject operation: Failed to flush response "
+              "stream (eof: 0, bad: 1)")
+SLOW_DOWN = ("When listing objects under key 'p/' in bucket 'b': AWS Error SLOW_DOWN during "
+             "ListObjectsV2 operation: Please reduce your request rate. (Request ID: r1)")
+HEAD_503 = ("When getting information for key 'k' in bucket 'b': AWS Error UNKNOWN (HTTP status "
+            "503) during HeadObject operation: No response body.")
+SERVICE_UNAVAILABLE = ("When listing objects under key 'p/' in bucket 'b': AWS Error "
+                       "SERVICE_UNAVAILABLE during ListObjectsV2 operation: Service unavailable")
+THROTTLING = ("When listing objects under key 'p/' in bucket 'b': AWS Error THROTTLING during "
+              "ListObjectsV2 operation: Rate exceeded (Request ID: r1)")
+TOO_MANY = ("When listing objects under key 'p/' in bucket 'b': AWS Error UNKNOWN (HTTP status "
+            "429) during ListObjectsV2 operation: Unable to parse ExceptionName: "
+            "TooManyRequests Message: slow (Request ID: r1)")
+ACCESS_DENIED = ("When getting information for key 'a/x.csv' in bucket 'bkt': AWS Error "
+                 "ACCESS_DENIED during HeadObject operation: No response body.")
+BAD_SIGNATURE = ("When listing objects under key 'a/' in bucket 'bkt': AWS Error "
+                 "SIGNATURE_DOES_NOT_MATCH during ListObjectsV2 operation: The request "
+                 "signature we calculated does not match the signature you provided. Check "
+                 "your key and signing method. (Request ID: 18EC2839C87AFE4B50744E55)")
+BAD_KEY_ID = ("When listing objects under key 'p/' in bucket 'b': AWS Error "
+              "INVALID_ACCESS_KEY_ID during ListObjectsV2 operation: no such key id")
+NO_SUCH_BUCKET = ("When listing objects under key 'train/' in bucket 'no-such-bucket': AWS "
+                  "Error NO_SUCH_BUCKET during ListObjectsV2 operation: The specified bucket "
+                  "does not exist (Request ID: 18EC2839C80CD76912B27DC4)")
+NO_SUCH_KEY = ("When listing objects under key 'k' in bucket 'b': AWS Error NO_SUCH_KEY during "
+               "ListObjectsV2 operation: The specified key does not exist. (Request ID: r1)")
+MISSING = "[Errno 2] Path does not exist 'bkt/a/none.csv'. Detail: [errno 2] No such file"
 
 
 def test_urls_and_paths(tmp_path):
@@ -40,33 +70,61 @@ def test_urls_and_paths(tmp_path):
 
 
 @pytest.mark.parametrize("err", [
+    OSError(REFUSED), OSError(CUT_SHORT), OSError(TIMED_OUT), OSError(RESTARTING),
+    OSError(SLOW_DOWN), OSError(HEAD_503), OSError(SERVICE_UNAVAILABLE), OSError(THROTTLING),
+    OSError(TOO_MANY),
+    OSError("google::cloud::Status(UNAVAILABLE: connection reset)"),
     ConnectionResetError("reset"), ConnectionRefusedError("refused"), TimeoutError("slow"),
-    OSError(121, "We encountered an internal error"),         # s3fs: 500 InternalError
-    OSError(errno.EBUSY, "SlowDown"),                          # s3fs: 503
-    EndpointConnectionError("Could not connect"),
-    ClientError("ServiceUnavailable", 503), ClientError("Whatever", 502),
+    OSError(errno.ETIMEDOUT, "timed out"),
 ])
 def test_transient_errors(err):
     assert fs.is_transient(err)
-    wrapped = DataError("s3://b/k: cannot read")
+    wrapped = DataError("s3://b/k: cannot read as Parquet")
     wrapped.__cause__ = err
     assert fs.is_transient(wrapped)
 
 
-@pytest.mark.parametrize("err", [
-    FileNotFoundError("The specified bucket does not exist"),
-    PermissionError("The request signature we calculated does not match"),
-    MalformedRecordError("s3://b/k", 3, "expected 3 fields, got 2"),
-    ClientError("AccessDenied", 403), ValueError("bad"), OSError(errno.EINVAL, "bad range"),
+@pytest.mark.parametrize("err,reason", [
+    (OSError(ACCESS_DENIED), "access denied"), (OSError(BAD_SIGNATURE), "access denied"),
+    (OSError(BAD_KEY_ID), "access denied"),
+    (OSError("AWS Error UNKNOWN (HTTP status 403) during HeadObject operation"),
+     "access denied"),
+    (PermissionError("google::cloud::Status(PERMISSION_DENIED: no)"), "access denied"),
+    (OSError(NO_SUCH_BUCKET), "no such bucket or object"),
+    (OSError(NO_SUCH_KEY), "no such bucket or object"),
+    (FileNotFoundError(errno.ENOENT, MISSING), "no such bucket or object"),
+    (OSError("google::cloud::Status(NOT_FOUND: gone)"), "no such bucket or object"),
+    (OSError(errno.EINVAL, "bad range"), "OSError"),
 ])
-def test_permanent_errors(err):
+def test_permanent_errors(err, reason):
     assert not fs.is_transient(err)
+    with pytest.raises(DataError, match=rf"^s3://b/k: cannot read: {reason}") as raised:
+        fs.retrying("s3://b/k", "read", lambda: (_ for _ in ()).throw(err), budget_s=30)
+    assert raised.value.__cause__ is err
+
+
+@pytest.mark.parametrize("err", [
+    MalformedRecordError("s3://b/k", 3, "expected 3 fields, got 2"), ValueError("bad"),
+    IsADirectoryError("s3://b/k is a directory"),
+])
+def test_other_permanent_errors(err):
+    assert not fs.is_transient(err)
+
+
+def test_not_found():
+    assert is_not_found(OSError(NO_SUCH_BUCKET))
+    assert is_not_found(FileNotFoundError(MISSING))
+    assert not is_not_found(OSError(ACCESS_DENIED))
+    assert not is_not_found(OSError(REFUSED))
 
 
 def test_not_found_wins_over_a_transient_cause():
     err = FileNotFoundError("no such key")
-    err.__context__ = ConnectionResetError("earlier")
+    err.__context__ = OSError(REFUSED)
     assert not fs.is_transient(err)
+    denied = OSError(ACCESS_DENIED)
+    denied.__context__ = OSError(SLOW_DOWN)
+    assert not fs.is_transient(denied)
 
 
 def test_retrying_recovers_from_transient_errors(caplog):
@@ -75,7 +133,7 @@ def test_retrying_recovers_from_transient_errors(caplog):
     def op():
         calls.append(time.monotonic())
         if len(calls) < 3:
-            raise EndpointConnectionError("Could not connect to the endpoint URL")
+            raise OSError(REFUSED)
         return "data"
 
     with caplog.at_level(logging.WARNING, logger="elasticdl.data.fs"):
@@ -89,7 +147,7 @@ def test_retrying_fails_fast_on_permanent_errors():
 
     def op():
         calls.append(1)
-        raise PermissionError("The request signature we calculated does not match")
+        raise OSError(BAD_SIGNATURE)
 
     began = time.monotonic()
     with pytest.raises(DataError, match=r"s3://b/k.csv: cannot read: access denied"):
@@ -146,24 +204,76 @@ def test_file_urls_read_as_local_paths(tmp_path):
 def test_unknown_scheme_and_missing_library(monkeypatch):
     with pytest.raises(DataError, match=r"ftp://h/x: unsupported URL scheme 'ftp'"):
         fs.filesystem("ftp://h/x")
-    monkeypatch.setitem(fs._PROTOCOLS, "s3", ("s3", "no_such_s3_module_xyz", fs._EXTRA))
-    with pytest.raises(DataError, match=r"requires no_such_s3_module_xyz.*"
-                       r"pip install 'elasticdl-pytorch\[s3\]'"):
+    monkeypatch.setitem(sys.modules, "pyarrow.fs", None)     # as if pyarrow were missing
+    with pytest.raises(DataError, match=r"s3://bucket/train: reading s3:// URLs requires "
+                       r"pyarrow and fsspec.*pip install 'elasticdl-pytorch\[s3\]'"):
         create_data_reader("s3://bucket/train")
+    with pytest.raises(DataError, match=r"pip install 'elasticdl-pytorch\[gcs\]'"):
+        fs.filesystem("gs://bucket/train")
 
 
-def test_endpoint_from_spec_and_environment(monkeypatch):
-    monkeypatch.delenv(fs.ENDPOINT_ENV, raising=False)
+def test_s3_options_from_spec_and_environment(monkeypatch):
+    pytest.importorskip("pyarrow.fs")
+    for name in (fs.ENDPOINT_ENV, "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://env:9000")
-    assert fs._storage_options("s3")["client_kwargs"] == {"endpoint_url": "http://env:9000"}
+    options = fs._s3_options()
+    assert (options["endpoint_override"], options["scheme"], options["region"]) == \
+        ("env:9000", "http", fs.DEFAULT_REGION)
+    assert (options["connect_timeout"], options["request_timeout"]) == \
+        (fs.CONNECT_TIMEOUT_S, fs.REQUEST_TIMEOUT_S)
 
     class Spec:
-        data_endpoint = "http://flag:9000"
+        data_endpoint = "https://flag.example:9443"
 
     fs.configure_from_spec(Spec())
-    assert fs._storage_options("s3")["client_kwargs"] == {"endpoint_url": "http://flag:9000"}
-    assert "key" not in fs._storage_options("s3")   # credentials: botocore's chain only
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    options = fs._s3_options()
+    assert (options["endpoint_override"], options["scheme"], options["region"]) == \
+        ("flag.example:9443", "https", "eu-west-3")
+    assert not {"access_key", "secret_key", "session_token"} & set(options)   # SDK chain only
     monkeypatch.delenv(fs.ENDPOINT_ENV)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_REGION")
+    assert not {"endpoint_override", "region"} & set(fs._s3_options())    # AWS itself
+
+
+def test_s3_file_systems_cached_per_environment(monkeypatch):
+    pytest.importorskip("pyarrow.fs")
+    fs._clear_cache()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "id-1")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-1")
+    first, path = fs.filesystem("s3://bucket/prefix/a.csv")
+    assert path == "bucket/prefix/a.csv" and fs.filesystem("s3://bucket/b")[0] is first
+    assert type(first.fs).__name__ == "S3FileSystem" and first.protocol == "s3"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-2")
+    second = fs.filesystem("s3://bucket/b")[0]
+    assert second is not first
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:10")
+    assert fs.filesystem("s3://bucket/b")[0] not in (first, second)
+    assert not any("secret" in repr(key) for key in fs._instances)
+    fs._clear_cache()
+
+
+def test_dead_endpoint_is_retried_then_named(monkeypatch, caplog):
+    """A real pyarrow client against a port nobody listens on: connection refused is
+    transient (retried, logged with the URL), then a DataError past the budget."""
+    pytest.importorskip("pyarrow.fs")
+    fs._clear_cache()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "unit-test-secret")
+    monkeypatch.setenv(fs.RETRY_BUDGET_ENV, "1")
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="elasticdl.data.fs"):
+        with pytest.raises(DataError, match=r"s3://bucket/k\.csv: cannot read bytes 0-4 after "
+                           r"\d+ attempts.*NETWORK_CONNECTION") as err:
+            fs.read_range("s3://bucket/k.csv", 0, 4)
+    assert time.monotonic() - began < 15
+    assert "s3://bucket/k.csv: read bytes 0-4 failed (OSError), retry 1" in caplog.text
+    assert "unit-test-secret" not in str(err.value) + caplog.text
+    fs._clear_cache()
 
 
 def test_job_spec_data_endpoint_is_validated():
