@@ -3,7 +3,8 @@ job (2 workers, 1 PS) whose loss rises far above its best (``toy.diverge``: SGD
 above its stability limit, deterministic, no NaN) ends ``succeeded_with_warnings``
 (``--on_divergence=warn``: the CLI exits 0 and prints the warning), every record
 counted, the evidence in ``training_health``; with ``--on_divergence=fail`` the job
-fails naming the verdict.
+fails naming the verdict; with ``rollback`` (``toy.diverge_late``) every PS goes back to a
+checkpoint before the divergence, the rate is cut, and the job trains healthy.
 
 The async digits-CNN divergence of docs/limits.md is not reproduced here: it
 happened in 1 of 4 and 1 of 12 runs, too rare and slow for a test; the detector's
@@ -23,6 +24,20 @@ from tests.integration.helpers import kill_job_tree, read_json, start_cli
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
+def _run(tmp_path, job_dir: str, args: list[str], **env: str) -> tuple[int, str, dict]:
+    """The CLI job to its end: (exit code, CLI log, job report)."""
+    log = tmp_path / "cli.log"
+    proc = start_cli(args, str(tmp_path / "home"), str(log), **env)
+    try:
+        code = proc.wait(timeout=800)
+    finally:
+        kill_job_tree(proc, job_dir)
+    text = log.read_text()
+    report = read_json(os.path.join(job_dir, "job_report.json"))
+    assert report is not None, text[-4000:]
+    return code, text, report
+
+
 @pytest.mark.parametrize("mode", ["warn", "fail"])
 def test_async_ps_job_that_diverges_is_marked(tmp_path, mode):
     sys.path.insert(0, FIXTURE_ZOO)
@@ -36,15 +51,7 @@ def test_async_ps_job_that_diverges_is_marked(tmp_path, mode):
             "--num_minibatches_per_task=2", "--distribution_strategy=ParameterServerStrategy",
             "--use_async=true", "--num_workers=2", "--num_ps_pods=1",
             "--health_window_tasks=2", f"--on_divergence={mode}"]
-    log = tmp_path / "cli.log"
-    proc = start_cli(args, str(tmp_path / "home"), str(log))
-    try:
-        code = proc.wait(timeout=800)
-    finally:
-        kill_job_tree(proc, job_dir)
-    text = log.read_text()
-    report = read_json(os.path.join(job_dir, "job_report.json"))
-    assert report is not None, text[-4000:]
+    code, text, report = _run(tmp_path, job_dir, args)
     health = report["training_health"]
     assert health["status"] == "diverged", (health, text[-3000:])
     assert health["window_means"][-1] > 10 * health["best"]
@@ -89,15 +96,7 @@ def test_a_diverging_ps_job_rolls_back_cuts_the_rate_and_trains_healthy(tmp_path
             "--num_workers=1", "--num_ps_pods=2",
             "--health_window_tasks=2", "--on_divergence=rollback",
             f"--checkpoint_dir={ckpt}", "--checkpoint_steps=5"]
-    log = tmp_path / "cli.log"
-    proc = start_cli(args, str(tmp_path / "home"), str(log), TOY_DIVERGE_AFTER="20")
-    try:
-        code = proc.wait(timeout=800)
-    finally:
-        kill_job_tree(proc, job_dir)
-    text = log.read_text()
-    report = read_json(os.path.join(job_dir, "job_report.json"))
-    assert report is not None, text[-4000:]
+    code, text, report = _run(tmp_path, job_dir, args, TOY_DIVERGE_AFTER="20")
     health = report["training_health"]
     assert code == 0, text[-4000:]
     assert report["status"] == "succeeded_with_warnings", (report["status"], health)
