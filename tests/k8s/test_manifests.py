@@ -87,6 +87,9 @@ VARIANTS = {
     "long_name": dict(job_name="a" * 52),
     "digit_name": dict(job_name="7-digits"),
     "master_state_pvc": dict(master_state_pvc="edl-state", max_master_restarts=5),
+    # object storage: credentials by reference to a Secret, the endpoint in the spec
+    "data_secret": dict(training_data="s3://digits/train", data_secret="s3-credentials",
+                        data_endpoint="http://minio.storage:9000"),
 }
 
 

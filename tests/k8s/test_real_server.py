@@ -1,7 +1,8 @@
 """Only a genuine API server shows these (``k8s_real``; see tests/k8s/realcluster.py).
 
 * server-side dry run (``dryRun=All``: defaulting, validation and admission, no
-  object stored) of every manifest the project can produce;
+  object stored) of every manifest the project can produce (``--data_secret``: what
+  the server keeps holds the Secret by reference, no credential value);
 * a GPU request without a limit (the documented ``gpu=1``) is accepted and runs;
 * 410 Gone on a watch, forced: the pod watch cache is off (``WATCH_CACHE_OFF=1``)
   and etcd's history is compacted while the cluster cannot watch.
@@ -60,6 +61,10 @@ def test_every_manifest_passes_server_side_dry_run(server, user_core, variant):
             container = pod_spec["containers"][0]
             assert pod_spec["schedulerName"] == "default-scheduler"
             assert container["command"] == asked["containers"][0]["command"]
+            if job_spec.data_secret:   # credentials by reference only, kept by the server
+                assert container["envFrom"] == [{"secretRef": {"name": job_spec.data_secret}}]
+                assert not any(e["name"].startswith("AWS_") for e in container.get("env", []))
+                assert "s3-credentials" not in json.dumps(made["metadata"])
             requests = container.get("resources", {}).get("requests", {})
             if "nvidia.com/gpu" in requests:
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == \
