@@ -1,8 +1,9 @@
 """Embedding tables at scale on one PS: memory per row, checkpoints under training, restore.
 
 One PS process through the real servicer (``PServicer`` over a ``PSShard``, Adagrad rows,
-a checkpoint directory) holds a table of 2^40 ids x 16 float32. A client touches ``--rows``
-distinct ids (pull, then push a gradient: every row gets its Adagrad state). Then:
+async so that every push is applied at once, a checkpoint directory) holds a table of
+2^40 ids x 16 float32. A client touches ``--rows`` distinct ids (pull, then push a
+gradient: every row gets its Adagrad state). Then:
 
 1. the PS's RSS growth / rows = ``bytes_per_row`` (payload: 64 B weights + 64 B Adagrad
    sum + 8 B step = 136 B);
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -58,7 +60,11 @@ def ps_server(port_q: Any, checkpoint_dir: str, extra: dict[str, Any]) -> None:
 
     tune_malloc()
     torch.set_num_threads(1)
-    shard = PSShard(ShardConfig(checkpoint_dir=checkpoint_dir, **extra), _optimizer)
+    logging.basicConfig(filename=os.path.join(os.path.dirname(checkpoint_dir), "ps.log"),
+                        level=logging.INFO)
+    # async: every push is applied at once, whatever version the clients last saw
+    shard = PSShard(ShardConfig(checkpoint_dir=checkpoint_dir, use_async=True, **extra),
+                    _optimizer)
     server, port = start_server(PServicer(shard), 0, "127.0.0.1")
     port_q.put((port, os.getpid()))
     server.wait_for_termination(timeout=7200)
@@ -115,6 +121,18 @@ class HotLoop:
     def longest_between(self, t0: float, t1: float) -> float:
         """The longest round trip that overlapped ``[t0, t1]``."""
         return max((d for s, d in self.times if s <= t1 and s + d >= t0), default=0.0)
+
+
+def lock_figures(log: str) -> dict[str, Any]:
+    """How long the PS's first checkpoint held the shard lock, from its log (a PS that
+    does not log it: none)."""
+    import re
+
+    with open(log, encoding="utf-8") as f:
+        m = re.search(r"the lock held ([\d.]+) ms for the cut, at most ([\d.]+) ms per chunk",
+                      f.read())
+    return {"lock_cut_ms": float(m.group(1)), "lock_chunk_max_ms": float(m.group(2))} \
+        if m else {}
 
 
 def run(rows: int, extra: dict[str, Any], workdir: str) -> dict[str, Any]:
@@ -177,6 +195,7 @@ def run(rows: int, extra: dict[str, Any], workdir: str) -> dict[str, Any]:
         out["hot_rounds_during_checkpoint"] = sum(1 for s, d in hot.times
                                                   if s <= t1 and s + d >= t0)
         out["checkpoint_mb"] = round(dir_bytes(first) / 2**20, 1)
+        out.update(lock_figures(os.path.join(workdir, "ps.log")))
         for _ in range(3):   # only the hot rows change
             hot.round()
         second = client.save_checkpoint()

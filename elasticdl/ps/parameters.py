@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from elasticdl.common.tables import TableSpec, dense_owner, local_rows
+from elasticdl.ps.row_snapshot import TableSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ class EmbeddingTable:
 
     Rows live in ``weights[:size]``; ``row_ids[:size]`` says which id each
     slot holds; ``state[name][:size]`` are optimizer statistics aligned with
-    the rows (created by :meth:`ensure_state`).
+    the rows (created by :meth:`ensure_state`). ``dirty[:size]`` marks the rows created
+    or updated since the last checkpoint's cut (a delta's rows); ``snapshot``, while a
+    checkpoint copies this table, is told of every update first (:meth:`before_update`).
     """
 
     def __init__(self, spec: TableSpec, ps_id: int, num_ps: int, capacity: int = 1024):
@@ -98,6 +101,8 @@ class EmbeddingTable:
         capacity = min(capacity, max(local, 1))
         self.weights = torch.empty((capacity, spec.dim), dtype=spec.dtype)
         self.row_ids = np.empty(capacity, dtype=np.int64)
+        self.dirty = np.zeros(capacity, dtype=bool)
+        self.snapshot: Optional[TableSnapshot] = None
         self.state: dict[str, torch.Tensor] = {}
         self._state_fill: dict[str, float] = {}
         self.size = 0
@@ -115,6 +120,7 @@ class EmbeddingTable:
             self.weights = rows.contiguous()
             self.row_ids = np.arange(ps_id, spec.num_embeddings, num_ps, dtype=np.int64)
             self._index.insert(self.row_ids // num_ps, np.arange(local, dtype=np.int64))
+            self.dirty = np.ones(local, dtype=bool)
             self.size = local
 
     def ensure_state(self, name: str, fill: float = 0.0, per_row_scalar: bool = False) -> None:
@@ -168,6 +174,9 @@ class EmbeddingTable:
         row_ids = np.empty(new_cap, dtype=np.int64)
         row_ids[:self.size] = self.row_ids[:self.size]
         self.row_ids = row_ids
+        dirty = np.zeros(new_cap, dtype=bool)
+        dirty[:self.size] = self.dirty[:self.size]
+        self.dirty = dirty
         for name, old in self.state.items():
             grown = torch.full((new_cap,) + tuple(old.shape[1:]), self._state_fill[name],
                                dtype=old.dtype)
@@ -181,11 +190,31 @@ class EmbeddingTable:
         self._grow(start + n)
         self.weights[start:start + n] = values
         self.row_ids[start:start + n] = ids
+        self.dirty[start:start + n] = True
         self._index.insert(ids // self.num_ps, np.arange(start, start + n, dtype=np.int64))
         for name, rows in (state or {}).items():
             if name in self.state:
                 self.state[name][start:start + n] = rows
         self.size = start + n
+
+    def before_update(self, slots: torch.Tensor) -> None:
+        """Rows ``slots`` are about to change (lock held): they belong to the next
+        delta, and a snapshot being copied takes them as they are first."""
+        s = slots.numpy()
+        self.dirty[s] = True
+        if self.snapshot is not None:
+            self.snapshot.preserve(s)
+
+    def cut(self, full: bool) -> TableSnapshot:
+        """Start a snapshot of every row (``full``) or of the rows changed since the
+        last cut, and clear the dirty marks (lock held; the copy runs later)."""
+        if self.snapshot is not None:
+            self.snapshot.finish()
+        n = self.size
+        snap = TableSnapshot(self, None if full else np.flatnonzero(self.dirty[:n]))
+        self.dirty[:n] = False
+        self.snapshot = snap
+        return snap
 
     def lookup(self, ids: np.ndarray, create: bool = True) -> torch.Tensor:
         """Rows of ``ids``, shape (len(ids), dim). New rows are created, or with
@@ -203,6 +232,11 @@ class EmbeddingTable:
             mask = torch.from_numpy(present)
             out[mask] = self.weights.index_select(0, torch.from_numpy(slots_np[present]))
         return out
+
+    @property
+    def state_fill(self) -> dict[str, float]:
+        """The value each optimizer statistic starts from (a row never updated)."""
+        return dict(self._state_fill)
 
     def state_dict(self) -> dict[str, object]:
         n = self.size
