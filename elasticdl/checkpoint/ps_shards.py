@@ -34,6 +34,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from elasticdl.checkpoint import paths
 from elasticdl.checkpoint import single as ckpt
 from elasticdl.common.sparse_tables import SparseRows, sort_rows
 from elasticdl.common.tables import TableSpec
@@ -140,15 +141,11 @@ def _fold(name: str, whole: dict[str, Any], deltas: list[Optional[dict[str, Any]
             "state": state, "state_fill": fill}
 
 
-def _note_path(version_dir: str, ps_id: int, num_ps: int) -> str:
-    return os.path.join(version_dir, f"ps-{ps_id}-of-{num_ps}.delta.json")
-
-
 def write_delta_note(version_dir: str, ps_id: int, num_ps: int,
                      delta: Optional[dict[str, int]]) -> None:
-    """Beside a delta shard, the versions it needs (torch-free: retention and uploads
-    read it); a whole shard has none."""
-    path = _note_path(version_dir, ps_id, num_ps)
+    """Beside a delta shard, the versions it needs (torch-free: retention and downloads
+    read it, :func:`elasticdl.checkpoint.paths.delta_notes`); a whole shard has none."""
+    path = os.path.join(version_dir, f"ps-{ps_id}-of-{num_ps}{paths.DELTA_NOTE}")
     if delta is None:
         if os.path.exists(path):
             os.remove(path)
@@ -159,16 +156,6 @@ def write_delta_note(version_dir: str, ps_id: int, num_ps: int,
     os.replace(path + ".tmp", path)
 
 
-def needed_versions(version_dir: str) -> int:
-    """The oldest version the shards of ``version_dir`` need (its own when whole)."""
-    oldest = ckpt.version_of(version_dir)
-    for name in os.listdir(version_dir):
-        if name.endswith(".delta.json"):
-            with open(os.path.join(version_dir, name), encoding="utf-8") as f:
-                oldest = min(oldest, int(json.load(f)["full_version"]))
-    return oldest
-
-
 def mark_done(checkpoint_dir: str, version: int, keep_max: int = 0) -> None:
     """Mark a PS checkpoint version complete and keep the newest ``keep_max`` (0: all),
     with every version a kept delta is folded from."""
@@ -177,7 +164,7 @@ def mark_done(checkpoint_dir: str, version: int, keep_max: int = 0) -> None:
         return
     versions = ckpt.complete_versions(checkpoint_dir)
     kept = versions[-keep_max:]
-    floor = min(needed_versions(ckpt.version_dir(checkpoint_dir, v)) for v in kept)
+    floor = min(paths.oldest_needed(ckpt.version_dir(checkpoint_dir, v)) for v in kept)
     for old in versions[:-keep_max]:
         if old < floor:
             shutil.rmtree(ckpt.version_dir(checkpoint_dir, old), ignore_errors=True)

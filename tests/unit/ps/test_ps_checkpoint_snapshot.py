@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -103,6 +104,10 @@ def test_checkpoint_cut_while_another_thread_pushes_is_one_moment(tmp_path, monk
     thread.start()
     try:
         paths = [shard_ckpt.save_shard(live, str(tmp_path)) for _ in range(3)]  # whole, deltas
+        last_cut = live.last_checkpoint_version
+        deadline = time.monotonic() + 30
+        while live.version <= last_cut and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         stop.set()
         thread.join()
