@@ -6,7 +6,8 @@ async so that every push is applied at once, a checkpoint directory) holds a tab
 gradient: every row gets its Adagrad state). Then:
 
 1. the PS's RSS growth / rows = ``bytes_per_row`` (payload: 64 B weights + 64 B Adagrad
-   sum + 8 B step = 136 B);
+   sum + 8 B step = 136 B); ``marginal_bytes_per_row``: the growth over the second half
+   of the rows alone (without fixed costs: RPC buffers, the first allocations);
 2. a second client pulls and pushes 4,096 hot ids in a loop (its idle round trip is
    measured first); a checkpoint (the ``save_checkpoint`` RPC) is taken while it runs:
    ``checkpoint_block_ms`` is the longest hot round trip during the checkpoint;
@@ -170,15 +171,22 @@ def run(rows: int, extra: dict[str, Any], workdir: str) -> dict[str, Any]:
             ids = np.unique(np.concatenate([ids, more]))[:rows]
         np.random.default_rng(1).shuffle(ids)
         start = time.monotonic()
+        half = None
         for lo in range(0, rows, BATCH):
+            if half is None and lo >= rows // 2:
+                half = (lo, rss_mb(pid))
             part = np.sort(ids[lo:lo + BATCH])
             client.pull_embedding_unique("emb", part, DIM)
             grad = torch.full((part.shape[0], DIM), 0.1)
             client.push_gradients(0, 0, {}, [("emb", part, grad)]).result()
         out["touch_s"] = round(time.monotonic() - start, 2)
-        growth = rss_mb(pid) - before
+        after = rss_mb(pid)
+        growth = after - before
         out["rss_growth_mb"] = round(growth, 1)
         out["bytes_per_row"] = round(growth * 2**20 / rows, 1)
+        if half is not None:   # the second half's rows alone: without the fixed costs
+            out["marginal_bytes_per_row"] = round((after - half[1]) * 2**20 / (rows - half[0]),
+                                                  1)
 
         hot = HotLoop(addr, np.sort(ids[:min(HOT, rows)]))
         idle = sorted(hot.round() for _ in range(15))

@@ -27,6 +27,8 @@ from typing import Optional, Protocol
 import numpy as np
 import torch
 
+from elasticdl.ps import row_arena
+
 CHUNK_ROWS = 1 << 15   # 32,768 rows (4.5 MB of weights + Adagrad state at dim 16)
 
 
@@ -60,10 +62,10 @@ class TableSnapshot:
         n = self.size if slots is None else int(slots.shape[0])
         self.rows = n
         dim = table.weights.shape[1]
-        # allocated, not touched: large blocks are mapped lazily, the copy fills them
-        self.ids = np.empty(n, dtype=np.int64)
-        self.weights = torch.empty((n, dim), dtype=table.weights.dtype)
-        self.state = {k: torch.empty((n,) + tuple(v.shape[1:]), dtype=v.dtype)
+        # mapped, not touched (the copy fills them), unmapped once written and dropped
+        self.ids = row_arena.buffer(n, (), torch.int64).numpy()
+        self.weights = row_arena.buffer(n, (dim,), table.weights.dtype)
+        self.state = {k: row_arena.buffer(n, tuple(v.shape[1:]), v.dtype)
                       for k, v in table.state.items()}
         self.saved = np.zeros(n, dtype=bool)   # copied ahead of the chunk copy by a writer
         self.pos = 0                           # positions [0, pos) are copied
