@@ -58,7 +58,8 @@ def save_shard(shard: PSShard, checkpoint_dir: str, version: Optional[int] = Non
     the job wrote its file.
 
     Raises:
-        CheckpointError: (``wait``) the write failed; the next checkpoint is whole.
+        NotInitializedError: the PS has no model.
+        CheckpointError, OSError: (``wait``) the write failed; the next checkpoint is whole.
     """
     job = cut(shard, checkpoint_dir, version, keep_max)
     with shard.lock:
