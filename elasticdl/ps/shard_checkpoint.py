@@ -46,6 +46,8 @@ from elasticdl.ps.shard import NotInitializedError, PSShard
 
 logger = logging.getLogger(__name__)
 
+CHUNK_PAUSE_S = 0.0005   # between two chunk copies, outside the lock
+
 
 def save_shard(shard: PSShard, checkpoint_dir: str, version: Optional[int] = None,
                keep_max: int = 0, wait: bool = True) -> str:
@@ -207,6 +209,9 @@ class CheckpointWriter:
                     longest = max(longest, time.monotonic() - start)
                 if finished:
                     break
+                # let the pushes and pulls waiting for the lock in: the lock is not fair,
+                # and this thread would otherwise take it back at once, chunk after chunk
+                time.sleep(CHUNK_PAUSE_S)
         return longest
 
     def _write(self, job: Cut) -> str:
