@@ -6,11 +6,13 @@ marker exists.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 _VERSION_DIR = re.compile(r"^version-(\d+)$")
 DONE = "DONE"
+DELTA_NOTE = ".delta.json"   # beside a delta shard: ps-<i>-of-<n>.delta.json
 
 
 class CheckpointError(RuntimeError):
@@ -105,3 +107,22 @@ def check_fresh_checkpoint_dir(checkpoint_dir: str, checkpoint_dir_for_init: str
         f"--checkpoint_dir {checkpoint_dir} already holds checkpoints of an earlier run "
         f"(version-{versions[-1]}); to continue it pass "
         f"--checkpoint_dir_for_init={checkpoint_dir}, otherwise use an empty directory")
+
+
+def delta_notes(version_path: str) -> dict[str, dict[str, int]]:
+    """The delta shards of a PS checkpoint version: ``{shard file: {"prev_version",
+    "full_version"}}`` from the notes written beside them (a whole shard has none)."""
+    out = {}
+    for name in sorted(os.listdir(version_path)):
+        if name.endswith(DELTA_NOTE):
+            with open(os.path.join(version_path, name), encoding="utf-8") as f:
+                out[name[:-len(DELTA_NOTE)] + ".pt"] = {k: int(v) for k, v in
+                                                        json.load(f).items()}
+    return out
+
+
+def oldest_needed(version_path: str) -> int:
+    """The oldest version a PS checkpoint version needs to be read whole (the whole
+    checkpoint its deltas start from; its own version when it has no delta)."""
+    return min([version_of(version_path)] +
+               [n["full_version"] for n in delta_notes(version_path).values()])

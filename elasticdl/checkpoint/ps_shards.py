@@ -4,10 +4,17 @@ Layout (shared with :mod:`elasticdl.checkpoint.single`)::
 
     checkpoint_dir/version-N/ps-<i>-of-<n>.pt   one per PS
     checkpoint_dir/version-N/trained-ps-<i>-of-<n>.json   its data position
+    checkpoint_dir/version-N/ps-<i>-of-<n>.delta.json     only beside a delta shard
     checkpoint_dir/version-N/DONE               once all n shards are there
 
 Each file holds the shard's parameters, optimizer state, learning-rate
-schedule (scheduler state and the epoch it is at) and ledger. This module is the
+schedule (scheduler state and the epoch it is at) and ledger, and its embedding rows:
+all of them (a *whole* shard), or only the rows changed since the PS's previous
+checkpoint (a *delta*: ``"delta": {"prev_version", "full_version"}``, per table the rows'
+``slots`` and the table's ``size`` at the cut). A delta is read as the whole shard it
+completes: :func:`load_shard` folds the chain (the whole one, then each delta in order)
+by slot, so every reader gets whole tables. Retention (:func:`mark_done`) keeps the
+versions the kept ones are deltas of. This module is the
 file format (:func:`shard_path`, :func:`load_shards`, :func:`tables_of`) and the export:
 :func:`export_state_dict` rebuilds the plain model state dict a user loads with
 ``model.load_state_dict`` without elasticdl. Saving and restoring a live shard is the
@@ -16,15 +23,18 @@ PS's (:mod:`elasticdl.ps.shard_checkpoint`).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from elasticdl.checkpoint import paths
 from elasticdl.checkpoint import single as ckpt
 from elasticdl.common.sparse_tables import SparseRows, sort_rows
 from elasticdl.common.tables import TableSpec
@@ -54,8 +64,110 @@ def load_shards(version_dir: str) -> list[dict[str, Any]]:
     n = counts.pop()
     if [i for i, _ in found] != list(range(n)):
         raise ckpt.CheckpointError(f"{vdir}: shards {[i for i, _ in found]} of {n} present")
-    return [torch.load(shard_path(vdir, i, n), map_location="cpu", weights_only=True)
-            for i in range(n)]
+    return [load_shard(vdir, i, n) for i in range(n)]
+
+
+def _load(path: str) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_shard(version_dir: str, ps_id: int, num_ps: int) -> dict[str, Any]:
+    """Shard ``ps_id`` of ``version_dir`` with whole tables: a delta is folded onto the
+    whole shard its chain starts from (the delta's own dense parameters, optimizer
+    state, ledger and version are the state's).
+
+    Raises:
+        CheckpointError: a shard the chain needs is missing, or does not match.
+    """
+    path = shard_path(version_dir, ps_id, num_ps)
+    chain = [_load(path)]
+    while chain[-1].get("delta"):
+        prev = int(chain[-1]["delta"]["prev_version"])
+        prev_path = shard_path(ckpt.version_dir(os.path.dirname(os.path.normpath(
+            version_dir)), prev), ps_id, num_ps)
+        if not os.path.exists(prev_path):
+            raise ckpt.CheckpointError(f"{path} is a delta of version {prev}, whose shard "
+                                       f"{prev_path} is missing")
+        chain.append(_load(prev_path))
+    whole = chain.pop()
+    if not chain:
+        return whole
+    deltas = chain[::-1]   # oldest first
+    out = dict(deltas[-1])
+    out.pop("delta")
+    out["tables"] = {name: _fold(name, t, [d["tables"].get(name) for d in deltas], path)
+                     for name, t in whole["tables"].items()}
+    return out
+
+
+def _fold(name: str, whole: dict[str, Any], deltas: list[Optional[dict[str, Any]]],
+          path: str) -> dict[str, Any]:
+    """One table of a whole shard with its deltas applied (oldest first), by slot."""
+    n0 = int(whole["ids"].shape[0])
+    size = max([n0] + [int(d["size"]) for d in deltas if d is not None])
+    ids = np.empty(size, dtype=np.int64)
+    ids[:n0] = whole["ids"].numpy()
+    weights = whole["weights"]
+    state = dict(whole["state"])
+    fill = dict(whole["state_fill"])
+    for d in deltas:
+        if d is not None:
+            fill.update(d["state_fill"])
+            for k, v in d["state"].items():
+                if k not in state:   # created after the whole one: every row at its fill
+                    state[k] = torch.full((n0,) + tuple(v.shape[1:]), fill[k], dtype=v.dtype)
+    if size > n0:   # grown once, to the newest size
+        weights = torch.cat([weights, weights.new_empty((size - n0,) + weights.shape[1:])])
+        state = {k: torch.cat([v, v.new_full((size - n0,) + tuple(v.shape[1:]), fill[k])])
+                 for k, v in state.items()}
+    known = n0
+    for d in deltas:
+        if d is None:
+            continue
+        slots = d["slots"].numpy()
+        d_ids = d["ids"].numpy()
+        old = slots < known
+        if not np.array_equal(ids[slots[old]], d_ids[old]) or \
+                not np.array_equal(np.sort(slots[~old]), np.arange(known, int(d["size"]))):
+            raise ckpt.CheckpointError(f"{path}: table {name!r}: a delta does not match the "
+                                       "rows it applies to")
+        ids[slots] = d_ids
+        st = torch.from_numpy(slots)
+        weights.index_copy_(0, st, d["weights"])
+        for k, v in d["state"].items():
+            state[k].index_copy_(0, st, v)
+        known = max(known, int(d["size"]))
+    return {"spec": whole["spec"], "ids": torch.from_numpy(ids), "weights": weights,
+            "state": state, "state_fill": fill}
+
+
+def write_delta_note(version_dir: str, ps_id: int, num_ps: int,
+                     delta: Optional[dict[str, int]]) -> None:
+    """Beside a delta shard, the versions it needs (torch-free: retention and downloads
+    read it, :func:`elasticdl.checkpoint.paths.delta_notes`); a whole shard has none."""
+    path = os.path.join(version_dir, f"ps-{ps_id}-of-{num_ps}{paths.DELTA_NOTE}")
+    if delta is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    os.makedirs(version_dir, exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(delta, f)
+    os.replace(path + ".tmp", path)
+
+
+def mark_done(checkpoint_dir: str, version: int, keep_max: int = 0) -> None:
+    """Mark a PS checkpoint version complete and keep the newest ``keep_max`` (0: all),
+    with every version a kept delta is folded from."""
+    ckpt.mark_done(checkpoint_dir, version, 0)
+    if keep_max <= 0:
+        return
+    versions = ckpt.complete_versions(checkpoint_dir)
+    kept = versions[-keep_max:]
+    floor = min(paths.oldest_needed(ckpt.version_dir(checkpoint_dir, v)) for v in kept)
+    for old in versions[:-keep_max]:
+        if old < floor:
+            shutil.rmtree(ckpt.version_dir(checkpoint_dir, old), ignore_errors=True)
 
 
 def tables_of(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -25,7 +25,14 @@ import shutil
 import threading
 from typing import Optional
 
-from elasticdl.checkpoint.paths import DONE, CheckpointError, complete_versions, version_dir
+from elasticdl.checkpoint.paths import (
+    DONE,
+    CheckpointError,
+    complete_versions,
+    delta_notes,
+    oldest_needed,
+    version_dir,
+)
 from elasticdl.data import fs
 from elasticdl.data.api import DataError
 
@@ -71,6 +78,19 @@ def _download_tree(url: str, local: str) -> None:
         fs.download(fs.join(url, DONE), os.path.join(local, DONE))
 
 
+def _download_chain(base: str, local_dir: str, version: int) -> None:
+    """The versions the PS delta shards of ``version`` are folded onto, back to their
+    whole ones (:mod:`elasticdl.checkpoint.ps_shards`)."""
+    todo = [version]
+    while todo:
+        vdir = version_dir(local_dir, todo.pop())
+        for shard, note in delta_notes(vdir).items():
+            prev = version_dir(local_dir, note["prev_version"])
+            if not os.path.exists(os.path.join(prev, shard)):
+                _download_tree(fs.join(base, f"version-{note['prev_version']}"), prev)
+                todo.append(note["prev_version"])
+
+
 def download_checkpoint(url: str, local_dir: str) -> str:
     """Download the checkpoint ``url`` names into ``local_dir``; returns the local path to
     give where the URL was (the directory, or the ``version-N`` directory).
@@ -95,6 +115,7 @@ def download_checkpoint(url: str, local_dir: str) -> str:
         if not is_dir:
             fs.download(fs.join(base, name), os.path.join(local_dir, name))
     _download_tree(fs.join(base, f"version-{version}"), version_dir(local_dir, version))
+    _download_chain(base, local_dir, version)
     logger.info("checkpoint version %d downloaded from %s to %s", version, fs.redact(base),
                 local_dir)
     return version_dir(local_dir, version) if m else local_dir
@@ -133,7 +154,12 @@ class CheckpointMirror:
                 if self._upload_version(v):
                     self.uploaded.add(v)
             if self.keep_max > 0:
-                for v in sorted(self.uploaded | self.already)[:-self.keep_max]:
+                ordered = sorted(self.uploaded | self.already)
+                # a kept version's PS deltas need the versions back to their whole ones
+                kept = [version_dir(self.local_dir, v) for v in ordered[-self.keep_max:]]
+                floor = min((oldest_needed(d) for d in kept if os.path.isdir(d)),
+                            default=ordered[-1] if ordered else 0)
+                for v in [v for v in ordered[:-self.keep_max] if v < floor]:
                     fs.remove(fs.join(self.url, f"version-{v}"))
                     self.uploaded.discard(v)
                     self.already.discard(v)

@@ -65,6 +65,17 @@ def _matches(role: str, mine: str, exporting: bool) -> bool:
     return "-" not in role and mine.split("-")[0] == role
 
 
+def armed(name: str, *, exporting: bool = False) -> bool:
+    """Whether the next :func:`point` ``name`` of this process would die (its entry may
+    still have fired already in an earlier process of the job)."""
+    text = os.environ.get(POINTS_ENV, "")
+    if not text or not _role:
+        return False
+    hits = _hits.get(name, 0) + 1
+    return any(pt == name and n == hits and _matches(role, _role[0], exporting)
+               for role, pt, n in parse(text))
+
+
 def point(name: str, *, exporting: bool = False) -> None:
     """Die here (SIGKILL, as ``kill -9``) when this process's role and ``name`` are
     listed and that entry has not fired in this job yet."""

@@ -102,6 +102,10 @@ class JobSpec:
     checkpoint_steps: int = _f(0, "Checkpoint every N model versions (0: never)", "training",
                                min=0)
     keep_checkpoint_max: int = _f(0, "Checkpoints kept (0 keeps all)", "training", min=0)
+    full_checkpoint_every: int = _f(
+        8, "ParameterServerStrategy: every Nth checkpoint of a PS holds its whole tables, "
+        "the others only the rows changed since the previous one (1: always whole)",
+        "training", min=1)
     checkpoint_dir_for_init: str = _f("", "Checkpoint (or checkpoint dir) to resume from",
                                       "training")
     output: str = _f("", "Output directory: final model, predictions, job_report.json",

@@ -111,17 +111,24 @@ def shard_config(args: PSArgs) -> ShardConfig:
                        checkpoint_dir=spec.checkpoint_dir,
                        checkpoint_steps=spec.checkpoint_steps,
                        keep_checkpoint_max=spec.keep_checkpoint_max,
+                       full_checkpoint_every=spec.full_checkpoint_every,
                        minibatch_size=spec.minibatch_size)
 
 
 def checkpoint_every_n(shard: PSShard) -> None:
     """``on_version`` hook: write the shard every ``checkpoint_steps`` versions (the
     job's one :class:`Schedule` rule; every PS applies versions one by one, so all
-    PS write the same versions)."""
+    PS write the same versions). Called under the shard lock: the checkpoint is cut
+    there (milliseconds) and written in the background. A fault point after a version
+    fires once the checkpoints cut so far are on disk, so a test's kill "after version
+    N" follows the checkpoints up to N, as when they were written in place."""
     cfg = shard.config
     schedule = Schedule(checkpoint_steps=cfg.checkpoint_steps if cfg.checkpoint_dir else 0)
     if schedule.checkpoint_due(shard.version, shard.last_checkpoint_version):
-        shard_ckpt.save_shard(shard, cfg.checkpoint_dir, shard.version, cfg.keep_checkpoint_max)
+        shard_ckpt.save_shard(shard, cfg.checkpoint_dir, shard.version, cfg.keep_checkpoint_max,
+                              wait=False)
+    if faults.armed("after_version"):
+        shard_ckpt.flush_under_lock(shard)
     faults.point("after_version")
 
 
@@ -192,6 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     while not stop.wait(1.0):
         pass
     server.stop(args.grace_s).wait(args.grace_s + 1)
+    shard_ckpt.flush(shard)   # the checkpoints cut before the stop
     logger.info("PS %d stopped at version %d", args.ps_id, shard.version)
     write_ledger(shard, args.job_spec.output)
     return 0

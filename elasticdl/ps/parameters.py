@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from elasticdl.common.tables import TableSpec, dense_owner, local_rows
+from elasticdl.ps import row_arena
+from elasticdl.ps.row_snapshot import TableSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -41,25 +43,39 @@ DIRECT_INDEX_MAX = 1 << 22
 
 
 class SlotIndex:
-    """Local id -> slot of the rows present (-1: absent), vectorised."""
+    """Local id -> slot of the rows present (-1: absent), vectorised.
 
-    def __init__(self, local_size: int):
+    Up to ``DIRECT_INDEX_MAX`` local ids a direct array; beyond, sorted keys and their
+    slots, over reserved address space when ``reserve`` rows can be (inserted in place,
+    :func:`row_arena.merge_into`: no copy of the index per insert), else arrays that
+    ``np.insert`` replaces."""
+
+    def __init__(self, local_size: int, reserve: int = 0):
         self.direct = local_size <= DIRECT_INDEX_MAX
         self._local_size = max(local_size, 0)
         self._array: Optional[np.ndarray] = None  # direct mode
-        self._keys = np.empty(0, dtype=np.int64)  # sorted mode
-        self._values = np.empty(0, dtype=np.int64)
+        keys = None if self.direct else row_arena.array(reserve, np.int64)
+        values = None if keys is None else row_arena.array(
+            reserve, np.int32 if reserve < 2**31 else np.int64)
+        self._in_place = keys is not None and values is not None
+        self._keys = keys if keys is not None and values is not None else \
+            np.empty(0, dtype=np.int64)   # sorted mode: keys[:n], values[:n]
+        self._values = values if keys is not None and values is not None else \
+            np.empty(0, dtype=np.int64)
+        self._n = 0
 
     def find(self, local: np.ndarray) -> np.ndarray:
         if self.direct:
             if self._array is None:
                 return np.full(local.shape[0], -1, dtype=np.int64)
             return self._array[local]
-        if self._keys.shape[0] == 0:
+        n = self._n
+        if n == 0:
             return np.full(local.shape[0], -1, dtype=np.int64)
-        pos = np.searchsorted(self._keys, local)
-        np.minimum(pos, self._keys.shape[0] - 1, out=pos)
-        return np.where(self._keys[pos] == local, self._values[pos], -1)
+        keys = self._keys[:n]
+        pos = np.searchsorted(keys, local)
+        np.minimum(pos, n - 1, out=pos)
+        return np.where(keys[pos] == local, self._values[:n][pos].astype(np.int64), -1)
 
     def insert(self, local: np.ndarray, slots: np.ndarray) -> None:
         """Add ids not present yet."""
@@ -70,15 +86,22 @@ class SlotIndex:
             return
         order = np.argsort(local, kind="stable")
         local, slots = local[order], slots[order]
-        pos = np.searchsorted(self._keys, local)
-        self._keys = np.insert(self._keys, pos, local)
-        self._values = np.insert(self._values, pos, slots)
+        n = self._n
+        if self._in_place and n + local.shape[0] <= self._keys.shape[0]:
+            self._n = row_arena.merge_into(self._keys, self._values, n, local, slots)
+            return
+        self._in_place = False   # out of reserved space: arrays replaced per insert
+        keys, values = self._keys[:n], self._values[:n]
+        pos = np.searchsorted(keys, local)
+        self._keys = np.insert(keys, pos, local)
+        self._values = np.insert(values, pos, slots)
+        self._n = self._keys.shape[0]
 
     @property
     def nbytes(self) -> int:
         if self.direct:
             return 0 if self._array is None else self._array.nbytes
-        return self._keys.nbytes + self._values.nbytes
+        return self._n * (self._keys.itemsize + self._values.itemsize)
 
 
 class EmbeddingTable:
@@ -86,7 +109,9 @@ class EmbeddingTable:
 
     Rows live in ``weights[:size]``; ``row_ids[:size]`` says which id each
     slot holds; ``state[name][:size]`` are optimizer statistics aligned with
-    the rows (created by :meth:`ensure_state`).
+    the rows (created by :meth:`ensure_state`). ``dirty[:size]`` marks the rows created
+    or updated since the last checkpoint's cut (a delta's rows); ``snapshot``, while a
+    checkpoint copies this table, is told of every update first (:meth:`before_update`).
     """
 
     def __init__(self, spec: TableSpec, ps_id: int, num_ps: int, capacity: int = 1024):
@@ -94,10 +119,22 @@ class EmbeddingTable:
         self.ps_id = ps_id
         self.num_ps = num_ps
         local = local_rows(spec.num_embeddings, ps_id, num_ps)
-        self._index = SlotIndex(local)
         capacity = min(capacity, max(local, 1))
         self.weights = torch.empty((capacity, spec.dim), dtype=spec.dtype)
         self.row_ids = np.empty(capacity, dtype=np.int64)
+        self.dirty = np.zeros(capacity, dtype=bool)
+        # a big lazy table: rows over reserved address space (row_arena), never copied
+        self._reserved = 0
+        if spec.rows is None:
+            most = row_arena.reserve_rows(spec.dim * self.weights.element_size(), local)
+            weights = row_arena.reserve(most, (spec.dim,), spec.dtype)
+            row_ids = row_arena.array(most, np.int64) if weights is not None else None
+            dirty = row_arena.array(most, np.bool_) if row_ids is not None else None
+            if weights is not None and row_ids is not None and dirty is not None:
+                self.weights, self.row_ids, self.dirty = weights, row_ids, dirty
+                self._reserved = most
+        self._index = SlotIndex(local, self._reserved)
+        self.snapshot: Optional[TableSnapshot] = None
         self.state: dict[str, torch.Tensor] = {}
         self._state_fill: dict[str, float] = {}
         self.size = 0
@@ -115,6 +152,7 @@ class EmbeddingTable:
             self.weights = rows.contiguous()
             self.row_ids = np.arange(ps_id, spec.num_embeddings, num_ps, dtype=np.int64)
             self._index.insert(self.row_ids // num_ps, np.arange(local, dtype=np.int64))
+            self.dirty = np.ones(local, dtype=bool)
             self.size = local
 
     def ensure_state(self, name: str, fill: float = 0.0, per_row_scalar: bool = False) -> None:
@@ -122,10 +160,19 @@ class EmbeddingTable:
         if name in self.state:
             return
         cap = self.weights.shape[0]
-        shape = (cap,) if per_row_scalar else (cap, self.spec.dim)
+        tail = () if per_row_scalar else (self.spec.dim,)
         dtype = torch.float64 if per_row_scalar else self.spec.dtype
-        self.state[name] = torch.full(shape, fill, dtype=dtype)
         self._state_fill[name] = fill
+        if self._reserved:
+            reserved = row_arena.reserve(cap, tail, dtype)   # zeros, no page touched
+            if reserved is not None:
+                if fill != 0.0:
+                    reserved[:self.size] = fill   # later rows: as they are added
+                self.state[name] = reserved
+                return
+            self._leave_arena(self.size)
+            cap = self.weights.shape[0]
+        self.state[name] = torch.full((cap,) + tail, fill, dtype=dtype)
 
     def check_ids(self, ids: np.ndarray, what: str = "") -> None:
         """Raises ValueError if an id is out of range or belongs to another PS."""
@@ -157,17 +204,29 @@ class EmbeddingTable:
             slots = self._index.find(local)
         return torch.from_numpy(slots)
 
-    def _grow(self, need: int) -> None:
+    def _leave_arena(self, need: int) -> None:
+        """Move the rows to ordinary tensors (the reserved space is exhausted or a
+        reservation was refused); they grow by doubling from now on."""
+        self._reserved = 0
+        self._grow(need, force=True)
+
+    def _grow(self, need: int, force: bool = False) -> None:
         cap = self.weights.shape[0]
-        if need <= cap:
+        if need <= cap and not force:
             return
-        new_cap = max(need, 2 * cap)
+        if self._reserved:
+            self._leave_arena(need)
+            return
+        new_cap = max(need, 2 * self.size, 1024)
         weights = torch.empty((new_cap, self.spec.dim), dtype=self.spec.dtype)
         weights[:self.size] = self.weights[:self.size]
         self.weights = weights
         row_ids = np.empty(new_cap, dtype=np.int64)
         row_ids[:self.size] = self.row_ids[:self.size]
         self.row_ids = row_ids
+        dirty = np.zeros(new_cap, dtype=bool)
+        dirty[:self.size] = self.dirty[:self.size]
+        self.dirty = dirty
         for name, old in self.state.items():
             grown = torch.full((new_cap,) + tuple(old.shape[1:]), self._state_fill[name],
                                dtype=old.dtype)
@@ -181,11 +240,34 @@ class EmbeddingTable:
         self._grow(start + n)
         self.weights[start:start + n] = values
         self.row_ids[start:start + n] = ids
+        self.dirty[start:start + n] = True
         self._index.insert(ids // self.num_ps, np.arange(start, start + n, dtype=np.int64))
-        for name, rows in (state or {}).items():
-            if name in self.state:
-                self.state[name][start:start + n] = rows
+        given = state or {}
+        for name, rows in self.state.items():
+            if name in given:
+                rows[start:start + n] = given[name]
+            elif self._reserved and self._state_fill[name] != 0.0:
+                rows[start:start + n] = self._state_fill[name]
         self.size = start + n
+
+    def before_update(self, slots: torch.Tensor) -> None:
+        """Rows ``slots`` are about to change (lock held): they belong to the next
+        delta, and a snapshot being copied takes them as they are first."""
+        s = slots.numpy()
+        self.dirty[s] = True
+        if self.snapshot is not None:
+            self.snapshot.preserve(s)
+
+    def cut(self, full: bool) -> TableSnapshot:
+        """Start a snapshot of every row (``full``) or of the rows changed since the
+        last cut, and clear the dirty marks (lock held; the copy runs later)."""
+        if self.snapshot is not None:
+            self.snapshot.finish()
+        n = self.size
+        snap = TableSnapshot(self, None if full else np.flatnonzero(self.dirty[:n]))
+        self.dirty[:n] = False
+        self.snapshot = snap
+        return snap
 
     def lookup(self, ids: np.ndarray, create: bool = True) -> torch.Tensor:
         """Rows of ``ids``, shape (len(ids), dim). New rows are created, or with
@@ -203,6 +285,21 @@ class EmbeddingTable:
             mask = torch.from_numpy(present)
             out[mask] = self.weights.index_select(0, torch.from_numpy(slots_np[present]))
         return out
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the rows, their state and the index take: the rows in use when they
+        are over reserved address space (row_arena), else the allocated capacity."""
+        rows = self.size if self._reserved else self.weights.shape[0]
+        per_row = self.weights.element_size() * self.spec.dim + self.row_ids.itemsize + \
+            self.dirty.itemsize + sum(v.element_size() * (v.nelement() // max(v.shape[0], 1))
+                                      for v in self.state.values())
+        return rows * per_row + self._index.nbytes
+
+    @property
+    def state_fill(self) -> dict[str, float]:
+        """The value each optimizer statistic starts from (a row never updated)."""
+        return dict(self._state_fill)
 
     def state_dict(self) -> dict[str, object]:
         n = self.size

@@ -54,6 +54,7 @@ from elasticdl.ps.audit import AuditLog
 from elasticdl.ps.embedding_optimizer import RowOptimizer, refresh_row_optimizer
 from elasticdl.ps.parameters import Parameters
 from elasticdl.ps.push import GradientPush, Group, PushResult, coalesce, validate
+from elasticdl.ps.row_snapshot import CheckpointChain
 from elasticdl.ps.schedule import ShardSchedule, build_optimizers
 
 logger = logging.getLogger(__name__)
@@ -85,12 +86,15 @@ class ShardConfig:
     checkpoint_dir: str = ""
     checkpoint_steps: int = 0
     keep_checkpoint_max: int = 0
+    full_checkpoint_every: int = 8   # every Nth checkpoint whole, the others deltas
     minibatch_size: int = 0   # records per minibatch: a ledger's minibatch k starts at
     #                           (k - 1) * minibatch_size in its task (data position)
 
     def __post_init__(self) -> None:
         if not 0 <= self.ps_id < self.num_ps:
             raise ValueError(f"ps_id {self.ps_id} out of range for num_ps {self.num_ps}")
+        if self.full_checkpoint_every < 1:
+            raise ValueError("full_checkpoint_every >= 1 is required")
         if self.grads_to_wait < 1 or self.sync_version_tolerance < 0 or \
                 not 0 <= self.sync_wait_min_s <= self.sync_wait_s:
             raise ValueError("grads_to_wait >= 1, sync_version_tolerance >= 0 and "
@@ -132,6 +136,8 @@ class PSShard:
         self._cond = threading.Condition(threading.RLock())
         self._on_version = on_version
         self.last_checkpoint_version = 0   # the version last written (or restored)
+        self.chain = CheckpointChain()     # the full + deltas this PS writes (a restore: none)
+        self.checkpoint_writer: Any = None  # the background writer (shard_checkpoint)
         self.awaiting_rollback = False  # set by a relaunched PS until the master rolls back
         self.job_spec: Any = None       # the job (restore rule checks of rollback requests)
         # the last rollback's (protocol id, master incarnation, new version) and answer
@@ -182,6 +188,7 @@ class PSShard:
             if self.audit is not None:   # the audit trail follows the restored history
                 self.audit.truncate_after(params.version)
             self.last_checkpoint_version = params.version
+            self.chain = CheckpointChain()   # the next checkpoint is whole
             self._drop_group()
             self._cond.notify_all()
             logger.info("PS %d initialised at version %d: %d dense, %d tables, %d applied "
@@ -422,6 +429,7 @@ class PSShard:
                     table = self.params.tables[table_name]
                     ids, grad = coalesce(parts)
                     slots = table.slots(ids)
+                    table.before_update(slots)   # the next delta; a snapshot copies first
                     self.row_optimizer.apply(table, slots, grad.mul_(scale))
         schedule.after_update()
         self.params.version += 1

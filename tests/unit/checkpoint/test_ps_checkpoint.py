@@ -143,8 +143,14 @@ def test_done_marker_only_when_all_shards_written_and_retention(tmp_path):
     for v in (2, 3):
         for s in shards:
             shard_ckpt.save_shard(s, d, v, keep_max=2)
-    assert ckpt.complete_versions(d) == [2, 3]
+    # 2 and 3 are deltas of version 1 (whole): retention keeps what they are read from
+    assert ckpt.complete_versions(d) == [1, 2, 3]
     assert ckpt_api.latest(d) == ckpt.version_dir(d, 3)
+    for v in (4, 5):   # whole ones (the chain started over)
+        for s in shards:
+            s.chain.since_full = s.config.full_checkpoint_every
+            shard_ckpt.save_shard(s, d, v, keep_max=2)
+    assert ckpt.complete_versions(d) == [4, 5]
 
 
 def test_restore_rejects_mixed_shard_counts(tmp_path):

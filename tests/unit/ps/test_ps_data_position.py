@@ -37,6 +37,7 @@ def test_ps_checkpoints_record_the_applied_minibatches_as_record_offsets(tmp_pat
         _push(shard, 7, k, MB if k < 7 else 1)
     _push(shard, 7, 3)                       # a duplicate: not applied, no new version
     assert shard.version == 7
+    shard_ckpt.flush(shard)                  # written in the background
     assert complete_versions(ckpt) == [3, 6]
     assert dp.read_trained(version_dir(ckpt, 3)) == {7: {0: MB, 4: MB, 8: MB}}
     assert dp.read_trained(version_dir(ckpt, 6)) == {7: {o: MB for o in range(0, 24, MB)}}
@@ -51,11 +52,13 @@ def test_restored_ps_goes_on_from_the_restored_version(tmp_path):
     shard.initialize(0, {"w": torch.zeros(2)}, {}, [])
     for k in range(1, 5):
         _push(shard, 1, k)
+    shard_ckpt.flush(shard)                  # written in the background
     again = _shard(str(tmp_path / "next"))
     shard_ckpt.restore_shard(again, version_dir(ckpt, 3))
     assert again.version == again.last_checkpoint_version == 3
     for k in range(4, 7):                       # versions 4..6: the next multiple is 6
         _push(again, 1, k)
+    shard_ckpt.flush(again)
     assert complete_versions(str(tmp_path / "next")) == [6]
     assert dp.read_trained(version_dir(str(tmp_path / "next"), 6)) == {
         1: {o: MB for o in range(0, 24, MB)}}

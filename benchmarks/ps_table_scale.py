@@ -1,0 +1,266 @@
+"""Embedding tables at scale on one PS: memory per row, checkpoints under training, restore.
+
+One PS process through the real servicer (``PServicer`` over a ``PSShard``, Adagrad rows,
+async so that every push is applied at once, a checkpoint directory) holds a table of
+2^40 ids x 16 float32. A client touches ``--rows`` distinct ids (pull, then push a
+gradient: every row gets its Adagrad state). Then:
+
+1. the PS's RSS growth / rows = ``bytes_per_row`` (payload: 64 B weights + 64 B Adagrad
+   sum + 8 B step = 136 B); ``marginal_bytes_per_row``: the growth over the second half
+   of the rows alone (without fixed costs: RPC buffers, the first allocations);
+2. a second client pulls and pushes 4,096 hot ids in a loop (its idle round trip is
+   measured first); a checkpoint (the ``save_checkpoint`` RPC) is taken while it runs:
+   ``checkpoint_block_ms`` is the longest hot round trip during the checkpoint;
+3. only the hot rows change, then a second checkpoint: ``delta_ratio`` is its size over
+   the first's (1.0: a full copy again);
+4. a new shard in this process restores the newest checkpoint: ``restore_s``.
+
+``evict_rss_ratio`` is null: no eviction exists yet.
+
+Run:  python benchmarks/ps_table_scale.py --rows 1000000 [--full_checkpoint_every K]
+      python benchmarks/ps_table_scale.py --smoke        (seconds)
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NUM_IDS = 1 << 40
+DIM = 16
+HOT = 4096
+BATCH = 65536
+
+
+def _optimizer(params: Any) -> Any:
+    import torch
+
+    return torch.optim.Adagrad(params, lr=0.01)
+
+
+def ps_server(port_q: Any, checkpoint_dir: str, extra: dict[str, Any]) -> None:
+    """One PS process on 127.0.0.1: ``(port, pid)`` goes to ``port_q``."""
+    import torch
+
+    from elasticdl.common.malloc import tune_malloc
+    from elasticdl.ps.server import start_server
+    from elasticdl.ps.servicer import PServicer
+    from elasticdl.ps.shard import PSShard, ShardConfig
+
+    tune_malloc()
+    torch.set_num_threads(1)
+    logging.basicConfig(filename=os.path.join(os.path.dirname(checkpoint_dir), "ps.log"),
+                        level=logging.INFO)
+    # async: every push is applied at once, whatever version the clients last saw
+    shard = PSShard(ShardConfig(checkpoint_dir=checkpoint_dir, use_async=True, **extra),
+                    _optimizer)
+    server, port = start_server(PServicer(shard), 0, "127.0.0.1")
+    port_q.put((port, os.getpid()))
+    server.wait_for_termination(timeout=7200)
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path)
+               for f in files)
+
+
+class HotLoop:
+    """Pull then push ``ids`` in a loop on its own client; round-trip times with their
+    start."""
+
+    def __init__(self, addr: str, ids: Any):
+        from elasticdl.worker.ps_client import PSClient
+
+        self.client = PSClient([addr])
+        self.ids = ids
+        self.times: list[tuple[float, float]] = []   # (start, seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="hot")
+
+    def round(self) -> float:
+        import torch
+
+        start = time.monotonic()
+        self.client.pull_embedding_unique("emb", self.ids, DIM)
+        grad = torch.full((self.ids.shape[0], DIM), 0.01)
+        self.client.push_gradients(0, 0, {}, [("emb", self.ids, grad)]).result()
+        took = time.monotonic() - start
+        self.times.append((start, took))
+        return took
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.round()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def longest_between(self, t0: float, t1: float) -> float:
+        """The longest round trip that overlapped ``[t0, t1]``."""
+        return max((d for s, d in self.times if s <= t1 and s + d >= t0), default=0.0)
+
+
+def lock_figures(log: str) -> dict[str, Any]:
+    """How long the PS's checkpoints held the shard lock, from its log: the cut and the
+    longest chunk copy of the first (whole) one, the cut of the second (a delta)."""
+    import re
+
+    with open(log, encoding="utf-8") as f:
+        found = re.findall(r"the lock held ([\d.]+) ms for the cut, at most ([\d.]+) ms per "
+                           r"chunk", f.read())
+    out: dict[str, Any] = {}
+    if found:
+        out["lock_cut_ms"], out["lock_chunk_max_ms"] = map(float, found[0])
+    if len(found) > 1:
+        out["delta_lock_cut_ms"] = float(found[1][0])
+    return out
+
+
+def run(rows: int, extra: dict[str, Any], workdir: str) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from elasticdl.checkpoint import paths
+    from elasticdl.common.tables import TableSpec
+    from elasticdl.ps.shard import PSShard, ShardConfig
+    from elasticdl.ps.shard_checkpoint import restore_shard
+    from elasticdl.worker.ps_client import PSClient
+
+    ckpt_dir = os.path.join(workdir, "ckpt")
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    ps = ctx.Process(target=ps_server, args=(port_q, ckpt_dir, extra), daemon=True)
+    ps.start()
+    client = hot = None
+    out: dict[str, Any] = {"rows": rows}
+    try:
+        port, pid = port_q.get(timeout=300)
+        addr = f"127.0.0.1:{port}"
+        client = PSClient([addr], rpc_timeout_s=1800)
+        client.wait_ready(120)
+        client.push_model(0, {}, {}, [TableSpec("emb", NUM_IDS, DIM,
+                                                initializer="normal:0.01")])
+        # warm the RPC paths and the row optimizer (its state tensors) on a few rows
+        warm = np.arange(NUM_IDS - 64, NUM_IDS, dtype=np.int64)
+        client.pull_embedding_unique("emb", warm, DIM)
+        client.push_gradients(0, 0, {}, [("emb", warm, torch.full((64, DIM), 0.1))]).result()
+        before = rss_mb(pid)
+        ids = np.unique(np.random.default_rng(0).integers(0, NUM_IDS - 64, size=rows))
+        while ids.shape[0] < rows:   # collisions are rare at 2^40; top up
+            more = np.random.default_rng(ids.shape[0]).integers(0, NUM_IDS - 64, size=rows)
+            ids = np.unique(np.concatenate([ids, more]))[:rows]
+        np.random.default_rng(1).shuffle(ids)
+        start = time.monotonic()
+        half = None
+        for lo in range(0, rows, BATCH):
+            if half is None and lo >= rows // 2:
+                half = (lo, rss_mb(pid))
+            part = np.sort(ids[lo:lo + BATCH])
+            client.pull_embedding_unique("emb", part, DIM)
+            grad = torch.full((part.shape[0], DIM), 0.1)
+            client.push_gradients(0, 0, {}, [("emb", part, grad)]).result()
+        out["touch_s"] = round(time.monotonic() - start, 2)
+        after = rss_mb(pid)
+        growth = after - before
+        out["rss_growth_mb"] = round(growth, 1)
+        out["bytes_per_row"] = round(growth * 2**20 / rows, 1)
+        if half is not None:   # the second half's rows alone: without the fixed costs
+            out["marginal_bytes_per_row"] = round((after - half[1]) * 2**20 / (rows - half[0]),
+                                                  1)
+
+        hot = HotLoop(addr, np.sort(ids[:min(HOT, rows)]))
+        idle = sorted(hot.round() for _ in range(15))
+        out["idle_round_trip_ms"] = round(1000 * idle[len(idle) // 2], 2)
+        hot.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        first = client.save_checkpoint()
+        t1 = time.monotonic()
+        time.sleep(0.2)
+        hot.stop()
+        out["checkpoint_s"] = round(t1 - t0, 3)
+        out["checkpoint_block_ms"] = round(1000 * hot.longest_between(t0, t1), 1)
+        out["hot_rounds_during_checkpoint"] = sum(1 for s, d in hot.times
+                                                  if s <= t1 and s + d >= t0)
+        out["checkpoint_mb"] = round(dir_bytes(first) / 2**20, 1)
+        for _ in range(3):   # only the hot rows change
+            hot.round()
+        second = client.save_checkpoint()
+        out["second_checkpoint_mb"] = round(dir_bytes(second) / 2**20, 3)
+        out["delta_ratio"] = round(dir_bytes(second) / dir_bytes(first), 5)
+        out.update(lock_figures(os.path.join(workdir, "ps.log")))
+
+        fresh = None
+        for _ in range(2):   # the first also pays for lazy imports: the second counts
+            fresh = None     # (one restored shard in memory at a time)
+            fresh = PSShard(ShardConfig(checkpoint_dir=ckpt_dir), _optimizer)
+            start = time.monotonic()
+            restore_shard(fresh, paths.resolve(ckpt_dir))
+            out["restore_s"] = round(time.monotonic() - start, 3)
+        assert fresh is not None
+        live = client.pull_embedding_unique("emb", hot.ids, DIM)
+        restored = fresh.pull_embedding("emb", hot.ids, create=False)
+        out["restore_exact"] = bool(torch.equal(live, restored))
+        out["evict_rss_ratio"] = None
+        return out
+    finally:
+        if hot is not None:
+            hot.client.close()
+        if client is not None:
+            client.close()
+        ps.kill()
+        ps.join(timeout=10)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--full_checkpoint_every", type=int, default=None,
+                   help="the PS flag of the same name (default: the PS's default)")
+    p.add_argument("--smoke", action="store_true", help="seconds: 5,000 rows")
+    args = p.parse_args()
+    if args.smoke:
+        args.rows = 5_000
+    extra: dict[str, Any] = {}
+    if args.full_checkpoint_every is not None:
+        extra["full_checkpoint_every"] = args.full_checkpoint_every
+    workdir = tempfile.mkdtemp(prefix="ps_table_scale_")
+    try:
+        out = run(args.rows, extra, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"{out['rows']} rows x {DIM} (Adagrad), 1 PS, cpus={os.cpu_count()}: "
+          f"{out['bytes_per_row']} B/row; checkpoint {out['checkpoint_s']} s "
+          f"({out['checkpoint_mb']} MiB), longest hot round trip during it "
+          f"{out['checkpoint_block_ms']} ms (idle {out['idle_round_trip_ms']} ms); second "
+          f"checkpoint {out['second_checkpoint_mb']} MiB (ratio {out['delta_ratio']}); "
+          f"restore {out['restore_s']} s")
+    print(json.dumps(out, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
