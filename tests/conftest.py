@@ -34,3 +34,17 @@ def id_data(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("ids")
     np.save(out / "ids.npy", np.arange(ID_RECORDS, dtype=np.int64))
     return str(out)
+
+
+@pytest.fixture(autouse=True)
+def _data_endpoint_restored():
+    """A job run in the test process (Local) exports its ``--data_endpoint`` to the
+    process (``elasticdl.data.fs.configure_from_spec``): restored after every test, so no
+    later test (or job it starts) reads another test's endpoint."""
+    name = "ELASTICDL_DATA_ENDPOINT"
+    saved = os.environ.get(name)
+    yield
+    if saved is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = saved

@@ -18,6 +18,7 @@ import torch
 from tests.conftest import FIXTURE_ZOO
 from tests.integration.helpers import (
     kill_job_tree,
+    live_replicas,
     pid_of,
     read_json,
     records_done,
@@ -65,32 +66,38 @@ def test_sparse_tables_survive_a_member_killed_mid_job(tmp_path):
             "--num_minibatches_per_task=4", "--distribution_strategy=AllreduceStrategy",
             "--num_workers=3", "--collective_timeout_s=20"]
     proc = start_cli(args, str(tmp_path / "home"), str(tmp_path / "cli.log"),
-                     COUNT_RECORDS=str(records), COUNT_RECORDS_DELAY_S="0.05")
+                     # paced: 32 minibatches a member x 0.4 s (the report that tells
+                     # progress is written every 5 s; at 0.05 s a minibatch the job was
+                     # over before it showed any, and nothing was killed)
+                     COUNT_RECORDS=str(records), COUNT_RECORDS_DELAY_S="0.4")
     try:
         wait_for(lambda: pid_of(job_dir, "worker-1"), 120, "worker-1 started")
-        wait_for(lambda: proc.poll() is None and records_done(job_dir) >= 48, 300,
+        wait_for(lambda: proc.poll() is None and records_done(job_dir) >= 24, 300,
                  "training under way", interval_s=0.05)
 
-        def kill_worker_1() -> bool:
-            # the pid is read at the kill: a pid from the start may be gone by now (CI saw
-            # ProcessLookupError), and killing whatever now runs as worker-1 is the point
-            pid = pid_of(job_dir, "worker-1")
-            if pid is None:
-                return False
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                return False
-            return True
+        def kill_a_member() -> str:
+            # a live member, read at the kill: on a loaded machine worker-1 may already
+            # have been replaced (a collective timeout; CI saw ProcessLookupError, then
+            # no worker-1 at all), and killing whichever member runs is the point
+            for r in sorted(live_replicas(job_dir), key=lambda r: r["replica"],
+                            reverse=True):
+                if r["replica"].startswith("worker-"):
+                    try:
+                        os.kill(r["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+                    return str(r["replica"])
+            return ""
 
-        wait_for(kill_worker_1, 60, "worker-1 killed", interval_s=0.05)
+        victim = wait_for(kill_a_member, 60, "a member killed", interval_s=0.05)
+        assert records_done(job_dir) < records * EPOCHS, "killed after the training ended"
         assert proc.wait(timeout=600) == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
     report = read_json(os.path.join(job_dir, "job_report.json"))
     assert report["status"] == "succeeded", report.get("failure")
     relaunched = [r["replica"] for r in report["relaunches"]]
-    assert relaunched and set(relaunched) == {"worker-1"}, report["relaunches"]
+    assert victim in relaunched, (victim, report["relaunches"])
     assert [e["records_completed"] for e in report["epochs"]] == [records] * EPOCHS
     state = torch.load(os.path.join(job_dir, "model.pt"), weights_only=True)
     for name in ("emb.weight", "bag.weight"):

@@ -134,9 +134,16 @@ def test_autoscale_grows_while_workers_pay_and_gives_back_the_one_that_does_not(
     assert [e["records_completed"] for e in report["epochs"]] == [records] * epochs
     w = report["workers"]
     sizes = [(r["to"], r["reason"]) for r in w["resizes"]]
-    assert [to for to, _ in sizes][:3] == ["1:2", "1:3", "1:2"], sizes
-    assert "trying 2" in sizes[0][1] and "trying 3" in sizes[1][1], sizes
-    assert "given back" in sizes[2][1], sizes
+    # the 3rd worker tried once the 2nd paid, then given back; on a loaded machine a
+    # window may measure the 2nd worker short and give it back before trying again
+    # (a loaded suite run: 42.4 records/s at 1, +14.4 from the 2nd; later 37.1 at 1,
+    # 74.3 at 2): the trials before the 3rd may repeat, the outcome may not
+    tos = [to for to, _ in sizes]
+    assert "1:3" in tos, sizes
+    k = tos.index("1:3")
+    assert "trying 3" in sizes[k][1] and any("trying 2" in r for _, r in sizes[:k]), sizes
+    assert k + 1 < len(sizes) and sizes[k + 1][0] == "1:2" and "given back" in sizes[k + 1][1], \
+        sizes
     assert w["autoscale"]["rates"].keys() >= {"1", "2"}, w["autoscale"]
     assert w["max"] == 3 and max(p[1] for p in w["timeline"]) == 3
     assert report["relaunches"] == [], report["relaunches"]   # given back: not replaced

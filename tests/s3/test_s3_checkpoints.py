@@ -1,6 +1,7 @@
 """Checkpoints in object storage (``--checkpoint_dir=s3://...``) on a real S3 server: the
 mirror uploads each complete version with its ``DONE`` marker last and applies retention;
-a Local job killed mid-way resumes from the bucket and trains every record once per epoch;
+a Local job killed mid-way resumes from the bucket and trains every record once per epoch
+(the counting model: its parameters show it);
 a PS job (``--cluster=local``) writes its shards there."""
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import signal
 
 import numpy as np
 import pytest
+import torch
 
 from elasticdl.checkpoint import remote
 from elasticdl.checkpoint.paths import DONE, CheckpointError, complete_versions
 from elasticdl.data import fs
-from tests.conftest import MODEL_ZOO
+from tests.conftest import FIXTURE_ZOO, ID_RECORDS, MODEL_ZOO
 from tests.integration.helpers import kill_job_tree, read_json, start_cli, wait_for
 
 BUCKET = "checkpoints"
@@ -105,17 +107,32 @@ def _run(args: list[str], tmp_path, name: str, timeout: int = 500) -> dict:
     return read_json(os.path.join(out, "job_report.json"))
 
 
+KILLED_EPOCHS = 2
+KILLED_VERSIONS = KILLED_EPOCHS * ID_RECORDS // 32   # one minibatch of 32 a version
+
+
+def _count_args(data: str, out: str, job: str, ckpt: str, *extra: str) -> list[str]:
+    return ["train", f"--model_zoo={FIXTURE_ZOO}", "--model_def=toy.count_records.custom_model",
+            f"--training_data={data}", f"--output={out}", f"--job_name={job}",
+            "--cluster=local", f"--checkpoint_dir={ckpt}", f"--num_epochs={KILLED_EPOCHS}",
+            "--minibatch_size=32", "--num_minibatches_per_task=1", "--checkpoint_steps=4",
+            "--keep_checkpoint_max=2", *extra]
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_local_job_killed_resumes_from_the_bucket(bucket, small_digits, tmp_path):
+def test_local_job_killed_resumes_from_the_bucket(bucket, id_data, tmp_path):
+    """The counting model, paced (0.15 s a minibatch: unpaced, the job ended before the
+    bucket showed a version past epoch 0), killed once the bucket holds one; the resumed
+    job trains every record exactly once per epoch in all."""
     ckpt = f"{bucket}/local-killed"
-    flags = ["--num_epochs=3", "--minibatch_size=32", "--num_minibatches_per_task=1",
-             "--checkpoint_steps=4", "--keep_checkpoint_max=2"]
+    env = {"COUNT_RECORDS": str(ID_RECORDS), "COUNT_RECORDS_DELAY_S": "0.15"}
+    epoch_versions = ID_RECORDS // 32
     out_a = str(tmp_path / "a")
-    proc = start_cli(_args(small_digits, out_a, "s3-killed-a", ckpt, *flags),
-                     str(tmp_path / "home"), str(tmp_path / "a.log"))
-    try:   # 6 versions per epoch: version 8 is past epoch 0's end
-        wait_for(lambda: any(v >= 8 for v in remote.remote_versions(ckpt)), 250,
+    proc = start_cli(_count_args(id_data, out_a, "s3-killed-a", ckpt),
+                     str(tmp_path / "home"), str(tmp_path / "a.log"), **env)
+    try:
+        wait_for(lambda: any(v > epoch_versions for v in remote.remote_versions(ckpt)), 250,
                  "a checkpoint past epoch 0 in the bucket", interval_s=0.2)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -123,22 +140,33 @@ def test_local_job_killed_resumes_from_the_bucket(bucket, small_digits, tmp_path
         kill_job_tree(proc, out_a)
     uploaded = remote.remote_versions(ckpt)
     resumed_from = max(uploaded)
-    assert resumed_from < 18, "the job finished before it was killed"
+    assert resumed_from < KILLED_VERSIONS, "the job finished before it was killed"
     assert len(uploaded) <= 3, uploaded          # retention applied in the bucket too
     # the same prefix again without resuming from it: refused, naming both flags
     rc_log = tmp_path / "refused.log"
-    proc = start_cli(_args(small_digits, str(tmp_path / "r"), "s3-refused", ckpt, *flags),
-                     str(tmp_path / "home"), str(rc_log))
+    proc = start_cli(_count_args(id_data, str(tmp_path / "r"), "s3-refused", ckpt),
+                     str(tmp_path / "home"), str(rc_log), **env)
     assert proc.wait(timeout=120) == 2
     assert "already holds complete checkpoints" in rc_log.read_text()
-    report = _run(_args(small_digits, str(tmp_path / "b"), "s3-killed-b", ckpt, *flags,
-                        f"--checkpoint_dir_for_init={ckpt}"), tmp_path, "b")
+    out_b = str(tmp_path / "b")
+    proc = start_cli(_count_args(id_data, out_b, "s3-killed-b", ckpt,
+                                 f"--checkpoint_dir_for_init={ckpt}"),
+                     str(tmp_path / "home"), str(tmp_path / "b.log"), COUNT_RECORDS=str(ID_RECORDS))
+    try:
+        assert proc.wait(timeout=500) == 0, (tmp_path / "b.log").read_text()[-4000:]
+    finally:
+        kill_job_tree(proc, out_b)
+    report = read_json(os.path.join(out_b, "job_report.json"))
     assert report["status"] == "succeeded", report.get("failure")
     assert report["resumed_from_version"] == resumed_from
-    assert [e["records_completed"] for e in report["epochs"]] == [192] * 3
+    assert [e["records_completed"] for e in report["epochs"]] == [ID_RECORDS] * KILLED_EPOCHS
     assert report["timings"]["training_records_resumed"] == 32 * resumed_from
-    assert report["timings"]["training_records_this_run"] == 3 * 192 - 32 * resumed_from
-    assert max(remote.remote_versions(ckpt)) == 18    # the final model, uploaded
+    assert report["timings"]["training_records_this_run"] == \
+        KILLED_EPOCHS * ID_RECORDS - 32 * resumed_from
+    state = torch.load(os.path.join(out_b, "model.pt"), weights_only=True)
+    for name in ("even", "odd"):   # every record trained once per epoch, over both runs
+        assert state[name].tolist() == [KILLED_EPOCHS] * ID_RECORDS, name
+    assert max(remote.remote_versions(ckpt)) == KILLED_VERSIONS   # the final model
     assert len(remote.remote_versions(ckpt)) == 2     # retention over the whole prefix
 
 

@@ -226,6 +226,9 @@ def test_s3_options_from_spec_and_environment(monkeypatch):
     class Spec:
         data_endpoint = "https://flag.example:9443"
 
+    # recorded as unset first, so the test leaves it unset whatever configure_from_spec
+    # writes (a leaked endpoint sent every later s3 test of this process to flag.example)
+    monkeypatch.setenv(fs.ENDPOINT_ENV, "")
     fs.configure_from_spec(Spec())
     monkeypatch.setenv("AWS_REGION", "eu-west-3")
     options = fs._s3_options()
