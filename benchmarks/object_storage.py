@@ -108,7 +108,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="seconds: 1 round, 20,000 rows")
     a = ap.parse_args()
     if a.smoke:
-        a.rounds, a.parquet_rows, a.row_group, a.job_epochs = 1, 20_000, 4096, 2
+        a.rounds, a.parquet_rows, a.row_group, a.job_epochs = 1, 20_000, 4096, 1
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         try:

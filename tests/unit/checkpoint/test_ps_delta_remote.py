@@ -18,10 +18,15 @@ from elasticdl.ps.shard import PSShard, ShardConfig
 
 def test_a_delta_in_the_bucket_keeps_and_brings_its_whole_checkpoint(tmp_path, monkeypatch):
     import fsspec
+    import pyarrow.fs as pafs
+    from fsspec.implementations.arrow import ArrowFSWrapper
 
     from elasticdl.data import fs
 
-    local_fs = fsspec.filesystem("file", auto_mkdir=True)   # the store: a local directory
+    # the store: a local directory behind a pyarrow file system, as the layer's are (its
+    # parents made on write, as keys need none)
+    local_fs = ArrowFSWrapper(pafs.PyFileSystem(pafs.FSSpecHandler(
+        fsspec.filesystem("file", auto_mkdir=True))))
     monkeypatch.setattr(fs, "filesystem", lambda url: (local_fs, url))
     local, bucket, down = (str(tmp_path / n) for n in ("local", "bucket", "down"))
     shard = PSShard(ShardConfig(checkpoint_dir=local, use_async=True),
