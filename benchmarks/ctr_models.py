@@ -17,7 +17,9 @@ Runs, same records, same effective batch (``--batch``), one pass:
 * ``Local``: ``elasticdl train --distribution_strategy=Local`` (the CLI, one process);
 * ``PS``: ``elasticdl train --cluster=local --distribution_strategy=ParameterServerStrategy``
   with 2 workers x 2 PS, minibatch ``batch/2`` and ``--grads_to_wait=2`` (each version
-  averages two pushes: the same 256 records per update).
+  averages two pushes: the same 256 records per update);
+* ``Allreduce``: ``--distribution_strategy=AllreduceStrategy`` with 2 members x ``batch/2``
+  (sparse table gradients all-gathered as rows, dense ones reduced).
 
 Each reports the exact validation AUC (``elasticdl.api.metrics.AUC``) and training
 records/s (the jobs' ``timings.training_records_per_s``); the PS job also its sparse
@@ -93,12 +95,12 @@ def evaluate(zoo: Any, model: Any, val: str, batch: int) -> float:
     return float(auc.compute())
 
 
-def _flags(model: str, train: str, val: str, out: str, sizes: list[int], batch: int,
-           seed: int, name: str) -> list[str]:
+def _flags(model: str, train: str, val: str, sizes: list[int], batch: int,
+           seed: int) -> list[str]:
     return ["train", f"--model_zoo={HERE}", f"--model_def={MODELS[model]}.custom_model",
             f"--model_params=sizes={'-'.join(map(str, sizes))};seed={seed}",
-            f"--training_data={train}", f"--validation_data={val}", f"--output={out}",
-            f"--job_name={name}", f"--minibatch_size={batch}", f"--eval_minibatch_size={1024}",
+            f"--training_data={train}", f"--validation_data={val}",
+            f"--minibatch_size={batch}", f"--eval_minibatch_size={1024}",
             "--num_minibatches_per_task=16", f"--seed={seed}", "--device=cpu"]
 
 
@@ -115,33 +117,42 @@ def local_job(tmp: str, model: str, train: str, val: str, sizes: list[int], batc
     out = os.path.join(tmp, f"{model}-local")
     env = dict(os.environ, PYTHONPATH=ROOT, ELASTICDL_HOME=os.path.join(tmp, "home"))
     subprocess.run([sys.executable, "-m", "elasticdl_client.main",
-                    *_flags(model, train, val, out, sizes, batch, seed, f"{model}-local"),
-                    "--distribution_strategy=Local"], check=True, env=env, cwd=ROOT,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    *_flags(model, train, val, sizes, batch, seed), f"--output={out}",
+                    f"--job_name={model}-local", "--distribution_strategy=Local"],
+                   check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
     report = _report(out)
     return {"auc": report["final_metrics"]["auc"],
             "records_per_s": report["timings"]["training_records_per_s"]}
+
+
+def _cli_job(tmp: str, model: str, name: str, flags: list[str]) -> dict[str, Any]:
+    """A ``--cluster=local`` CLI job to its end; its report (raises with its log's tail)."""
+    out = os.path.join(tmp, f"{model}-{name}")
+    env = dict(os.environ, PYTHONPATH=ROOT, ELASTICDL_HOME=os.path.join(tmp, "home"))
+    log = os.path.join(tmp, f"{model}-{name}-cli.log")
+    with open(log, "wb") as f:
+        code = subprocess.run([sys.executable, "-m", "elasticdl_client.main", *flags,
+                               f"--output={out}", f"--job_name={model}-{name}",
+                               "--cluster=local"], env=env, cwd=ROOT, stdout=f,
+                              stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        with open(log) as f:
+            raise RuntimeError(f"{name} job exited {code}:\n{f.read()[-3000:]}")
+    report = _report(out)
+    report["out"] = out
+    return report
 
 
 def ps_job(tmp: str, model: str, train: str, val: str, sizes: list[int], batch: int,
            seed: int) -> dict[str, Any]:
     from elasticdl.common.sparse_tables import export_bytes, has_sparse_export, read_manifest
 
-    out = os.path.join(tmp, f"{model}-ps")
-    env = dict(os.environ, PYTHONPATH=ROOT, ELASTICDL_HOME=os.path.join(tmp, "home"))
-    log = os.path.join(tmp, f"{model}-ps-cli.log")
-    with open(log, "wb") as f:
-        code = subprocess.run([sys.executable, "-m", "elasticdl_client.main",
-                               *_flags(model, train, val, out, sizes, batch // 2, seed,
-                                       f"{model}-ps"),
-                               "--distribution_strategy=ParameterServerStrategy",
-                               "--cluster=local", "--num_workers=2", "--num_ps_pods=2",
-                               "--grads_to_wait=2"], env=env, cwd=ROOT, stdout=f,
-                              stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        with open(log) as f:
-            raise RuntimeError(f"PS job exited {code}:\n{f.read()[-3000:]}")
-    report = _report(out)
+    report = _cli_job(tmp, model, "ps", [
+        *_flags(model, train, val, sizes, batch // 2, seed),
+        "--distribution_strategy=ParameterServerStrategy",
+        "--num_workers=2", "--num_ps_pods=2", "--grads_to_wait=2"])
+    out = report["out"]
     result = {"auc": report["final_metrics"]["auc"],
               "records_per_s": report["timings"]["training_records_per_s"],
               "model_pt_bytes": os.path.getsize(os.path.join(out, "model.pt"))}
@@ -151,6 +162,17 @@ def ps_job(tmp: str, model: str, train: str, val: str, sizes: list[int], batch: 
     return result
 
 
+def allreduce_job(tmp: str, model: str, train: str, val: str, sizes: list[int], batch: int,
+                  seed: int) -> dict[str, Any]:
+    """2 members x ``batch/2``: the tables' sparse gradients all-gathered as rows (issue
+    28), the dense ones reduced; every member holds every table."""
+    report = _cli_job(tmp, model, "allreduce", [
+        *_flags(model, train, val, sizes, batch // 2, seed),
+        "--distribution_strategy=AllreduceStrategy", "--num_workers=2"])
+    return {"auc": report["final_metrics"]["auc"],
+            "records_per_s": report["timings"]["training_records_per_s"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--records", type=int, default=100_000, help="training records")
@@ -158,7 +180,7 @@ def main() -> None:
     p.add_argument("--table_rows", type=int, default=4_200_000, help="rows of all 26 tables")
     p.add_argument("--batch", type=int, default=256, help="effective batch of every run")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--runs", default="plain,Local,PS")
+    p.add_argument("--runs", default="plain,Local,PS,Allreduce")
     p.add_argument("--models", default="", help="dlrm (facebookresearch/dlrm DLRM_Net) "
                    "and/or deepfm (torchfm DeepFactorizationMachineModel); default both "
                    "(--smoke: dlrm)")
@@ -182,7 +204,8 @@ def main() -> None:
                 start = time.perf_counter()
                 args = (model, train, val, sizes, a.batch, a.seed)
                 out[name] = plain_loop(*args) if name == "plain" else \
-                    {"Local": local_job, "PS": ps_job}[name](tmp, *args)
+                    {"Local": local_job, "PS": ps_job, "Allreduce": allreduce_job}[name](
+                        tmp, *args)
                 out[name]["wall_s"] = round(time.perf_counter() - start, 1)
                 print(f"[{model} {name}] {out[name]}", flush=True)
             if "PS" in out and "Local" in out:
@@ -190,7 +213,7 @@ def main() -> None:
                     out["PS"]["records_per_s"] / out["Local"]["records_per_s"], 3)
             if "plain" in out:
                 out["auc_minus_plain"] = {k: round(out[k]["auc"] - out["plain"]["auc"], 4)
-                                          for k in ("Local", "PS") if k in out}
+                                          for k in ("Local", "PS", "Allreduce") if k in out}
     print(json.dumps(results))
 
 

@@ -7,6 +7,7 @@ workers are PSTrainers in threads of this process.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -117,7 +118,12 @@ def test_killed_ps_restarts_from_checkpoint_and_worker_reconnects(tmp_path):
         for features, labels in batches[6:]:
             trainer.train_minibatch(features, labels)
         assert trainer.model_version == 7
-        assert ckpt.complete_versions(ckpt_dir) == [4, 6]
+        # the newest 2 (--keep_checkpoint_max) and what they are folded onto: 4 is a
+        # delta on the whole 2 (6, the first after the restore, is whole)
+        assert ckpt.complete_versions(ckpt_dir) == [2, 4, 6]
+        assert os.path.exists(os.path.join(ckpt.version_dir(ckpt_dir, 4), "ps-0-of-1.delta.json"))
+        assert not os.path.exists(os.path.join(ckpt.version_dir(ckpt_dir, 6),
+                                               "ps-0-of-1.delta.json"))
         ps = restarted[0]
         assert ps.terminate() == 0  # SIGTERM stops it cleanly
     finally:

@@ -141,7 +141,9 @@ def test_local_job_killed_resumes_from_the_bucket(bucket, id_data, tmp_path):
     uploaded = remote.remote_versions(ckpt)
     resumed_from = max(uploaded)
     assert resumed_from < KILLED_VERSIONS, "the job finished before it was killed"
-    assert len(uploaded) <= 3, uploaded          # retention applied in the bucket too
+    # retention applied in the bucket too: the 2 kept, and at most 2 more uploaded in
+    # the mirror's last pass before it pruned (the kill can fall between the two)
+    assert len(uploaded) <= 4, uploaded
     # the same prefix again without resuming from it: refused, naming both flags
     rc_log = tmp_path / "refused.log"
     proc = start_cli(_count_args(id_data, str(tmp_path / "r"), "s3-refused", ckpt),
