@@ -118,11 +118,8 @@ class Recovery(Journaled):
             elif source is not None:
                 p = self.protocols.start(Kind.ROLLBACK, Step.REQUESTED,
                                          {"launch": [index], **source}, now)
-            export = self.protocols.find(Kind.EXPORT)
-            if p is not None and export is not None and export.step == Step.CLAIMED:
-                # the model being exported is rolled back: the claim is void (a late
-                # report of it is ignored); the export opens again once training is done
-                self.protocols.step(export.pid, Step.OPEN, worker=None)
+            if p is not None:
+                self._void_export_claim()
             self._log("ps_lost", index=index, source=source, now=now)
             return p
 
@@ -138,11 +135,17 @@ class Recovery(Journaled):
             p = self.protocols.start(Kind.ROLLBACK, Step.REQUESTED,
                                      {"launch": [], "set_aside": True, **source}, now)
             self.protocols.divergence_rollbacks += 1
-            export = self.protocols.find(Kind.EXPORT)
-            if export is not None and export.step == Step.CLAIMED:
-                self.protocols.step(export.pid, Step.OPEN, worker=None)
+            self._void_export_claim()
             self._log("diverged", source=source, now=now)
             return p
+
+    def _void_export_claim(self) -> None:
+        """A rollback opened: the model being exported is rolled back, so a claimed
+        export is void (a late report of it is ignored) and opens again once training
+        is done (lock held)."""
+        export = self.protocols.find(Kind.EXPORT)
+        if export is not None and export.step == Step.CLAIMED:
+            self.protocols.step(export.pid, Step.OPEN, worker=None)
 
     def divergence_rollbacks(self) -> int:
         with self._lock:

@@ -60,6 +60,15 @@ def test_the_core_opens_a_rollback_cuts_the_rate_and_judges_afresh_at_the_close(
         "succeeded_with_warnings"
 
 
+def test_a_divergence_rollback_voids_a_claimed_export():
+    core = _core()
+    _train(core, [1.0] * 40)   # every task of the job (400 records, 10 a task)
+    assert core.finished() and core.claim_export(0) and core.exporter() == 0
+    core.divergence_rollback(SOURCE, 100.0)
+    export = next(p for p in core.open_protocols() if p.kind == Kind.EXPORT)
+    assert export.step == Step.OPEN and core.exporter() is None   # claimed again later
+
+
 def test_a_ps_applies_the_groups_smallest_scale_on_top_of_the_schedule():
     w0 = torch.zeros(3)
     shard = PSShard(ShardConfig(grads_to_wait=2), lambda p: torch.optim.SGD(p, lr=1.0))
