@@ -34,7 +34,11 @@ def finished_run(id_data, tmp_path_factory):
                   checkpoint_dir=str(tmp / "ckpt"), **PS_FLAGS)
     assert_trained_exactly(run, EPOCHS)
     versions = complete_versions(str(tmp / "ckpt"))
-    inner = versions[1:-1]
+    # a version that leaves the resumed runs work enough for their fault points (case
+    # 6 kills ps-1 after its 12th version: a version 96 records before the end leaves
+    # it 12 minibatches at most, fewer where its ledger already holds some; CI once
+    # drew such a version and the kill never came)
+    inner = [v for v in versions[1:-1] if 0.5 * versions[-1] <= v <= 0.8 * versions[-1]]
     assert inner, versions
     # the hard case when the run has one: a version its two PS wrote holding different
     # pushes (each applied a minibatch the other had not yet): the resumed run must train
