@@ -293,7 +293,12 @@ class ProcessCluster(Cluster):
                          "started": r.started, "port": r.spec.port,
                          "address": f"{self.host}:{r.spec.port}" if r.spec.port else ""}
                         for r in self._replicas.values()]
-                state = {"replicas": live, "exited": list(self._history[-200:])}
+                # every port handed out, live or not: a PS that died while the master
+                # was down is relaunched by the next master at the address the workers
+                # already hold (one entry per PS index: bounded by --num_ps_pods)
+                ports = {f"{t.value}-{i}": p for (t, i), p in self._ports.items()}
+                state = {"replicas": live, "exited": list(self._history[-200:]),
+                         "ports": ports}
             path = os.path.join(self.job_dir, STATE_FILE)
             try:
                 fd, tmp = tempfile.mkstemp(prefix=STATE_FILE + ".", suffix=".tmp",
@@ -320,6 +325,10 @@ class ProcessCluster(Cluster):
             return []
         except (OSError, ValueError) as e:
             raise ClusterError(f"cannot read {path}: {e}") from e
+        for name, port in dict(state.get("ports", {})).items():
+            typ_name, _, index = str(name).rpartition("-")
+            with self._lock:
+                self._ports[(ReplicaType(typ_name), int(index))] = int(port)
         adopted = []
         for r in state.get("replicas", []):
             typ_name, _, index = str(r["replica"]).rpartition("-")

@@ -55,6 +55,9 @@ def test_ps_death_then_master_death_before_ps_launch(id_data, tmp_path):
     run = ps_job(tmp_path, id_data, "psmaster", f"{PS_DIES},master:after_ps_launched")
     report = assert_trained_exactly(run, EPOCHS, ("master_after_ps_launched@1",))
     assert len(report["ps_rollbacks"]) == 1, report["ps_rollbacks"]
+    # the restarted master relaunches the PS at the address the workers hold (at a new
+    # port they retried the old one for 120 s, then failed their tasks)
+    assert "did not come back" not in logs_of(run["job_dir"], "master")
 
 
 # ----------------------------------------------------------------- case 8: export

@@ -57,3 +57,25 @@ def test_adopted_replicas_are_watched_and_their_exit_codes_reported(tmp_path):
         new.close()                          # terminates the adopted PS too
     assert not os.path.exists(f"/proc/{pids['ps-0']}") or \
         open(f"/proc/{pids['ps-0']}/stat").read().split(")")[1].split()[0] == "Z"
+
+
+def test_a_ps_that_died_while_the_master_was_down_keeps_its_port(tmp_path):
+    """The PS exited before the master died: the next master relaunches it at the port
+    the workers hold (a new port left them retrying the old one until their 120 s PS
+    timeout failed their tasks: test_ps_death_then_master_death_before_ps_launch took
+    150 s for it)."""
+    job_dir = str(tmp_path)
+    dead = ProcessCluster(job_dir)
+    port, _ = dead.endpoint(ReplicaType.PS, 1)
+    dead.create_replica(ReplicaSpec("j", ReplicaType.PS, 1, ("python", "-c", "pass",
+                                                             "elasticdl"), port=port))
+    events_until(dead, lambda e: e.name == "ps-1" and e.phase == Phase.SUCCEEDED)
+    dead._stop.set()
+    dead._watcher.join(timeout=5)
+    new = ProcessCluster(job_dir)
+    try:
+        assert new.adopt_replicas() == []
+        assert new.endpoint(ReplicaType.PS, 1)[0] == port
+        assert new.endpoint(ReplicaType.PS, 0)[0] != port
+    finally:
+        new.close()
