@@ -295,9 +295,24 @@ def load_data_position(tm: TaskTables, state: dict[str, Any]) -> None:
 
 def applied_short(tm: TaskTables, task: Task, applied: int,
                   counters: Mapping[str, int]) -> bool:
-    """Whether a task reported done still has records the PS did not apply."""
+    """Whether a task reported done still has records the PS did not apply.
+
+    The figure is stale (read before the last PS rollback or lone restore, which
+    may have dropped what it counts) when the oldest ledger generation the worker
+    read (``applied_generation``: every PS's, the lowest; a PS takes the master's
+    rollback version as its generation when it rolls back or restores, or is told
+    it) is below the master's rollback version; from a worker that does not send
+    it, when the lowest PS version it read (``applied_at_version``) is below it.
+    After a lone restore (``--ps_recovery=alone``) only the restored PS's version
+    continues above the rollback version, so only the generation can tell."""
+    gen = counters.get("applied_generation")
+    if gen is not None and gen < tm.rollback_version:
+        logger.warning("task %d: applied records read at ledger generation %d, before the "
+                       "PS rollback to %d; re-queued", task.task_id, gen,
+                       tm.rollback_version)
+        return True
     at = counters.get("applied_at_version")
-    if at is not None and at < tm.rollback_version:
+    if gen is None and at is not None and at < tm.rollback_version:
         logger.warning("task %d: applied records read at PS version %d, before the "
                        "rollback to %d; re-queued", task.task_id, at, tm.rollback_version)
         return True
