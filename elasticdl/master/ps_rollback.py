@@ -141,8 +141,8 @@ def rollback_each(ps_addrs: Sequence[str], version: int, new_version: int, *,
     finally:
         for c in channels:
             c.close()
-    logger.warning("every PS rolled back to checkpoint version %d; versions continue at %d",
-                   version, new_version)
+    logger.warning("PS at %s rolled back to checkpoint version %d; versions continue at %d",
+                   list(ps_addrs), version, new_version)
     return held_by_every_ps(answers)
 
 
@@ -156,20 +156,17 @@ def restore_alone(ps_addrs: Sequence[str], restore: Sequence[int], version: int,
     and the tasks every restored ledger holds whole (what the master re-queues
     beyond: the others hold it all, and skip its redo by their ledgers).
 
-    Then every other PS is told the new ledger generation (a ``settle`` of no
+    First every other PS is told the new ledger generation (a ``settle`` of no
     tasks at ``new_version``): a worker's read of the ledgers counts as after the
     restore only when every PS it read answers ``new_version`` or above (the
-    master's staleness rule, :func:`elasticdl.master.task_state.applied_short`),
-    and a restored PS's answer is the proof, so the others need not wait for the
-    master's next settle round to say so.
+    master's staleness rule, :func:`elasticdl.master.task_state.applied_short`);
+    the restored PS answer so from their restore on, and the others need not
+    wait for the master's next settle round to.
 
     Raises:
         TimeoutError / grpc.RpcError: as :func:`rollback_each`.
     """
     restore = sorted(set(restore))
-    held = rollback_each([ps_addrs[i] for i in restore], version, new_version,
-                         protocol_id=protocol_id, incarnation=incarnation,
-                         version_dir=version_dir, timeout_s=timeout_s)
     others = [a for i, a in enumerate(ps_addrs) if i not in restore]
     wait_s = min(timeout_s, 10.0)   # one that is gone joins the protocol meanwhile
     channels = _channels(others, time.monotonic() + wait_s)
@@ -180,6 +177,9 @@ def restore_alone(ps_addrs: Sequence[str], restore: Sequence[int], version: int,
     finally:
         for c in channels:
             c.close()
+    held = rollback_each([ps_addrs[i] for i in restore], version, new_version,
+                         protocol_id=protocol_id, incarnation=incarnation,
+                         version_dir=version_dir, timeout_s=timeout_s)
     logger.warning("PS %s restored checkpoint version %d alone (versions continue at %d "
                    "there); PS %s keep their state", restore, version, new_version,
                    [i for i in range(len(ps_addrs)) if i not in restore])

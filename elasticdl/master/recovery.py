@@ -190,7 +190,7 @@ class Recovery(Journaled):
                     {"ps": list(p.data.get("restore", [])),
                      "checkpoint_version": p.data.get("checkpoint"),
                      "new_version": new_version, "tasks_requeued": len(lost),
-                     "records_redone": self._records_redone() - redone_before})
+                     "records_requeued": self._records_redone() - redone_before})
             else:
                 self.report.extra.setdefault("ps_rollbacks", []).append(
                     {"checkpoint_version": p.data.get("checkpoint"),
