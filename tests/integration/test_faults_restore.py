@@ -194,9 +194,10 @@ def test_case7_ps_killed_during_an_evaluation(id_data, tmp_path):
     evaluation's tasks). The lost PS restores the newest checkpoint alone (the
     default); the interrupted evaluation's metrics (of a model the PS no longer
     hold) are dropped, the work the restore erased is trained again, and the epoch
-    end is evaluated again, labelled with a version after the recovery. The evaluated models are checked by what they
-    hold: ``mean_count`` (how often the validation records were trained, read from the
-    model evaluated; each step adds 1 to both counting parameters) is ``2 (k + 1)`` for
+    end is evaluated again, labelled with a version after the recovery. The evaluated
+    models are checked by what they hold: ``mean_count`` (how often the validation
+    records were trained, read from the model evaluated; each step adds 1 to both
+    counting parameters) is ``2 (k + 1)`` for
     the epoch-``k``-end evaluation, one per epoch; every record is trained exactly twice
     in the exported model."""
     import os

@@ -1,7 +1,8 @@
 """Issue 29: a lost PS recovered alone (``--ps_recovery=alone``, the default) against the
 rollback of every PS (``--ps_recovery=rollback_all``), the same fault in the same job: 4
-PS, ``ps-1`` killed after its 12th version (mid-epoch 0, after a complete checkpoint). A counting model with one counter per PS (tests/fixtures/zoo/toy/
-count_records_4ps.py) says how often each PS applied each record.
+PS, ``ps-1`` killed after its 12th version (mid-epoch 0, after a complete checkpoint).
+A counting model with one counter per PS (tests/fixtures/zoo/toy/count_records_4ps.py)
+says how often each PS applied each record.
 
 Redo, defined: the PS applications redone = the applied pushes the recovery took from
 the PS, each of which that PS applies again: per PS restored, the pushes it had applied
@@ -52,8 +53,8 @@ def redone_applications(job_dir: str, checkpoint: int) -> dict[int, int]:
     for ps in range(NUM_PS):
         log = logs_of(job_dir, f"ps-{ps}")
         if "rolled back to checkpoint" in log:
-            dropped = re.findall(r"ps-%d-applied.bin: (\d+) entries after version %d "
-                                 r"dropped" % (ps, checkpoint), log)
+            dropped = re.findall(rf"ps-{ps}-applied.bin: (\d+) entries after version "
+                                 rf"{checkpoint} dropped", log)
             out[ps] = sum(int(n) for n in dropped)
     return out
 
