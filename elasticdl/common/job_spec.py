@@ -108,6 +108,14 @@ class JobSpec:
         "training", min=1)
     checkpoint_dir_for_init: str = _f("", "Checkpoint (or checkpoint dir) to resume from",
                                       "training")
+    ps_recovery: str = _f(
+        "alone", "ParameterServerStrategy, a PS lost: alone (it restores its own newest "
+        "complete checkpoint, the others keep their state and training, the work it lost "
+        "is redone and applied by it only: each PS exact by its ledger, no single "
+        "consistent cut across PS) or rollback_all (every PS rolls back to that "
+        "checkpoint: one consistent cut, everyone's work since redone); see "
+        "docs/parameter_server.md#recovery", "training",
+        choices=("alone", "rollback_all"))
     output: str = _f("", "Output directory: final model, predictions, job_report.json",
                      "training")
     device: str = _f("auto", "auto, cpu or cuda (auto picks CUDA when present)", "training",

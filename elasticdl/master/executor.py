@@ -150,7 +150,10 @@ class ProtocolExecutor:
         elif act == Act.LAUNCH_PS:
             self._set_aside(p)   # before the step: a master that dies here does it again
             launch = list(p.data["launch"])
-            core.protocol_step(p.pid, Step.PS_LAUNCHED, launch=[], launched=launch)
+            # alone: every PS this protocol launched restores (one lost meanwhile joins)
+            restore = sorted(set(p.data.get("restore", [])) | set(launch))
+            core.protocol_step(p.pid, Step.PS_LAUNCHED, launch=[], launched=launch,
+                               restore=restore)
             faults.point("after_ps_launched")
             for index in launch:
                 self.c.launch_ps(index, await_rollback=True, restore_from=p.data["dir"])
@@ -164,7 +167,11 @@ class ProtocolExecutor:
         elif act == Act.CLOSE:
             self._set_aside(p, below=p.data.get("new_version"))
             core.protocol_close(p.pid)
-            if p.kind == Kind.ROLLBACK:
+            if p.kind == Kind.ROLLBACK and p.data.get("alone"):
+                logger.warning("PS recovery %d closed: PS %s restored checkpoint %s alone, "
+                               "versions continue at %s there", p.pid, p.data.get("restore"),
+                               p.data.get("checkpoint"), p.data.get("new_version"))
+            elif p.kind == Kind.ROLLBACK:
                 logger.warning("PS rollback %d closed: every PS at checkpoint %s, versions "
                                "continue at %s", p.pid, p.data.get("checkpoint"),
                                p.data.get("new_version"))
@@ -236,6 +243,11 @@ class ProtocolExecutor:
         return max(current + [int(p.data["checkpoint"])]) + 1 + ps_rollback.VERSION_SLACK
 
     def _rollback_all(self, p: RecoveryProtocol) -> tuple[dict[int, int], IntervalSet]:
+        if p.data.get("alone"):   # --ps_recovery=alone: the lost PS only
+            return ps_rollback.restore_alone(
+                self.c.ps_addrs, p.data["restore"], int(p.data["checkpoint"]),
+                int(p.data["new_version"]), protocol_id=p.pid, incarnation=p.incarnation,
+                version_dir=p.data["dir"])
         return ps_rollback.rollback_each(
             self.c.ps_addrs, int(p.data["checkpoint"]), int(p.data["new_version"]),
             protocol_id=p.pid, incarnation=p.incarnation, version_dir=p.data["dir"])

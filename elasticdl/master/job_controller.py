@@ -97,9 +97,15 @@ class JobController:
 
     def _relaunch_ps(self, index: int) -> None:
         """A PS is gone: with a checkpoint to restore (the restore rule) a rollback
-        of every PS to it opens, or the open one takes this PS too; the executor
-        launches the PS and rolls back. Without any checkpoint it starts empty."""
-        source = restore.rollback_source(self.spec, self.core.start_version())
+        of every PS to it opens (``--ps_recovery=alone``: of the lost PS only, when
+        the checkpoint is this run's own), or the open one takes this PS too; the
+        executor launches the PS and rolls back. Without any checkpoint it starts
+        empty."""
+        base = self.core.start_version()
+        source = restore.rollback_source(self.spec, base)
+        if source is not None and self.spec.ps_recovery == "alone" and \
+                int(source["checkpoint"]) > base:
+            source = {**source, "alone": True}
         if self.core.ps_lost(index, source, time.time()) is None:
             logger.warning("PS %d relaunched without a checkpoint: it takes a worker's "
                            "current model; updates it held are lost", index)

@@ -18,6 +18,13 @@ to launch and ``set_aside``: the checkpoint versions above its source, written b
 diverged model, are set aside (``diverged-version-N``) when it launches and again
 when it closes, so no later rollback, resume or export takes one.
 
+A lone recovery (``--ps_recovery=alone``, the default, when the checkpoint is the
+run's own) is the same protocol with ``alone`` in its data: only the PS it launched
+(``restore``, every PS lost while it is open) restore the checkpoint at the
+ROLLING_BACK step; the others keep their state and versions and are told the new
+ledger generation; REQUEUED re-queues what the restored PS lack (the others hold it
+and skip its redo by their ledgers).
+
 A PS that dies while one is open joins it (back to REQUESTED, the same
 source): two PS deaths, or a PS and a master death, in any order, end in one
 rollback of every PS to one checkpoint. A ROLLING_BACK step taken by an

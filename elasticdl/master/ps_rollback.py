@@ -9,7 +9,12 @@ and re-queues exactly the work not contained in ``V``: the PS ledgers saved
 with ``V`` say which ``(task, minibatch)`` pushes it holds (each PS answers
 the rollback with its restored ledger). The cost: every PS loses the updates
 after ``V`` (at most ``--checkpoint_steps`` versions), and training pauses
-while the PS restore. See docs/parameter_server.md.
+while the PS restore (``--ps_recovery=rollback_all``).
+
+With ``--ps_recovery=alone`` (:func:`restore_alone`) only the relaunched PS
+restores ``V``; the others keep their state, and the work the restored PS
+lacks is re-queued: each PS skips by its ledger what it holds, so only the
+restored one applies it again. See docs/parameter_server.md#recovery.
 
 Never imports torch.
 """
@@ -136,9 +141,49 @@ def rollback_each(ps_addrs: Sequence[str], version: int, new_version: int, *,
     finally:
         for c in channels:
             c.close()
-    logger.warning("every PS rolled back to checkpoint version %d; versions continue at %d",
-                   version, new_version)
+    logger.warning("PS at %s rolled back to checkpoint version %d; versions continue at %d",
+                   list(ps_addrs), version, new_version)
     return held_by_every_ps(answers)
+
+
+def restore_alone(ps_addrs: Sequence[str], restore: Sequence[int], version: int,
+                  new_version: int, *, protocol_id: int = 0, incarnation: int = 0,
+                  version_dir: str = "", timeout_s: float = 120.0
+                  ) -> tuple[dict[int, int], IntervalSet]:
+    """``--ps_recovery=alone``: only the PS ``restore`` (relaunched, waiting) restore
+    checkpoint ``version`` and continue at ``new_version``; the others keep their
+    state and versions. Returns, per task, the records every restored ledger holds
+    and the tasks every restored ledger holds whole (what the master re-queues
+    beyond: the others hold it all, and skip its redo by their ledgers).
+
+    First every other PS is told the new ledger generation (a ``settle`` of no
+    tasks at ``new_version``): a worker's read of the ledgers counts as after the
+    restore only when every PS it read answers ``new_version`` or above (the
+    master's staleness rule, :func:`elasticdl.master.task_state.applied_short`);
+    the restored PS answer so from their restore on, and the others need not
+    wait for the master's next settle round to.
+
+    Raises:
+        TimeoutError / grpc.RpcError: as :func:`rollback_each`.
+    """
+    restore = sorted(set(restore))
+    others = [a for i, a in enumerate(ps_addrs) if i not in restore]
+    wait_s = min(timeout_s, 10.0)   # one that is gone joins the protocol meanwhile
+    channels = _channels(others, time.monotonic() + wait_s)
+    try:
+        for c in channels:
+            pb_grpc.PServerStub(c).settle(pb.SettleRequest(generation=new_version),
+                                          timeout=wait_s)
+    finally:
+        for c in channels:
+            c.close()
+    held = rollback_each([ps_addrs[i] for i in restore], version, new_version,
+                         protocol_id=protocol_id, incarnation=incarnation,
+                         version_dir=version_dir, timeout_s=timeout_s)
+    logger.warning("PS %s restored checkpoint version %d alone (versions continue at %d "
+                   "there); PS %s keep their state", restore, version, new_version,
+                   [i for i in range(len(ps_addrs)) if i not in restore])
+    return held
 
 
 def rollback_all(ps_addrs: Sequence[str], version: int, timeout_s: float = 120.0,

@@ -84,6 +84,10 @@ class Recovery(Journaled):
         v.rollbacks_pending = max(v.rollbacks_pending - 1, 0)
         return lost
 
+    def _records_redone(self) -> int:
+        """Training records re-queued to be trained again so far (lock held)."""
+        return sum(led.records_redone for led in self.tm.ledger.values())
+
     def closed_tasks(self) -> tuple[int, IntervalSet]:
         """``(generation, closed)``: the generation is the rollback version (a PS
         that rolled back to a higher one ignores this set); ``closed`` a copy of
@@ -105,9 +109,11 @@ class Recovery(Journaled):
     def ps_lost(self, index: int, source: Optional[dict[str, Any]], now: float
                 ) -> Optional[Protocol]:
         """PS ``index`` is gone. With a restore ``source`` (``{"dir", "checkpoint"}``,
-        the master's rule: :func:`elasticdl.checkpoint.restore.rollback_source`) a
-        rollback protocol opens, or the open one takes this PS too (back to
-        REQUESTED, its source kept). Returns the protocol, None without a source."""
+        the master's rule: :func:`elasticdl.checkpoint.restore.rollback_source`;
+        ``"alone": True`` with it: ``--ps_recovery=alone``, only the lost PS restore
+        it) a rollback protocol opens, or the open one takes this PS too (back to
+        REQUESTED, its source and mode kept). Returns the protocol, None without a
+        source."""
         with self._lock:
             p = self.protocols.find(Kind.ROLLBACK)
             if p is not None:
@@ -175,11 +181,20 @@ class Recovery(Journaled):
         does not hold (``applied`` per task; ``closed``: tasks held whole, see
         :meth:`JobCore.rollback`), versions continue at ``new_version``."""
         with self._lock:
+            redone_before = self._records_redone()
             lost = self._rollback(applied, new_version, closed)
             p = self.protocols.step(pid, Step.REQUEUED, new_version=new_version)
             self.protocols.rollbacks_done += 1
-            self.report.extra.setdefault("ps_rollbacks", []).append(
-                {"checkpoint_version": p.data.get("checkpoint"), "new_version": new_version})
+            if p.data.get("alone"):   # --ps_recovery=alone: the others kept their state
+                self.report.extra.setdefault("ps_recoveries", []).append(
+                    {"ps": list(p.data.get("restore", [])),
+                     "checkpoint_version": p.data.get("checkpoint"),
+                     "new_version": new_version, "tasks_requeued": len(lost),
+                     "records_requeued": self._records_redone() - redone_before})
+            else:
+                self.report.extra.setdefault("ps_rollbacks", []).append(
+                    {"checkpoint_version": p.data.get("checkpoint"),
+                     "new_version": new_version})
             self.evaluations.after_rollback(self.versions.version)
             self._log("rollback_requeued", pid=pid,
                       applied={str(k): v for k, v in applied.items()}, version=new_version,

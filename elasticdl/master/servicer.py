@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 # what report_task_result may carry (see TaskManager.report)
-COUNTERS = frozenset({"records_applied", "applied_at_version", "records_read",
+COUNTERS = frozenset({"records_applied", "applied_at_version", "applied_generation",
+                      "records_read",
                       "records_skipped", "nonfinite_steps_skipped"})
 MAX_COUNTER = (1 << 53) - 1
 

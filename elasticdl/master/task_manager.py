@@ -139,7 +139,9 @@ class TaskManager(TaskQueues):
         self._workers_seen: set[int] = set()
         self.completed = IntervalSet()     # ids of every task counted done
         # closed training tasks a rollback may still re-open: id -> (task, applied)
-        self._unsettled: dict[int, tuple[Task, int]] = {}
+        # closed training tasks a rollback may re-open: (task, records applied, the
+        # ledger generation those were read at: -1 unknown)
+        self._unsettled: dict[int, tuple[Task, int, int]] = {}
         self._attempts: dict[int, int] = {}   # failures of tasks not done yet
         self._epochs_created = 0
         self._epoch_open_tasks: dict[int, int] = {}
@@ -310,7 +312,8 @@ class TaskManager(TaskQueues):
             if task.type == TaskType.TRAINING:
                 self.ledger[task.epoch].records_applied += applied
                 if not self.settle_on_close:
-                    self._unsettled[task_id] = (task, applied)
+                    self._unsettled[task_id] = (
+                        task, applied, int(counters.get("applied_generation", -1)))
             epoch_done, eval_done = self._count_done(task)
         if epoch_done is not None:
             for cb in self.epoch_end_callbacks:

@@ -97,7 +97,7 @@ class TaskTables(Protocol):
     _requeued: deque[Task]
     _eval_requeued: deque[Task]
     _doing: dict[int, Doing]
-    _unsettled: dict[int, tuple[Task, int]]
+    _unsettled: dict[int, tuple[Task, int, int]]
     _attempts: dict[int, int]
     _workers_seen: set[int]
     _epochs_created: int
@@ -156,7 +156,9 @@ def dump(tm: TaskTables, defer: bool = False) -> dict[str, Any]:
         doing = [(d.task, d.worker_id, d.past) for d in tm._doing.values()]
         requeued, eval_requeued = list(tm._requeued), list(tm._eval_requeued)
         state = _dump_locked(tm, {
-            "unsettled": Deferred(lambda: [[task_to_json(t), a] for t, a in unsettled]),
+            # the generation only when known (a snapshot of before reads back unchanged)
+            "unsettled": Deferred(lambda: [[task_to_json(t), a] + ([g] if g > 0 else [])
+                                           for t, a, g in unsettled]),
             "doing": Deferred(lambda: [[task_to_json(t), w, sorted(p)] for t, w, p in doing]),
             "requeued": Deferred(lambda: [task_to_json(t) for t in requeued]),
             "eval_requeued": Deferred(lambda: [task_to_json(t) for t in eval_requeued])})
@@ -206,9 +208,9 @@ def restore(tm: TaskTables, state: dict[str, Any], now: float) -> None:
             tm._doing[task.task_id] = Doing(task, int(worker), now, frozenset(past))
         tm.completed = IntervalSet.from_flat(state["completed"])
         tm._unsettled = {}
-        for t, applied in state["unsettled"]:
+        for t, applied, *gen in state["unsettled"]:
             task = task_from_json(t)
-            tm._unsettled[task.task_id] = (task, int(applied))
+            tm._unsettled[task.task_id] = (task, int(applied), int(gen[0]) if gen else -1)
         tm._attempts = {int(k): int(v) for k, v in state["attempts"].items()}
         tm._workers_seen = set(state["workers_seen"])
         tm.timeouts.restore(state["durations"])
@@ -295,9 +297,24 @@ def load_data_position(tm: TaskTables, state: dict[str, Any]) -> None:
 
 def applied_short(tm: TaskTables, task: Task, applied: int,
                   counters: Mapping[str, int]) -> bool:
-    """Whether a task reported done still has records the PS did not apply."""
+    """Whether a task reported done still has records the PS did not apply.
+
+    The figure is stale (read before the last PS rollback or lone restore, which
+    may have dropped what it counts) when the oldest ledger generation the worker
+    read (``applied_generation``: every PS's, the lowest; a PS takes the master's
+    rollback version as its generation when it rolls back or restores, or is told
+    it) is below the master's rollback version; from a worker that does not send
+    it, when the lowest PS version it read (``applied_at_version``) is below it.
+    After a lone restore (``--ps_recovery=alone``) only the restored PS's version
+    continues above the rollback version, so only the generation can tell."""
+    gen = counters.get("applied_generation")
+    if gen is not None and gen < tm.rollback_version:
+        logger.warning("task %d: applied records read at ledger generation %d, before the "
+                       "PS rollback to %d; re-queued", task.task_id, gen,
+                       tm.rollback_version)
+        return True
     at = counters.get("applied_at_version")
-    if at is not None and at < tm.rollback_version:
+    if gen is None and at is not None and at < tm.rollback_version:
         logger.warning("task %d: applied records read at PS version %d, before the "
                        "rollback to %d; re-queued", task.task_id, at, tm.rollback_version)
         return True
@@ -316,16 +333,18 @@ def requeue_unapplied(tm: TaskTables, applied: dict[int, int], new_version: int,
     """The PS rolled back to a checkpoint whose ledgers hold ``applied`` (task ->
     records applied on every PS) and ``closed`` (tasks every PS holds whole):
     closed but unsettled training tasks not fully in it are re-queued (their
-    records leave the epoch's counts); settled ones are in it by construction.
-    Returns them."""
+    records leave the epoch's counts); settled ones are in it by construction,
+    and so are those whose applied records a worker read at ledger generation
+    ``new_version`` or above (every PS it read was past the rollback or lone
+    restore: finished there while the master was on its way here). Returns them."""
     with tm._lock:
         tm.rollback_version = new_version
         lost = []
         for task_id in sorted(tm._unsettled):
-            task, counted = tm._unsettled[task_id]
+            task, counted, generation = tm._unsettled[task_id]
             if closed is not None and task_id in closed or \
-                    applied.get(task_id, 0) >= counted:
-                continue
+                    applied.get(task_id, 0) >= counted or generation >= new_version:
+                continue   # held (a figure read at this generation: after the restore)
             led = tm.ledger[task.epoch]
             led.records_completed -= task.num_records
             led.records_applied -= counted

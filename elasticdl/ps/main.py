@@ -121,7 +121,8 @@ def checkpoint_every_n(shard: PSShard) -> None:
     PS write the same versions). Called under the shard lock: the checkpoint is cut
     there (milliseconds) and written in the background. A fault point after a version
     fires once the checkpoints cut so far are on disk, so a test's kill "after version
-    N" follows the checkpoints up to N, as when they were written in place."""
+    N" follows the checkpoints up to N, as when they were written in place, and so does
+    the audit trail of applied pushes (what a test reads the redo from)."""
     cfg = shard.config
     schedule = Schedule(checkpoint_steps=cfg.checkpoint_steps if cfg.checkpoint_dir else 0)
     if schedule.checkpoint_due(shard.version, shard.last_checkpoint_version):
@@ -129,6 +130,8 @@ def checkpoint_every_n(shard: PSShard) -> None:
                               wait=False)
     if faults.armed("after_version"):
         shard_ckpt.flush_under_lock(shard)
+        if shard.audit is not None:
+            shard.audit.flush()
     faults.point("after_version")
 
 

@@ -338,17 +338,27 @@ class PSClient:
         """:meth:`applied_minibatches` and whether the task is closed on every PS
         (the master counted it done: all its minibatches are applied). A PS where
         it is closed holds every minibatch of it."""
+        return self.task_applied_at(task_id)[:3]   # type: ignore[return-value]
+
+    def task_applied_at(self, task_id: int) -> tuple[dict[int, int], int, bool, int]:
+        """:meth:`task_applied` and the oldest ledger generation among the PS answers
+        (the master's rollback version each last took: a figure read before a PS
+        rollback or lone restore is stale, see ``applied_short`` of the master)."""
         common: Optional[dict[int, int]] = None
         oldest = None
+        generation: Optional[int] = None
         for resp in self.applied([task_id]):
             oldest = resp.version if oldest is None else min(oldest, resp.version)
+            generation = resp.generation if generation is None else \
+                min(generation, resp.generation)
             if task_id in IntervalSet.from_flat(list(resp.closed)):
                 continue
             mine = {p.minibatch: p.num_records for p in resp.pushes}
             common = mine if common is None else \
                 {mb: n for mb, n in common.items() if mb in mine}
         closed = common is None and oldest is not None
-        return common or {}, -1 if oldest is None else oldest, closed
+        return (common or {}, -1 if oldest is None else oldest, closed,
+                -1 if generation is None else generation)
 
     def save_checkpoint(self) -> str:
         """Every PS writes its shard into the job's checkpoint directory (the PS's own

@@ -281,9 +281,10 @@ class PSTrainer(Trainer):
     def finish_task(self, task: Task) -> dict[str, int]:
         """What the PS applied of ``task``, read back from their ledgers."""
         self.identity = (0, 0, 0)
-        done, version, closed = self.client.task_applied(task.task_id)
+        done, version, closed, generation = self.client.task_applied_at(task.task_id)
         applied = task.num_records if closed else sum(done.values())
-        return {"records_applied": applied, "applied_at_version": version}
+        return {"records_applied": applied, "applied_at_version": version,
+                "applied_generation": max(generation, 0)}
 
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:
         """One step; a push a PS rejects as stale is recomputed on fresh parameters

@@ -86,6 +86,12 @@ def assert_trained_exactly(run: dict[str, Any], epochs: int, fired: tuple[str, .
     return report
 
 
+def ps_recoveries(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's PS recoveries of either mode: lone restores (``ps_recoveries``,
+    ``--ps_recovery=alone``) and rollbacks of every PS (``ps_rollbacks``)."""
+    return list(report.get("ps_recoveries", [])) + list(report.get("ps_rollbacks", []))
+
+
 def counts_of(state: dict[str, torch.Tensor]) -> torch.Tensor:
     return state["even"] + state["odd"]
 

@@ -23,19 +23,22 @@ PS_DIES = "ps-1:after_version@12"   # after a complete checkpoint (every 5 versi
 def test_case1_master_dies_after_rollback_start(id_data, tmp_path):
     """A PS dies; the master journals ROLLING_BACK(new version) and dies before any
     rollback RPC. The restarted master resumes the open protocol (a step of an
-    earlier incarnation: chooses again), rolls every PS back, re-queues: one
-    consistent rollback, no hang."""
+    earlier incarnation: chooses again), restores the lost PS alone (the default
+    --ps_recovery=alone), re-queues: one recovery, no hang."""
     run = ps_job(tmp_path, id_data, "case1", f"{PS_DIES},master:after_rollback_start")
     report = assert_trained_exactly(run, EPOCHS, ("ps-1_after_version@12",
                                                   "master_after_rollback_start@1"))
     assert len(report["master_restarts"]) == 1
-    assert len(report["ps_rollbacks"]) == 1, report["ps_rollbacks"]
+    assert [r["ps"] for r in report["ps_recoveries"]] == [[1]], report["ps_recoveries"]
+    assert "ps_rollbacks" not in report
 
 
 def test_case2_master_dies_after_every_ps_rolled_back(id_data, tmp_path):
     """Every PS rolled back, the master dies before the core re-queued what the
-    rollback erased: the restarted master rolls back again and re-queues."""
-    run = ps_job(tmp_path, id_data, "case2", f"{PS_DIES},master:after_ps_rollback")
+    rollback erased: the restarted master rolls back again and re-queues
+    (--ps_recovery=rollback_all: the rollback of every PS is what this tests)."""
+    run = ps_job(tmp_path, id_data, "case2", f"{PS_DIES},master:after_ps_rollback",
+                 ps_recovery="rollback_all")
     report = assert_trained_exactly(run, EPOCHS, ("master_after_ps_rollback@1",))
     assert len(report["ps_rollbacks"]) == 1, report["ps_rollbacks"]
 
@@ -43,16 +46,20 @@ def test_case2_master_dies_after_every_ps_rolled_back(id_data, tmp_path):
 def test_two_ps_deaths_make_one_rollback(id_data, tmp_path):
     """Suspicion: two PS deaths ran two rollback threads, the last one winning.
     PS 0 dies inside the rollback of PS 1's death (after restoring, before it
-    answers): it joins the open rollback; one rollback, one checkpoint."""
-    run = ps_job(tmp_path, id_data, "twops", f"{PS_DIES},ps-0:after_restore")
+    answers): it joins the open rollback; one rollback, one checkpoint
+    (--ps_recovery=rollback_all: PS 0 dies in its rollback)."""
+    run = ps_job(tmp_path, id_data, "twops", f"{PS_DIES},ps-0:after_restore",
+                 ps_recovery="rollback_all")
     report = assert_trained_exactly(run, EPOCHS, ("ps-0_after_restore@1",))
     assert len(report["ps_rollbacks"]) == 1, report["ps_rollbacks"]
     assert "joins it" in logs_of(run["job_dir"], "master")
 
 
 def test_ps_death_then_master_death_before_ps_launch(id_data, tmp_path):
-    """PS, then master (after PS_LAUNCHED is journaled, before the PS is created)."""
-    run = ps_job(tmp_path, id_data, "psmaster", f"{PS_DIES},master:after_ps_launched")
+    """PS, then master (after PS_LAUNCHED is journaled, before the PS is created);
+    --ps_recovery=rollback_all (case 1 covers a master death in a lone recovery)."""
+    run = ps_job(tmp_path, id_data, "psmaster", f"{PS_DIES},master:after_ps_launched",
+                 ps_recovery="rollback_all")
     report = assert_trained_exactly(run, EPOCHS, ("master_after_ps_launched@1",))
     assert len(report["ps_rollbacks"]) == 1, report["ps_rollbacks"]
     # the restarted master relaunches the PS at the address the workers hold (at a new

@@ -90,8 +90,8 @@ def test_case6_resume_from_an_older_version_of_the_own_directory(id_data, tmp_pa
                                                                  finished_run):
     """--checkpoint_dir=D --checkpoint_dir_for_init=D/version-<mid>, D holding newer
     versions: the PS restore <mid> (not D's newest), this run's versions continue
-    above D's newest, and a PS death after this run's own checkpoint rolls back to
-    that checkpoint, never to the earlier run's newer ones."""
+    above D's newest, and a PS death after this run's own checkpoint restores that
+    checkpoint (alone, the default), never the earlier run's newer ones."""
     import shutil
 
     from elasticdl.checkpoint.paths import complete_versions
@@ -104,7 +104,7 @@ def test_case6_resume_from_an_older_version_of_the_own_directory(id_data, tmp_pa
                   checkpoint_dir=own, checkpoint_dir_for_init=f"{own}/version-{mid}",
                   **PS_FLAGS)
     report = assert_trained_exactly(run, EPOCHS, ("ps-1_after_version@12",))
-    rolled = [r["checkpoint_version"] for r in report["ps_rollbacks"]]
+    rolled = [r["checkpoint_version"] for r in report["ps_recoveries"]]
     assert len(rolled) == 1 and rolled[0] > newest, (rolled, newest)
     assert f"restored version {mid} from" in logs_of(run["job_dir"], "ps-0")
 
@@ -191,12 +191,13 @@ def test_case8_allreduce_exporter_dies_and_a_member_takes_over(id_data, tmp_path
 def test_case7_ps_killed_during_an_evaluation(id_data, tmp_path):
     """A PS is SIGKILLed while the epoch-0-end evaluation runs (evaluation batches are
     slowed so that it lasts seconds; the kill comes once the master has created the
-    evaluation's tasks). Every PS rolls back to the newest checkpoint; the interrupted
-    evaluation's metrics (of a model the PS no longer hold) are dropped, the work the
-    rollback erased is trained again, and the epoch end is evaluated again, labelled
-    with a version after the rollback. The evaluated models are checked by what they
-    hold: ``mean_count`` (how often the validation records were trained, read from the
-    model evaluated; each step adds 1 to both counting parameters) is ``2 (k + 1)`` for
+    evaluation's tasks). The lost PS restores the newest checkpoint alone (the
+    default); the interrupted evaluation's metrics (of a model the PS no longer
+    hold) are dropped, the work the restore erased is trained again, and the epoch
+    end is evaluated again, labelled with a version after the recovery. The evaluated
+    models are checked by what they hold: ``mean_count`` (how often the validation
+    records were trained, read from the model evaluated; each step adds 1 to both
+    counting parameters) is ``2 (k + 1)`` for
     the epoch-``k``-end evaluation, one per epoch; every record is trained exactly twice
     in the exported model."""
     import os
@@ -225,8 +226,8 @@ def test_case7_ps_killed_during_an_evaluation(id_data, tmp_path):
                   validation_data=id_data, checkpoint_dir=str(tmp_path / "ckpt"), **PS_FLAGS)
     assert killed, "no evaluation started"
     report = assert_trained_exactly(run, EPOCHS)
-    rollbacks = report["ps_rollbacks"]
-    assert len(rollbacks) == 1, rollbacks
+    rollbacks = report["ps_recoveries"]
+    assert len(rollbacks) == 1 and "ps_rollbacks" not in report, rollbacks
     evaluations = report["evaluations"]
     assert sorted(e["epoch"] for e in evaluations) == list(range(EPOCHS)), evaluations
     for e in evaluations:
