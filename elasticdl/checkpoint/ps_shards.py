@@ -11,7 +11,9 @@ Each file holds the shard's parameters, optimizer state, learning-rate
 schedule (scheduler state and the epoch it is at) and ledger, and its embedding rows:
 all of them (a *whole* shard), or only the rows changed since the PS's previous
 checkpoint (a *delta*: ``"delta": {"prev_version", "full_version"}``, per table the rows'
-``slots`` and the table's ``size`` at the cut). A delta is read as the whole shard it
+``slots`` and the table's ``size`` at the cut). A slot whose row was evicted holds id -1
+(a tombstone; a delta carries it, and per table ``evicted``: the ids evicted since the
+previous checkpoint); every reader drops those rows (:func:`tables_of`). A delta is read as the whole shard it
 completes: :func:`load_shard` folds the chain (the whole one, then each delta in order)
 by slot, so every reader gets whole tables. Retention (:func:`mark_done`) keeps the
 versions the kept ones are deltas of. This module is the
@@ -127,7 +129,12 @@ def _fold(name: str, whole: dict[str, Any], deltas: list[Optional[dict[str, Any]
         slots = d["slots"].numpy()
         d_ids = d["ids"].numpy()
         old = slots < known
-        if not np.array_equal(ids[slots[old]], d_ids[old]) or \
+        was, now = ids[slots[old]], d_ids[old]
+        # a slot keeps its id, or changes through an eviction (a tombstone, a reuse)
+        gone = d["evicted"].numpy() if "evicted" in d else np.zeros(0, np.int64)
+        same = (was == now) | (was < 0) | (now < 0) | np.isin(was, gone) | \
+            (not d.get("evicted_complete", True))
+        if not same.all() or \
                 not np.array_equal(np.sort(slots[~old]), np.arange(known, int(d["size"]))):
             raise ckpt.CheckpointError(f"{path}: table {name!r}: a delta does not match the "
                                        "rows it applies to")
@@ -171,7 +178,7 @@ def mark_done(checkpoint_dir: str, version: int, keep_max: int = 0) -> None:
 
 
 def tables_of(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per table: spec and the rows of all shards concatenated."""
+    """Per table: spec and the rows of all shards concatenated (evicted slots dropped)."""
     out: dict[str, dict[str, Any]] = {}
     for s in shards:
         for name, t in s["tables"].items():
@@ -183,9 +190,14 @@ def tables_of(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 entry["state"].setdefault(k, []).append(v)
             entry["fill"].update(t["state_fill"])
     for entry in out.values():
-        entry["ids"] = np.concatenate(entry["ids"])
-        entry["weights"] = torch.cat(entry["weights"])
-        entry["state"] = {k: torch.cat(v) for k, v in entry["state"].items()}
+        ids = np.concatenate(entry["ids"])
+        weights = torch.cat(entry["weights"])
+        state = {k: torch.cat(v) for k, v in entry["state"].items()}
+        if (ids < 0).any():   # evicted slots (tombstones): not rows
+            live = torch.from_numpy(np.flatnonzero(ids >= 0))
+            ids, weights = ids[live.numpy()], weights.index_select(0, live)
+            state = {k: v.index_select(0, live) for k, v in state.items()}
+        entry["ids"], entry["weights"], entry["state"] = ids, weights, state
     return out
 
 

@@ -33,6 +33,8 @@ import torch
 
 from elasticdl.common.tables import TableSpec, dense_owner, local_rows
 from elasticdl.ps import row_arena
+from elasticdl.ps.admission import CountingSketch
+from elasticdl.ps.eviction import EmbeddingDefaults, TablePolicy, lru_victims, ttl_victims
 from elasticdl.ps.row_snapshot import TableSnapshot
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class SlotIndex:
         self._values = values if keys is not None and values is not None else \
             np.empty(0, dtype=np.int64)
         self._n = 0
+        self._dead = 0   # sorted mode: keys of removed ids (value -1), compacted at n/2
 
     def find(self, local: np.ndarray) -> np.ndarray:
         if self.direct:
@@ -87,6 +90,15 @@ class SlotIndex:
         order = np.argsort(local, kind="stable")
         local, slots = local[order], slots[order]
         n = self._n
+        if self._dead and n:   # a removed id back: its key is still there
+            pos = np.minimum(np.searchsorted(self._keys[:n], local), n - 1)
+            back = self._keys[pos] == local
+            if back.any():
+                self._values[pos[back]] = slots[back]
+                self._dead -= int(back.sum())
+                local, slots = local[~back], slots[~back]
+                if local.shape[0] == 0:
+                    return
         if self._in_place and n + local.shape[0] <= self._keys.shape[0]:
             self._n = row_arena.merge_into(self._keys, self._values, n, local, slots)
             return
@@ -96,6 +108,24 @@ class SlotIndex:
         self._keys = np.insert(keys, pos, local)
         self._values = np.insert(values, pos, slots)
         self._n = self._keys.shape[0]
+
+    def remove(self, local: np.ndarray) -> None:
+        """Forget ids (present). Sorted mode marks their keys removed and compacts the
+        arrays once half of the keys are (amortised O(1) per removal)."""
+        if self.direct:
+            if self._array is not None:
+                self._array[local] = -1
+            return
+        n = self._n
+        pos = np.searchsorted(self._keys[:n], local)
+        self._values[pos] = -1
+        self._dead += int(local.shape[0])
+        if self._dead * 2 > n:
+            keep = self._values[:n] >= 0
+            m = int(keep.sum())
+            keys, values = self._keys[:n][keep], self._values[:n][keep]
+            self._keys[:m], self._values[:m] = keys, values
+            self._n, self._dead = m, 0
 
     @property
     def nbytes(self) -> int:
@@ -112,12 +142,33 @@ class EmbeddingTable:
     the rows (created by :meth:`ensure_state`). ``dirty[:size]`` marks the rows created
     or updated since the last checkpoint's cut (a delta's rows); ``snapshot``, while a
     checkpoint copies this table, is told of every update first (:meth:`before_update`).
+
+    With a :class:`~elasticdl.ps.eviction.TablePolicy` that admits or evicts: ``sketch``
+    counts the ids without a row, ``touched[:size]`` holds each row's last-update model
+    version (uint32), an evicted row's slot holds id -1 and is reused by the next row
+    created (with fresh optimizer state); ``now`` is the model version (the shard's).
     """
 
-    def __init__(self, spec: TableSpec, ps_id: int, num_ps: int, capacity: int = 1024):
+    EVICTED_LOG_MAX = 1 << 22   # evicted ids kept for the next checkpoint's record
+
+    def __init__(self, spec: TableSpec, ps_id: int, num_ps: int, capacity: int = 1024,
+                 policy: TablePolicy = TablePolicy()):
         self.spec = spec
         self.ps_id = ps_id
         self.num_ps = num_ps
+        self.policy = TablePolicy() if spec.explicit else policy
+        self.now = 0
+        self.stats = {"admitted": 0, "evicted_ttl": 0, "evicted_capacity": 0,
+                      "grads_dropped": 0}
+        self.sketch = CountingSketch(policy.sketch_counters) if self.policy.admits else None
+        self._free = np.zeros(0, dtype=np.int64)   # evicted slots, reused first
+        self._nfree = 0
+        self._evicted: list[np.ndarray] = []       # ids evicted since the last cut
+        self._evicted_n = 0
+        self._evicted_lost = False   # more than EVICTED_LOG_MAX since the last cut
+        self._sweep_pos = 0
+        self._rng = np.random.default_rng(ps_id)
+        self.touched: Optional[np.ndarray] = None
         local = local_rows(spec.num_embeddings, ps_id, num_ps)
         capacity = min(capacity, max(local, 1))
         self.weights = torch.empty((capacity, spec.dim), dtype=spec.dtype)
@@ -130,9 +181,15 @@ class EmbeddingTable:
             weights = row_arena.reserve(most, (spec.dim,), spec.dtype)
             row_ids = row_arena.array(most, np.int64) if weights is not None else None
             dirty = row_arena.array(most, np.bool_) if row_ids is not None else None
-            if weights is not None and row_ids is not None and dirty is not None:
+            touched = row_arena.array(most, np.uint32) \
+                if dirty is not None and self.policy.evicts else None
+            if weights is not None and row_ids is not None and dirty is not None and \
+                    (touched is not None or not self.policy.evicts):
                 self.weights, self.row_ids, self.dirty = weights, row_ids, dirty
+                self.touched = touched
                 self._reserved = most
+        if self.policy.evicts and self.touched is None:
+            self.touched = np.zeros(self.weights.shape[0], dtype=np.uint32)
         self._index = SlotIndex(local, self._reserved)
         self.snapshot: Optional[TableSnapshot] = None
         self.state: dict[str, torch.Tensor] = {}
@@ -173,6 +230,10 @@ class EmbeddingTable:
             self._leave_arena(self.size)
             cap = self.weights.shape[0]
         self.state[name] = torch.full((cap,) + tail, fill, dtype=dtype)
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """Slot of each id (of this PS, unchecked); -1 where it has no row."""
+        return self._index.find(ids // self.num_ps)
 
     def check_ids(self, ids: np.ndarray, what: str = "") -> None:
         """Raises ValueError if an id is out of range or belongs to another PS."""
@@ -227,6 +288,10 @@ class EmbeddingTable:
         dirty = np.zeros(new_cap, dtype=bool)
         dirty[:self.size] = self.dirty[:self.size]
         self.dirty = dirty
+        if self.touched is not None:
+            touched = np.zeros(new_cap, dtype=np.uint32)
+            touched[:self.size] = self.touched[:self.size]
+            self.touched = touched
         for name, old in self.state.items():
             grown = torch.full((new_cap,) + tuple(old.shape[1:]), self._state_fill[name],
                                dtype=old.dtype)
@@ -236,19 +301,136 @@ class EmbeddingTable:
     def _add_rows(self, ids: np.ndarray, values: torch.Tensor,
                   state: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         n = ids.shape[0]
+        if self.policy.max_rows:
+            self._make_room(n)
+        given = state or {}
+        k = min(n, self._nfree)
+        if k:   # evicted slots first: their rows start as new ones (optimizer state fresh)
+            reused = self._free[self._nfree - k:self._nfree].copy()
+            self._nfree -= k
+            rt = torch.from_numpy(reused)
+            self.before_update(rt)   # a snapshot being copied keeps the slot as it was
+            self.weights.index_copy_(0, rt, values[:k].to(self.weights.dtype))
+            self.row_ids[reused] = ids[:k]
+            self.dirty[reused] = True
+            self._index.insert(ids[:k] // self.num_ps, reused)
+            for name, rows in self.state.items():
+                rows.index_copy_(0, rt, given[name][:k].to(rows.dtype) if name in given else
+                                 rows.new_full((k,) + tuple(rows.shape[1:]),
+                                               self._state_fill[name]))
+            if self.touched is not None:
+                self.touched[reused] = self.now
+            if k == n:
+                return
+            ids, values = ids[k:], values[k:]
+            given = {name: v[k:] for name, v in given.items()}
+            n -= k
         start = self.size
         self._grow(start + n)
         self.weights[start:start + n] = values
         self.row_ids[start:start + n] = ids
         self.dirty[start:start + n] = True
         self._index.insert(ids // self.num_ps, np.arange(start, start + n, dtype=np.int64))
-        given = state or {}
         for name, rows in self.state.items():
             if name in given:
                 rows[start:start + n] = given[name]
             elif self._reserved and self._state_fill[name] != 0.0:
                 rows[start:start + n] = self._state_fill[name]
+        if self.touched is not None:
+            self.touched[start:start + n] = self.now
         self.size = start + n
+
+    # ------------------------------------------------- admission and eviction
+    @property
+    def live_rows(self) -> int:
+        """Rows present (``size`` less the evicted slots not reused yet)."""
+        return self.size - self._nfree
+
+    def _admit(self, ids: np.ndarray) -> None:
+        """Count a training pull of ``ids`` without a row (unique); create the rows of
+        those seen ``admit_after`` times now (lock held)."""
+        assert self.sketch is not None
+        counts = self.sketch.add(ids)
+        admitted = ids[counts >= self.policy.admit_after]
+        if admitted.shape[0]:
+            self._add_rows(admitted, self.spec.initial_rows(admitted))
+            self.stats["admitted"] += int(admitted.shape[0])
+
+    def slots_for_update(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], torch.Tensor]:
+        """``(keep, slots)`` of the rows a gradient of ``ids`` updates: every id (rows
+        created when missing, ``keep`` None) or, for a table that admits, only the ids
+        with a row (``keep`` masks them; the others' gradients are dropped)."""
+        if self.sketch is None:
+            return None, self.slots(ids)
+        self.check_ids(ids)
+        found = self._index.find(ids // self.num_ps)
+        keep = found >= 0
+        self.stats["grads_dropped"] += int(keep.shape[0] - keep.sum())
+        return keep, torch.from_numpy(found[keep])
+
+    def touch(self, slots: torch.Tensor) -> None:
+        """Rows ``slots`` were updated at this model version (their TTL and LRU age)."""
+        if self.touched is not None:
+            self.touched[slots.numpy()] = self.now
+
+    def evict(self, slots: np.ndarray, reason: str = "ttl") -> int:
+        """Drop the rows in ``slots`` (present ones; lock held): their ids are forgotten,
+        their slots reused, the ids recorded for the next checkpoint."""
+        slots = np.unique(slots)
+        slots = slots[self.row_ids[slots] >= 0]
+        n = int(slots.shape[0])
+        if n == 0:
+            return 0
+        self.before_update(torch.from_numpy(slots))   # the delta's tombstone; a snapshot
+        ids = self.row_ids[slots].copy()               # being copied keeps the row
+        self._index.remove(ids // self.num_ps)
+        self.row_ids[slots] = -1
+        if self._nfree + n > self._free.shape[0]:
+            free = np.zeros(max(2 * self._free.shape[0], self._nfree + n), dtype=np.int64)
+            free[:self._nfree] = self._free[:self._nfree]
+            self._free = free
+        self._free[self._nfree:self._nfree + n] = slots
+        self._nfree += n
+        if self._evicted_n + n <= self.EVICTED_LOG_MAX:
+            self._evicted.append(ids)
+            self._evicted_n += n
+        else:   # no checkpoint for long: the record stops (the tombstones suffice)
+            self._evicted, self._evicted_n, self._evicted_lost = [], 0, True
+        self.stats["evicted_" + reason] += n
+        return n
+
+    def _make_room(self, n: int) -> None:
+        """Evict the least recently updated rows so that ``n`` more fit the bound."""
+        most = self.policy.max_rows
+        if n > most:
+            raise ValueError(f"table {self.spec.name!r}: {n} new rows at once exceed its "
+                             f"{most} rows on PS {self.ps_id} (max_rows)")
+        over = self.live_rows + n - most
+        if over <= 0:
+            return
+        assert self.touched is not None
+        need = min(self.live_rows, over + most // 64)
+        self.evict(lru_victims(self.touched, self.row_ids, self.size, need, self._rng),
+                   "capacity")
+
+    def sweep(self) -> int:
+        """One step of the TTL sweep: up to ``sweep_rows`` slots (lock held); returns the
+        rows evicted."""
+        ttl = self.policy.ttl_versions
+        if ttl <= 0 or self.size == 0 or self.touched is None:
+            return 0
+        lo = self._sweep_pos if self._sweep_pos < self.size else 0
+        hi = min(lo + self.policy.sweep_rows, self.size)
+        self._sweep_pos = hi
+        return self.evict(ttl_victims(self.touched, self.row_ids, lo, hi, self.now, ttl))
+
+    def take_evicted(self) -> Optional[np.ndarray]:
+        """The ids evicted since the last call (for a checkpoint's record); None when
+        there were more than ``EVICTED_LOG_MAX`` (not recorded)."""
+        out = None if self._evicted_lost else \
+            np.concatenate(self._evicted) if self._evicted else np.zeros(0, np.int64)
+        self._evicted, self._evicted_n, self._evicted_lost = [], 0, False
+        return out
 
     def before_update(self, slots: torch.Tensor) -> None:
         """Rows ``slots`` are about to change (lock held): they belong to the next
@@ -265,6 +447,7 @@ class EmbeddingTable:
             self.snapshot.finish()
         n = self.size
         snap = TableSnapshot(self, None if full else np.flatnonzero(self.dirty[:n]))
+        snap.evicted = self.take_evicted()
         self.dirty[:n] = False
         self.snapshot = snap
         return snap
@@ -272,6 +455,12 @@ class EmbeddingTable:
     def lookup(self, ids: np.ndarray, create: bool = True) -> torch.Tensor:
         """Rows of ``ids``, shape (len(ids), dim). New rows are created, or with
         ``create=False`` returned with their initial values and not stored."""
+        if create and self.sketch is not None:
+            self.check_ids(ids)
+            found = self._index.find(ids // self.num_ps)
+            if (found < 0).any():
+                self._admit(np.unique(ids[found < 0]))
+            return self.lookup(ids, create=False)
         if create:
             slots = self.slots(ids)  # first: creating rows may replace self.weights
             return self.weights.index_select(0, slots)
@@ -294,7 +483,10 @@ class EmbeddingTable:
         per_row = self.weights.element_size() * self.spec.dim + self.row_ids.itemsize + \
             self.dirty.itemsize + sum(v.element_size() * (v.nelement() // max(v.shape[0], 1))
                                       for v in self.state.values())
-        return rows * per_row + self._index.nbytes
+        if self.touched is not None:
+            per_row += self.touched.itemsize
+        sketch = 0 if self.sketch is None else self.sketch.nbytes
+        return rows * per_row + self._index.nbytes + sketch
 
     @property
     def state_fill(self) -> dict[str, float]:
@@ -302,10 +494,11 @@ class EmbeddingTable:
         return dict(self._state_fill)
 
     def state_dict(self) -> dict[str, object]:
-        n = self.size
-        return {"spec": self.spec.to_dict(), "ids": torch.from_numpy(self.row_ids[:n].copy()),
-                "weights": self.weights[:n].clone(),
-                "state": {k: v[:n].clone() for k, v in self.state.items()},
+        live = torch.from_numpy(np.flatnonzero(self.row_ids[:self.size] >= 0))
+        return {"spec": self.spec.to_dict(),
+                "ids": torch.from_numpy(self.row_ids[live.numpy()]),
+                "weights": self.weights.index_select(0, live),
+                "state": {k: v.index_select(0, live) for k, v in self.state.items()},
                 "state_fill": dict(self._state_fill)}
 
     def load_rows(self, ids: np.ndarray, weights: torch.Tensor,
@@ -322,11 +515,13 @@ class EmbeddingTable:
 class Parameters:
     """Dense parameters, buffers and embedding tables of one PS shard."""
 
-    def __init__(self, ps_id: int, num_ps: int):
+    def __init__(self, ps_id: int, num_ps: int,
+                 embedding: EmbeddingDefaults = EmbeddingDefaults()):
         if not 0 <= ps_id < num_ps:
             raise ValueError(f"ps_id {ps_id} out of range for {num_ps} PS")
         self.ps_id = ps_id
         self.num_ps = num_ps
+        self.embedding = embedding
         self.dense: dict[str, torch.nn.Parameter] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         self.tables: dict[str, EmbeddingTable] = {}
@@ -351,18 +546,27 @@ class Parameters:
         for spec in tables:
             if spec.name in new_tables:
                 raise ValueError(f"embedding table {spec.name!r} declared twice")
-            new_tables[spec.name] = EmbeddingTable(spec, self.ps_id, self.num_ps)
+            policy = self.embedding.policy(spec.admit_after, spec.ttl_versions, spec.max_rows,
+                                           spec.explicit, self.num_ps)
+            new_tables[spec.name] = EmbeddingTable(spec, self.ps_id, self.num_ps,
+                                                   policy=policy)
         self.dense = {n: torch.nn.Parameter(t.detach().to("cpu").clone(),
                                             requires_grad=t.dtype.is_floating_point)
                       for n, t in dense.items()}
         self.buffers = {n: t.detach().to("cpu").clone() for n, t in buffers.items()}
         self.tables = new_tables
         self.version = int(version)
+        self.set_clock(self.version)
         self.initialized = True
         logger.info("PS %d initialised at version %d: %d dense (%.1f MB), %d buffers, "
                     "%d tables", self.ps_id, self.version, len(self.dense),
                     sum(p.numel() * p.element_size() for p in self.dense.values()) / 1e6,
                     len(self.buffers), len(self.tables))
+
+    def set_clock(self, version: int) -> None:
+        """The model version rows created or updated from now on are stamped with."""
+        for t in self.tables.values():
+            t.now = int(version)
 
     def table(self, name: str) -> EmbeddingTable:
         try:
