@@ -27,6 +27,7 @@ every row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -89,19 +90,23 @@ def ttl_victims(touched: np.ndarray, row_ids: np.ndarray, lo: int, hi: int, now:
 
 
 def lru_victims(touched: np.ndarray, row_ids: np.ndarray, size: int, need: int,
-                rng: np.random.Generator) -> np.ndarray:
-    """``need`` slots among the least recently updated rows of ``[0, size)`` (see the
-    module doc: exact up to ``LRU_EXACT_ROWS`` rows, else sampled)."""
+                rng: np.random.Generator, keep: Optional[np.ndarray] = None) -> np.ndarray:
+    """``need`` slots among the least recently updated rows of ``[0, size)``, never one
+    in ``keep`` (see the module doc: exact up to ``LRU_EXACT_ROWS`` rows, else sampled)."""
     if need <= 0:
         return np.zeros(0, dtype=np.int64)
     cand = None
     if size > max(LRU_EXACT_ROWS, need * LRU_SAMPLE):
         cand = np.unique(rng.integers(0, size, need * LRU_SAMPLE))
         cand = cand[row_ids[cand] >= 0]
+        if keep is not None and keep.shape[0]:
+            cand = cand[~np.isin(cand, keep)]
         if cand.shape[0] < need:
             cand = None
     if cand is None:
         cand = np.flatnonzero(row_ids[:size] >= 0)
+        if keep is not None and keep.shape[0]:
+            cand = cand[~np.isin(cand, keep)]
     if cand.shape[0] <= need:
         return cand
     ages = touched[cand]

@@ -261,7 +261,7 @@ class EmbeddingTable:
                 raise ValueError(f"table {self.spec.name!r}: rows {ids[missing][:5].tolist()} "
                                  "were never created")
             new_ids = np.unique(ids[missing])
-            self._add_rows(new_ids, self.spec.initial_rows(new_ids))
+            self._add_rows(new_ids, self.spec.initial_rows(new_ids), keep=slots[~missing])
             slots = self._index.find(local)
         return torch.from_numpy(slots)
 
@@ -299,10 +299,13 @@ class EmbeddingTable:
             self.state[name] = grown
 
     def _add_rows(self, ids: np.ndarray, values: torch.Tensor,
-                  state: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+                  state: Optional[Mapping[str, torch.Tensor]] = None,
+                  keep: Optional[np.ndarray] = None) -> None:
+        """Rows for ``ids`` (absent); a capacity bound evicts rows first, never those in
+        the slots ``keep`` (the other rows of the same pull or push)."""
         n = ids.shape[0]
         if self.policy.max_rows:
-            self._make_room(n)
+            self._make_room(n, keep)
         given = state or {}
         k = min(n, self._nfree)
         if k:   # evicted slots first: their rows start as new ones (optimizer state fresh)
@@ -346,14 +349,14 @@ class EmbeddingTable:
         """Rows present (``size`` less the evicted slots not reused yet)."""
         return self.size - self._nfree
 
-    def _admit(self, ids: np.ndarray) -> None:
+    def _admit(self, ids: np.ndarray, keep: np.ndarray) -> None:
         """Count a training pull of ``ids`` without a row (unique); create the rows of
-        those seen ``admit_after`` times now (lock held)."""
+        those seen ``admit_after`` times now (lock held; ``keep``: the pull's rows)."""
         assert self.sketch is not None
         counts = self.sketch.add(ids)
         admitted = ids[counts >= self.policy.admit_after]
         if admitted.shape[0]:
-            self._add_rows(admitted, self.spec.initial_rows(admitted))
+            self._add_rows(admitted, self.spec.initial_rows(admitted), keep=keep)
             self.stats["admitted"] += int(admitted.shape[0])
 
     def slots_for_update(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], torch.Tensor]:
@@ -399,18 +402,20 @@ class EmbeddingTable:
         self.stats["evicted_" + reason] += n
         return n
 
-    def _make_room(self, n: int) -> None:
-        """Evict the least recently updated rows so that ``n`` more fit the bound."""
+    def _make_room(self, n: int, keep: Optional[np.ndarray]) -> None:
+        """Evict the least recently updated rows (not in ``keep``) so that ``n`` more
+        fit the bound."""
         most = self.policy.max_rows
-        if n > most:
-            raise ValueError(f"table {self.spec.name!r}: {n} new rows at once exceed its "
-                             f"{most} rows on PS {self.ps_id} (max_rows)")
+        kept = 0 if keep is None else int(np.unique(keep).shape[0])
+        if n + kept > most:
+            raise ValueError(f"table {self.spec.name!r}: {n + kept} rows in one pull or "
+                             f"push exceed its {most} rows on PS {self.ps_id} (max_rows)")
         over = self.live_rows + n - most
         if over <= 0:
             return
         assert self.touched is not None
         need = min(self.live_rows, over + most // 64)
-        self.evict(lru_victims(self.touched, self.row_ids, self.size, need, self._rng),
+        self.evict(lru_victims(self.touched, self.row_ids, self.size, need, self._rng, keep),
                    "capacity")
 
     def sweep(self) -> int:
@@ -421,7 +426,7 @@ class EmbeddingTable:
             return 0
         lo = self._sweep_pos if self._sweep_pos < self.size else 0
         hi = min(lo + self.policy.sweep_rows, self.size)
-        self._sweep_pos = hi
+        self._sweep_pos = hi if hi < self.size else 0   # the next pass from the start
         return self.evict(ttl_victims(self.touched, self.row_ids, lo, hi, self.now, ttl))
 
     def take_evicted(self) -> Optional[np.ndarray]:
@@ -459,7 +464,7 @@ class EmbeddingTable:
             self.check_ids(ids)
             found = self._index.find(ids // self.num_ps)
             if (found < 0).any():
-                self._admit(np.unique(ids[found < 0]))
+                self._admit(np.unique(ids[found < 0]), found[found >= 0])
             return self.lookup(ids, create=False)
         if create:
             slots = self.slots(ids)  # first: creating rows may replace self.weights
