@@ -145,7 +145,8 @@ def _fold(name: str, whole: dict[str, Any], deltas: list[Optional[dict[str, Any]
             state[k].index_copy_(0, st, v)
         known = max(known, int(d["size"]))
     return {"spec": whole["spec"], "ids": torch.from_numpy(ids), "weights": weights,
-            "state": state, "state_fill": fill}
+            "state": state, "state_fill": fill,
+            "partial": any(bool(d.get("partial")) for d in [whole, *deltas] if d is not None)}
 
 
 def write_delta_note(version_dir: str, ps_id: int, num_ps: int,
@@ -183,7 +184,9 @@ def tables_of(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for s in shards:
         for name, t in s["tables"].items():
             entry = out.setdefault(name, {"spec": TableSpec.from_dict(t["spec"]), "ids": [],
-                                          "weights": [], "state": {}, "fill": {}})
+                                          "weights": [], "state": {}, "fill": {},
+                                          "partial": False})
+            entry["partial"] = entry["partial"] or bool(t.get("partial"))
             entry["ids"].append(t["ids"].numpy())
             entry["weights"].append(t["weights"])
             for k, v in t["state"].items():
@@ -243,7 +246,9 @@ def export_state_dict(version_dir: str, skip: Collection[str] = ()) -> dict[str,
         if name in skip:
             continue
         spec: TableSpec = t["spec"]
-        if spec.explicit:  # every row was pushed and checkpointed
+        if spec.explicit and t["partial"]:   # admission/eviction: a missing row is zeros
+            full = torch.zeros((spec.num_embeddings, spec.dim), dtype=spec.dtype)
+        elif spec.explicit:  # every row was pushed and checkpointed
             if np.unique(t["ids"]).shape[0] != spec.num_embeddings:
                 raise ckpt.CheckpointError(f"{version_dir}: table {name!r} lacks rows")
             full = torch.empty((spec.num_embeddings, spec.dim), dtype=spec.dtype)

@@ -133,10 +133,6 @@ class TableSpec:
                                  ("max_rows", self.max_rows, 0)):
             if value is not None and value < low:
                 raise ValueError(f"table {self.name!r}: {what} must be >= {low}, got {value}")
-        if self.explicit and ((self.admit_after or 1) > 1 or self.ttl_versions or
-                              self.max_rows):
-            raise ValueError(f"table {self.name!r}: admission and eviction need a lazy table "
-                             "(rows from its initializer: give the layer initializer=)")
 
     def initial_rows(self, ids: np.ndarray) -> torch.Tensor:
         """Initial values of rows ``ids``.

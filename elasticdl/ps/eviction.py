@@ -3,14 +3,17 @@
 A table's policy comes from its layer (``Embedding(..., admit_after=, ttl_versions=,
 max_rows=)``, carried by :class:`~elasticdl.common.tables.TableSpec`) or, where the layer
 leaves it unset, from the job's flags (``--embedding_admit_after``,
-``--embedding_ttl_versions``, ``--embedding_max_rows``). Only lazy tables (rows created
-from the initializer) take part; a table whose rows were pushed whole (``explicit``) keeps
-every row.
+``--embedding_ttl_versions``, ``--embedding_max_rows``). It applies to every PS table:
+a lazy one (rows from its initializer) and one whose rows were pushed whole (a
+materialised ``Embedding``, a torch ``nn.Embedding``): a row of the latter evicted or not
+admitted yet answers zeros.
 
 * **Admission** (:mod:`elasticdl.ps.admission`): an id gets a row on its
   ``admit_after``-th training pull; before, its lookup answers the initializer's row for
-  that id (the value the row will start from; zeros with ``initializer="zeros"``) and
-  gradients pushed for it are dropped (counted in ``grads_dropped``).
+  that id (the value the row will start from; zeros with ``initializer="zeros"``, and for
+  a table pushed whole) and gradients pushed for it are dropped (counted in
+  ``grads_dropped``). A table pushed whole has every row at the start: admission gates
+  only the rows created again after an eviction.
 * **Time to live**: a row not updated (nor created) for ``ttl_versions`` model versions
   is evicted by the sweep, which visits ``sweep_rows`` slots per model version, so a row
   goes at most ``size / sweep_rows`` versions after its time.
@@ -71,10 +74,8 @@ class EmbeddingDefaults:
     sweep_rows: int = 1 << 16
 
     def policy(self, spec_admit: int | None, spec_ttl: int | None, spec_max: int | None,
-               explicit: bool, num_ps: int) -> TablePolicy:
+               num_ps: int) -> TablePolicy:
         """The policy of a table on one of ``num_ps`` PS (a table's own setting wins)."""
-        if explicit:
-            return TablePolicy()
         admit = self.admit_after if spec_admit is None else spec_admit
         ttl = self.ttl_versions if spec_ttl is None else spec_ttl
         most = self.max_rows if spec_max is None else spec_max

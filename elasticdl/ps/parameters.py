@@ -156,7 +156,7 @@ class EmbeddingTable:
         self.spec = spec
         self.ps_id = ps_id
         self.num_ps = num_ps
-        self.policy = TablePolicy() if spec.explicit else policy
+        self.policy = policy
         self.now = 0
         self.stats = {"admitted": 0, "evicted_ttl": 0, "evicted_capacity": 0,
                       "grads_dropped": 0}
@@ -210,6 +210,8 @@ class EmbeddingTable:
             self.row_ids = np.arange(ps_id, spec.num_embeddings, num_ps, dtype=np.int64)
             self._index.insert(self.row_ids // num_ps, np.arange(local, dtype=np.int64))
             self.dirty = np.ones(local, dtype=bool)
+            if self.touched is not None:
+                self.touched = np.zeros(local, dtype=np.uint32)
             self.size = local
 
     def ensure_state(self, name: str, fill: float = 0.0, per_row_scalar: bool = False) -> None:
@@ -230,6 +232,16 @@ class EmbeddingTable:
             self._leave_arena(self.size)
             cap = self.weights.shape[0]
         self.state[name] = torch.full((cap,) + tail, fill, dtype=dtype)
+
+    def default_rows(self, ids: np.ndarray) -> torch.Tensor:
+        """What a row without a row answers (and starts from when created): the
+        initializer's row of the id; zeros for a table whose rows were pushed whole
+        (a row of it exists only once evicted or not admitted: a policy is on)."""
+        if self.spec.explicit:
+            if not (self.policy.admits or self.policy.evicts):
+                return self.spec.initial_rows(ids)   # raises: the rows must all exist
+            return torch.zeros((ids.shape[0], self.spec.dim), dtype=self.spec.dtype)
+        return self.spec.initial_rows(ids)
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id (of this PS, unchecked); -1 where it has no row."""
@@ -261,7 +273,7 @@ class EmbeddingTable:
                 raise ValueError(f"table {self.spec.name!r}: rows {ids[missing][:5].tolist()} "
                                  "were never created")
             new_ids = np.unique(ids[missing])
-            self._add_rows(new_ids, self.spec.initial_rows(new_ids), keep=slots[~missing])
+            self._add_rows(new_ids, self.default_rows(new_ids), keep=slots[~missing])
             slots = self._index.find(local)
         return torch.from_numpy(slots)
 
@@ -356,7 +368,7 @@ class EmbeddingTable:
         counts = self.sketch.add(ids)
         admitted = ids[counts >= self.policy.admit_after]
         if admitted.shape[0]:
-            self._add_rows(admitted, self.spec.initial_rows(admitted), keep=keep)
+            self._add_rows(admitted, self.default_rows(admitted), keep=keep)
             self.stats["admitted"] += int(admitted.shape[0])
 
     def slots_for_update(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], torch.Tensor]:
@@ -453,6 +465,7 @@ class EmbeddingTable:
         n = self.size
         snap = TableSnapshot(self, None if full else np.flatnonzero(self.dirty[:n]))
         snap.evicted = self.take_evicted()
+        snap.partial = self.policy.admits or self.policy.evicts
         self.dirty[:n] = False
         self.snapshot = snap
         return snap
@@ -474,7 +487,7 @@ class EmbeddingTable:
         present = slots_np >= 0
         if present.all():
             return self.weights.index_select(0, torch.from_numpy(slots_np))
-        out = self.spec.initial_rows(ids)
+        out = self.default_rows(ids)
         if present.any():
             mask = torch.from_numpy(present)
             out[mask] = self.weights.index_select(0, torch.from_numpy(slots_np[present]))
@@ -552,7 +565,7 @@ class Parameters:
             if spec.name in new_tables:
                 raise ValueError(f"embedding table {spec.name!r} declared twice")
             policy = self.embedding.policy(spec.admit_after, spec.ttl_versions, spec.max_rows,
-                                           spec.explicit, self.num_ps)
+                                           self.num_ps)
             new_tables[spec.name] = EmbeddingTable(spec, self.ps_id, self.num_ps,
                                                    policy=policy)
         self.dense = {n: torch.nn.Parameter(t.detach().to("cpu").clone(),

@@ -72,6 +72,7 @@ class TableSnapshot:
         self.saved = np.zeros(n, dtype=bool)   # copied ahead of the chunk copy by a writer
         # ids evicted since the previous cut (None: too many to record)
         self.evicted: Optional[np.ndarray] = np.zeros(0, dtype=np.int64)
+        self.partial = False   # the table admits or evicts: rows may be missing
         self.pos = 0                           # positions [0, pos) are copied
 
     @property

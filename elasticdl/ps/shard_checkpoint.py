@@ -225,7 +225,8 @@ class CheckpointWriter:
                                      "evicted": torch.from_numpy(
                                          snap.evicted if snap.evicted is not None
                                          else np.zeros(0, np.int64)),
-                                     "evicted_complete": snap.evicted is not None}
+                                     "evicted_complete": snap.evicted is not None,
+                                     "partial": snap.partial}
             if job.delta is not None:
                 assert snap.slots is not None
                 entry["slots"] = torch.from_numpy(snap.slots)

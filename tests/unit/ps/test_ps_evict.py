@@ -207,3 +207,36 @@ def test_sorted_index_remove_and_reinsert():
     assert index.find(keys[:10]).tolist() == list(range(2000, 2010))
     assert (index.find(keys[10:700]) == -1).all()
     assert index.find(keys[700:]).tolist() == list(range(700, 1000))
+
+
+def test_layer_arguments_reach_the_ps_table_policy_over_the_wire():
+    from elasticdl.api.layers import Embedding, tables_on_ps
+    from elasticdl.proto import elasticdl_pb2 as pb
+    from elasticdl.ps.model_push import ModelPushes
+    from elasticdl.worker.ps_model_push import table_info
+
+    with tables_on_ps():   # no local weight
+        layer = Embedding(1 << 30, DIM, initializer="zeros", admit_after=2, ttl_versions=7,
+                          max_rows=100)
+        plain = Embedding(1 << 30, DIM, initializer="zeros")
+    shard = PSShard(ShardConfig(num_ps=2, ps_id=1, embedding=EmbeddingDefaults(
+        ttl_versions=50)), _opt)
+    ModelPushes(shard).push(pb.Model(version=0, embedding_tables=[
+        table_info(layer.table_spec("a")), table_info(plain.table_spec("b"))]))
+    a, b = shard.params.tables["a"].policy, shard.params.tables["b"].policy
+    assert (a.admit_after, a.ttl_versions, a.max_rows) == (2, 7, 50)   # 100 over 2 PS
+    assert (b.admit_after, b.ttl_versions, b.max_rows) == (1, 50, 0)   # the job's defaults
+    with pytest.raises(ValueError):
+        Embedding(10, DIM, admit_after=0)
+
+
+def test_table_pushed_whole_evicts_to_zeros():
+    rows = torch.arange(40, dtype=torch.float32).reshape(10, DIM) + 1
+    spec = TableSpec("emb", 10, DIM, explicit=True, rows=rows, ttl_versions=2)
+    shard = _shard(spec)
+    t = shard.params.tables["emb"]
+    for _ in range(2):
+        _step(shard, [3])
+    assert t.live_rows == 1 and t.find(np.array([3]))[0] >= 0
+    assert torch.equal(shard.pull_embedding("emb", np.array([4]), create=False),
+                       torch.zeros(1, DIM))
