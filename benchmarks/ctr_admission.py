@@ -112,7 +112,6 @@ def main() -> None:
         a.records, a.val_records, a.table_rows, a.ttl = 4096, 1024, 26 * 400, 8
     import numpy as np
     import torch
-
     from ctr_zoo import criteo_gen
 
     torch.set_num_threads(1)

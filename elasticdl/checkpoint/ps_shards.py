@@ -13,10 +13,10 @@ all of them (a *whole* shard), or only the rows changed since the PS's previous
 checkpoint (a *delta*: ``"delta": {"prev_version", "full_version"}``, per table the rows'
 ``slots`` and the table's ``size`` at the cut). A slot whose row was evicted holds id -1
 (a tombstone; a delta carries it, and per table ``evicted``: the ids evicted since the
-previous checkpoint); every reader drops those rows (:func:`tables_of`). A delta is read as the whole shard it
-completes: :func:`load_shard` folds the chain (the whole one, then each delta in order)
-by slot, so every reader gets whole tables. Retention (:func:`mark_done`) keeps the
-versions the kept ones are deltas of. This module is the
+previous checkpoint); every reader drops those rows (:func:`tables_of`). A delta is read
+as the whole shard it completes: :func:`load_shard` folds the chain (the whole one, then
+each delta in order) by slot, so every reader gets whole tables. Retention
+(:func:`mark_done`) keeps the versions the kept ones are deltas of. This module is the
 file format (:func:`shard_path`, :func:`load_shards`, :func:`tables_of`) and the export:
 :func:`export_state_dict` rebuilds the plain model state dict a user loads with
 ``model.load_state_dict`` without elasticdl. Saving and restoring a live shard is the

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ tables
 DIRECT_INDEX_MAX = 1 << 22
+NO_POLICY = TablePolicy()          # admission and eviction off
+NO_DEFAULTS = EmbeddingDefaults()
 
 
 class SlotIndex:
@@ -152,7 +154,7 @@ class EmbeddingTable:
     EVICTED_LOG_MAX = 1 << 22   # evicted ids kept for the next checkpoint's record
 
     def __init__(self, spec: TableSpec, ps_id: int, num_ps: int, capacity: int = 1024,
-                 policy: TablePolicy = TablePolicy()):
+                 policy: TablePolicy = NO_POLICY):
         self.spec = spec
         self.ps_id = ps_id
         self.num_ps = num_ps
@@ -534,7 +536,7 @@ class Parameters:
     """Dense parameters, buffers and embedding tables of one PS shard."""
 
     def __init__(self, ps_id: int, num_ps: int,
-                 embedding: EmbeddingDefaults = EmbeddingDefaults()):
+                 embedding: EmbeddingDefaults = NO_DEFAULTS):
         if not 0 <= ps_id < num_ps:
             raise ValueError(f"ps_id {ps_id} out of range for {num_ps} PS")
         self.ps_id = ps_id
