@@ -67,7 +67,10 @@ class SlotIndex:
         self._values = values if keys is not None and values is not None else \
             np.empty(0, dtype=np.int64)
         self._n = 0
-        self._dead = 0   # sorted mode: keys of removed ids (value -1), compacted at n/2
+        # sorted mode: entries of removed ids (value -1; a key's first entry holds its
+        # slot, any later one is -1), dropped by compact_step a chunk at a time
+        self._dead = 0
+        self._cw = self._cr = 0   # compaction in progress: written up to, read up to
 
     def find(self, local: np.ndarray) -> np.ndarray:
         if self.direct:
@@ -101,6 +104,7 @@ class SlotIndex:
                 local, slots = local[~back], slots[~back]
                 if local.shape[0] == 0:
                     return
+        self._cw = self._cr = 0   # entries move: a compaction starts over (still sorted)
         if self._in_place and n + local.shape[0] <= self._keys.shape[0]:
             self._n = row_arena.merge_into(self._keys, self._values, n, local, slots)
             return
@@ -112,8 +116,9 @@ class SlotIndex:
         self._n = self._keys.shape[0]
 
     def remove(self, local: np.ndarray) -> None:
-        """Forget ids (present). Sorted mode marks their keys removed and compacts the
-        arrays once half of the keys are (amortised O(1) per removal)."""
+        """Forget ids (present). Sorted mode marks their entries removed (-1);
+        :meth:`compact_step` drops them a chunk at a time, and here, at once, only if
+        three quarters of the entries are removed ones (the steps fell behind)."""
         if self.direct:
             if self._array is not None:
                 self._array[local] = -1
@@ -122,12 +127,37 @@ class SlotIndex:
         pos = np.searchsorted(self._keys[:n], local)
         self._values[pos] = -1
         self._dead += int(local.shape[0])
-        if self._dead * 2 > n:
-            keep = self._values[:n] >= 0
-            m = int(keep.sum())
-            keys, values = self._keys[:n][keep], self._values[:n][keep]
-            self._keys[:m], self._values[:m] = keys, values
-            self._n, self._dead = m, 0
+        if self._dead * 4 > 3 * n:
+            self._cw = self._cr = 0
+            while self.compact_step(n):
+                pass
+
+    def compact_step(self, budget: int = 1 << 18) -> bool:
+        """Drop the removed entries of the next ``budget`` entries (sorted mode; starts
+        once a quarter of the entries are removed ones); True while a pass is under way.
+
+        In place, from the front: live entries move down to the write cursor, and the gap
+        up to the read cursor is filled with copies of the last live key (value -1), so
+        the arrays stay sorted and each key's first entry stays its slot between steps."""
+        n = self._n
+        if self.direct or n == 0 or (self._cr == 0 and self._dead * 4 <= n):
+            return False
+        w, r = self._cw, self._cr
+        hi = min(r + budget, n)
+        values = self._values[r:hi]
+        live = values >= 0
+        m = int(live.sum())
+        keys_live, values_live = self._keys[r:hi][live], values[live]
+        self._keys[w:w + m], self._values[w:w + m] = keys_live, values_live
+        w += m
+        self._keys[w:hi] = self._keys[w - 1] if w > 0 else -1
+        self._values[w:hi] = -1
+        if hi < n:
+            self._cw, self._cr = w, hi
+            return True
+        self._n, self._dead = w, self._dead - (n - w)
+        self._cw = self._cr = 0
+        return False
 
     @property
     def nbytes(self) -> int:
@@ -433,8 +463,11 @@ class EmbeddingTable:
                    "capacity")
 
     def sweep(self) -> int:
-        """One step of the TTL sweep: up to ``sweep_rows`` slots (lock held); returns the
-        rows evicted."""
+        """One step of the TTL sweep: up to ``sweep_rows`` slots (lock held), and one of
+        the id index's compaction (4 x ``sweep_rows`` entries); returns the rows
+        evicted."""
+        if self.policy.evicts:
+            self._index.compact_step(4 * self.policy.sweep_rows)
         ttl = self.policy.ttl_versions
         if ttl <= 0 or self.size == 0 or self.touched is None:
             return 0

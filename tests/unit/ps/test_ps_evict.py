@@ -240,3 +240,29 @@ def test_table_pushed_whole_evicts_to_zeros():
     assert t.live_rows == 1 and t.find(np.array([3]))[0] >= 0
     assert torch.equal(shard.pull_embedding("emb", np.array([4]), create=False),
                        torch.zeros(1, DIM))
+
+
+def test_sorted_index_compacts_a_step_at_a_time_and_finds_right_between_steps():
+    rng = np.random.default_rng(1)
+    index = SlotIndex(1 << 40, reserve=1 << 17)
+    truth: dict[int, int] = {}
+    next_slot = 0
+    for round_ in range(60):
+        new = np.setdiff1d(np.unique(rng.integers(0, 50_000, 400)) * 5,
+                           np.array(list(truth), dtype=np.int64))
+        index.insert(new, np.arange(next_slot, next_slot + new.shape[0], dtype=np.int64))
+        truth.update(zip(new.tolist(), range(next_slot, next_slot + new.shape[0])))
+        next_slot += new.shape[0]
+        present = np.array(sorted(truth), dtype=np.int64)
+        gone = rng.choice(present, size=present.shape[0] // 3, replace=False)
+        index.remove(gone)
+        for g in gone.tolist():
+            del truth[g]
+        for _ in range(3):
+            index.compact_step(97)   # a few small steps, then more changes
+        probe = np.concatenate([np.array(sorted(truth), dtype=np.int64), gone])
+        want = np.array([truth.get(int(k), -1) for k in probe])
+        assert np.array_equal(index.find(probe), want), round_
+    while index.compact_step(1000):
+        pass
+    assert index._n <= 4 * len(truth) // 3 + 1
