@@ -198,6 +198,7 @@ class EmbeddingTable:
         self._evicted: list[np.ndarray] = []       # ids evicted since the last cut
         self._evicted_n = 0
         self._evicted_lost = False   # more than EVICTED_LOG_MAX since the last cut
+        self._record_evicted = False  # from the first checkpoint cut on (deltas need it)
         self._sweep_pos = 0
         self._rng = np.random.default_rng(ps_id)
         self.touched: Optional[np.ndarray] = None
@@ -438,7 +439,9 @@ class EmbeddingTable:
             self._free = free
         self._free[self._nfree:self._nfree + n] = slots
         self._nfree += n
-        if self._evicted_n + n <= self.EVICTED_LOG_MAX:
+        if not self._record_evicted:
+            pass   # no checkpoint yet: the first one is whole and needs no record
+        elif self._evicted_n + n <= self.EVICTED_LOG_MAX:
             self._evicted.append(ids)
             self._evicted_n += n
         else:   # no checkpoint for long: the record stops (the tombstones suffice)
@@ -500,6 +503,7 @@ class EmbeddingTable:
         n = self.size
         snap = TableSnapshot(self, None if full else np.flatnonzero(self.dirty[:n]))
         snap.evicted = self.take_evicted()
+        self._record_evicted = True
         snap.partial = self.policy.admits or self.policy.evicts
         self.dirty[:n] = False
         self.snapshot = snap
