@@ -24,8 +24,10 @@ gradient: every row gets its Adagrad state). Then:
    live 16 versions more); then the stream goes on until the distinct ids seen are 10x
    those of the warm-up. ``evict_rss_ratio`` = PS RSS after the drift / at
    the end of the warm-up; ``evict_table_ratio`` the same of the RSS above the empty PS's
-   (the table's own memory, without the process's fixed costs); ``evict_rows_*``: the
-   table's live rows and slots then (from the PS log).
+   (the table's own memory, without the process's fixed costs); ``evict_rows_*``,
+   ``evict_slots_*``, ``evict_table_mb_*``: the table's live rows, slots and bytes
+   (``EmbeddingTable.nbytes``) then, from the PS log; ``evict_rss_series_mb``: the RSS
+   each time the distinct ids reached another multiple of the warm-up's.
 
 Run:  python benchmarks/ps_table_scale.py --rows 1000000 [--full_checkpoint_every K]
       python benchmarks/ps_table_scale.py --smoke        (seconds)
@@ -245,13 +247,14 @@ def run(rows: int, extra: dict[str, Any], workdir: str) -> dict[str, Any]:
         ps.join(timeout=10)
 
 
-def table_rows_logged(log: str) -> tuple[int, int]:
-    """``(live rows, version)`` of the PS's last admission/eviction log line."""
+def table_rows_logged(log: str) -> tuple[int, int, float]:
+    """``(live rows, slots, table MB)`` of the PS's last admission/eviction log line."""
     import re
 
     with open(log, encoding="utf-8") as f:
-        found = re.findall(r"at version (\d+): (\d+) rows;", f.read())
-    return (int(found[-1][1]), int(found[-1][0])) if found else (-1, -1)
+        found = re.findall(r"at version \d+: (\d+) rows; (\d+) slots, ([\d.]+) MB;", f.read())
+    return (int(found[-1][0]), int(found[-1][1]), float(found[-1][2])) if found else \
+        (-1, -1, -1.0)
 
 
 def run_drift(window: int, workdir: str) -> dict[str, Any]:
@@ -292,12 +295,15 @@ def run_drift(window: int, workdir: str) -> dict[str, Any]:
 
         seen = 0
         warm = None
+        series: list[float] = []
         start = time.monotonic()
         while True:
             if warm is None and seen >= window + (ttl + 4) * step_new:
                 time.sleep(0.2)   # the last version's log line
                 warm = (seen, rss_mb(pid), *table_rows_logged(os.path.join(drift_dir,
                                                                         "ps.log")))
+            if warm is not None and seen >= (len(series) + 1) * warm[0]:
+                series.append(round(rss_mb(pid), 1))   # at 1x, 2x, ... the warm-up's ids
             if warm is not None and seen >= 10 * warm[0]:
                 break
             new = stream(seen, seen + step_new)
@@ -319,8 +325,11 @@ def run_drift(window: int, workdir: str) -> dict[str, Any]:
         out["evict_rss_warm_mb"], out["evict_rss_after_mb"] = round(warm[1], 1), \
             round(after, 1)
         out["evict_rss_ratio"] = round(after / warm[1], 3)
+        out["evict_rss_series_mb"] = series
         out["evict_table_ratio"] = round((after - base) / max(warm[1] - base, 1e-9), 3)
         out["evict_rows_warm"], out["evict_rows_after"] = warm[2], rows_after[0]
+        out["evict_slots_warm"], out["evict_slots_after"] = warm[3], rows_after[1]
+        out["evict_table_mb_warm"], out["evict_table_mb_after"] = warm[4], rows_after[2]
         return out
     finally:
         if client is not None:

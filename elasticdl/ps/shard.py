@@ -465,9 +465,10 @@ class PSShard:
         if every > 0 and version % every == 0:
             for name, t in self.params.tables.items():
                 if t.policy.admits or t.policy.evicts:
-                    logger.info("PS %d table %r at version %d: %d rows; admitted %d, evicted "
-                                "%d (ttl) %d (capacity), gradients of ids without a row "
-                                "dropped %d", self.config.ps_id, name, version, t.live_rows,
+                    logger.info("PS %d table %r at version %d: %d rows; %d slots, %.1f MB; "
+                                "admitted %d, evicted %d (ttl) %d (capacity), gradients of ids "
+                                "without a row dropped %d", self.config.ps_id, name, version,
+                                t.live_rows, t.size, t.nbytes / 2**20,
                                 t.stats["admitted"], t.stats["evicted_ttl"],
                                 t.stats["evicted_capacity"], t.stats["grads_dropped"])
 
