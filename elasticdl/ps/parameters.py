@@ -105,6 +105,10 @@ class SlotIndex:
                 if local.shape[0] == 0:
                     return
         self._cw = self._cr = 0   # entries move: a compaction starts over (still sorted)
+        if self._dead * 4 > n:   # the merge below moves the index anyway: drop them first
+            while self.compact_step(n):
+                pass
+            n = self._n
         if self._in_place and n + local.shape[0] <= self._keys.shape[0]:
             self._n = row_arena.merge_into(self._keys, self._values, n, local, slots)
             return
@@ -116,9 +120,11 @@ class SlotIndex:
         self._n = self._keys.shape[0]
 
     def remove(self, local: np.ndarray) -> None:
-        """Forget ids (present). Sorted mode marks their entries removed (-1);
-        :meth:`compact_step` drops them a chunk at a time, and here, at once, only if
-        three quarters of the entries are removed ones (the steps fell behind)."""
+        """Forget ids (present). Sorted mode marks their entries removed (-1); once a
+        quarter of the entries are removed ones they are dropped: by the next insert of
+        new ids (whose in-place merge moves the index anyway: O(entries) either way), or
+        without inserts by :meth:`compact_step` a chunk at a time (the sweep's), and here,
+        at once, if three quarters are (the steps fell behind)."""
         if self.direct:
             if self._array is not None:
                 self._array[local] = -1
