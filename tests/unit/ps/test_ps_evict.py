@@ -266,3 +266,18 @@ def test_sorted_index_compacts_a_step_at_a_time_and_finds_right_between_steps():
     while index.compact_step(1000):
         pass
     assert index._n <= 4 * len(truth) // 3 + 1
+
+
+def test_job_flags_reach_the_shard_config():
+    from elasticdl.common.job_spec import job_spec_from_flags
+    from elasticdl.ps.main import PSArgs, shard_config
+
+    job = job_spec_from_flags("train", {
+        "model_zoo": "z", "model_def": "m.f", "training_data": "d",
+        "distribution_strategy": "ParameterServerStrategy", "embedding_admit_after": "3",
+        "embedding_ttl_versions": "40", "embedding_max_rows": "1000",
+        "embedding_admission_counters": "4096", "embedding_evict_sweep_rows": "512"})
+    cfg = shard_config(PSArgs(ps_id=0, num_ps=2, port=0, job_spec=job))
+    assert cfg.embedding == EmbeddingDefaults(admit_after=3, ttl_versions=40, max_rows=1000,
+                                              sketch_counters=4096, sweep_rows=512)
+    assert cfg.embedding.policy(None, None, None, 2).max_rows == 500
