@@ -132,7 +132,7 @@ def test_capacity_bound_evicts_least_recently_updated(num):
     rng = np.random.default_rng(0)
     for _ in range(40):
         _step(shard, np.unique(rng.integers(0, min(num, 10_000), 50)))
-        assert t.live_rows <= 128
+        assert t.live_rows <= 128 and t.size <= 128   # slots reused: the arena stays put
     assert t.stats["evicted_capacity"] > 0
 
 
