@@ -208,24 +208,30 @@ class EmbeddingTable:
         self._sweep_pos = 0
         self._rng = np.random.default_rng(ps_id)
         self.touched: Optional[np.ndarray] = None
+        # a table that evicts has no dirty marks: a row is dirty when its last-update
+        # version is at least the version of the last cut (``_cut_at``): 4 B a row for
+        # both, where the marks would add a byte (docs/parameter_server.md)
+        self._stamped = self.policy.evicts
+        self._cut_at = 0
         local = local_rows(spec.num_embeddings, ps_id, num_ps)
         capacity = min(capacity, max(local, 1))
         self.weights = torch.empty((capacity, spec.dim), dtype=spec.dtype)
         self.row_ids = np.empty(capacity, dtype=np.int64)
-        self.dirty = np.zeros(capacity, dtype=bool)
+        self.dirty = np.zeros(0 if self._stamped else capacity, dtype=bool)
         # a big lazy table: rows over reserved address space (row_arena), never copied
         self._reserved = 0
         if spec.rows is None:
             most = row_arena.reserve_rows(spec.dim * self.weights.element_size(), local)
             weights = row_arena.reserve(most, (spec.dim,), spec.dtype)
             row_ids = row_arena.array(most, np.int64) if weights is not None else None
-            dirty = row_arena.array(most, np.bool_) if row_ids is not None else None
-            touched = row_arena.array(most, np.uint32) \
-                if dirty is not None and self.policy.evicts else None
-            if weights is not None and row_ids is not None and dirty is not None and \
-                    (touched is not None or not self.policy.evicts):
-                self.weights, self.row_ids, self.dirty = weights, row_ids, dirty
-                self.touched = touched
+            marks = None if row_ids is None else row_arena.array(
+                most, np.uint32 if self._stamped else np.bool_)
+            if weights is not None and row_ids is not None and marks is not None:
+                self.weights, self.row_ids = weights, row_ids
+                if self._stamped:
+                    self.touched = marks
+                else:
+                    self.dirty = marks
                 self._reserved = most
         if self.policy.evicts and self.touched is None:
             self.touched = np.zeros(self.weights.shape[0], dtype=np.uint32)
@@ -248,9 +254,10 @@ class EmbeddingTable:
             self.weights = rows.contiguous()
             self.row_ids = np.arange(ps_id, spec.num_embeddings, num_ps, dtype=np.int64)
             self._index.insert(self.row_ids // num_ps, np.arange(local, dtype=np.int64))
-            self.dirty = np.ones(local, dtype=bool)
-            if self.touched is not None:
-                self.touched = np.zeros(local, dtype=np.uint32)
+            if self._stamped:
+                self.touched = np.zeros(local, dtype=np.uint32)   # dirty (>= _cut_at 0)
+            else:
+                self.dirty = np.ones(local, dtype=bool)
             self.size = local
 
     def ensure_state(self, name: str, fill: float = 0.0, per_row_scalar: bool = False) -> None:
@@ -336,9 +343,10 @@ class EmbeddingTable:
         row_ids = np.empty(new_cap, dtype=np.int64)
         row_ids[:self.size] = self.row_ids[:self.size]
         self.row_ids = row_ids
-        dirty = np.zeros(new_cap, dtype=bool)
-        dirty[:self.size] = self.dirty[:self.size]
-        self.dirty = dirty
+        if not self._stamped:
+            dirty = np.zeros(new_cap, dtype=bool)
+            dirty[:self.size] = self.dirty[:self.size]
+            self.dirty = dirty
         if self.touched is not None:
             touched = np.zeros(new_cap, dtype=np.uint32)
             touched[:self.size] = self.touched[:self.size]
@@ -366,7 +374,7 @@ class EmbeddingTable:
             self.before_update(rt)   # a snapshot being copied keeps the slot as it was
             self.weights.index_copy_(0, rt, values[:k].to(self.weights.dtype))
             self.row_ids[reused] = ids[:k]
-            self.dirty[reused] = True
+            self._mark_dirty(reused)
             self._index.insert(ids[:k] // self.num_ps, reused)
             for name, rows in self.state.items():
                 rows.index_copy_(0, rt, given[name][:k].to(rows.dtype) if name in given else
@@ -383,7 +391,7 @@ class EmbeddingTable:
         self._grow(start + n)
         self.weights[start:start + n] = values
         self.row_ids[start:start + n] = ids
-        self.dirty[start:start + n] = True
+        self._mark_dirty(np.arange(start, start + n, dtype=np.int64))
         self._index.insert(ids // self.num_ps, np.arange(start, start + n, dtype=np.int64))
         for name, rows in self.state.items():
             if name in given:
@@ -493,11 +501,32 @@ class EmbeddingTable:
         self._evicted, self._evicted_n, self._evicted_lost = [], 0, False
         return out
 
+    def _mark_dirty(self, slots: np.ndarray) -> None:
+        """Rows ``slots`` belong to the next delta."""
+        if self._stamped:
+            assert self.touched is not None
+            self.touched[slots] = self.now
+        else:
+            self.dirty[slots] = True
+
+    def _dirty_slots(self, n: int) -> np.ndarray:
+        """Slots of ``[0, n)`` changed since the last cut (created, updated, evicted)."""
+        if self._stamped:
+            assert self.touched is not None
+            return np.flatnonzero(self.touched[:n] >= self._cut_at)
+        return np.flatnonzero(self.dirty[:n])
+
+    def start_clock(self, version: int) -> None:
+        """The model version now; rows present (pushed whole) count as updated now."""
+        self.now = int(version)
+        if self.touched is not None and self.size:
+            self.touched[:self.size] = np.maximum(self.touched[:self.size], self.now)
+
     def before_update(self, slots: torch.Tensor) -> None:
         """Rows ``slots`` are about to change (lock held): they belong to the next
         delta, and a snapshot being copied takes them as they are first."""
         s = slots.numpy()
-        self.dirty[s] = True
+        self._mark_dirty(s)
         if self.snapshot is not None:
             self.snapshot.preserve(s)
 
@@ -507,11 +536,14 @@ class EmbeddingTable:
         if self.snapshot is not None:
             self.snapshot.finish()
         n = self.size
-        snap = TableSnapshot(self, None if full else np.flatnonzero(self.dirty[:n]))
+        snap = TableSnapshot(self, None if full else self._dirty_slots(n))
         snap.evicted = self.take_evicted()
         self._record_evicted = True
         snap.partial = self.policy.admits or self.policy.evicts
-        self.dirty[:n] = False
+        if self._stamped:
+            self._cut_at = self.now   # rows stamped from now on are the next delta's
+        else:
+            self.dirty[:n] = False
         self.snapshot = snap
         return snap
 
@@ -544,8 +576,9 @@ class EmbeddingTable:
         are over reserved address space (row_arena), else the allocated capacity."""
         rows = self.size if self._reserved else self.weights.shape[0]
         per_row = self.weights.element_size() * self.spec.dim + self.row_ids.itemsize + \
-            self.dirty.itemsize + sum(v.element_size() * (v.nelement() // max(v.shape[0], 1))
-                                      for v in self.state.values())
+            (0 if self._stamped else self.dirty.itemsize) + \
+            sum(v.element_size() * (v.nelement() // max(v.shape[0], 1))
+                for v in self.state.values())
         if self.touched is not None:
             per_row += self.touched.itemsize
         sketch = 0 if self.sketch is None else self.sketch.nbytes
@@ -619,7 +652,8 @@ class Parameters:
         self.buffers = {n: t.detach().to("cpu").clone() for n, t in buffers.items()}
         self.tables = new_tables
         self.version = int(version)
-        self.set_clock(self.version)
+        for t in new_tables.values():
+            t.start_clock(self.version)
         self.initialized = True
         logger.info("PS %d initialised at version %d: %d dense (%.1f MB), %d buffers, "
                     "%d tables", self.ps_id, self.version, len(self.dense),
