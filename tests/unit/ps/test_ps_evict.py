@@ -13,8 +13,8 @@ from elasticdl.common.tables import TableSpec
 from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.admission import CountingSketch
 from elasticdl.ps.eviction import EmbeddingDefaults
-from elasticdl.ps.parameters import SlotIndex
 from elasticdl.ps.shard import GradientPush, PSShard, ShardConfig
+from elasticdl.ps.slot_index import SlotIndex
 
 DIM = 4
 LR = 0.1
