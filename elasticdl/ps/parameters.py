@@ -233,11 +233,11 @@ class EmbeddingTable:
 
     def _add_rows(self, ids: np.ndarray, values: torch.Tensor,
                   state: Optional[Mapping[str, torch.Tensor]] = None,
-                  keep: Optional[np.ndarray] = None) -> None:
+                  keep: Optional[np.ndarray] = None, bounded: bool = True) -> None:
         """Rows for ``ids`` (absent); a capacity bound evicts rows first, never those in
         the slots ``keep`` (the other rows of the same pull or push)."""
         n = ids.shape[0]
-        if self.policy.max_rows:
+        if self.policy.max_rows and bounded:
             self._make_room(n, keep)
         given = state or {}
         k = min(n, self._nfree)
@@ -478,6 +478,15 @@ class EmbeddingTable:
         for name, fill in state_fill.items():
             per_row = state[name].dim() == 1 if name in state else False
             self.ensure_state(name, fill, per_row_scalar=per_row)
+        most = self.policy.max_rows
+        if most and self.live_rows + ids.shape[0] > most:
+            # a checkpoint of more rows than the bound (written without it, or with a
+            # higher one): all are restored; the next rows created evict the excess
+            logger.warning("table %r: %d restored rows exceed max_rows %d on PS %d; the "
+                           "least recently updated go as new rows come", self.spec.name,
+                           self.live_rows + ids.shape[0], most, self.ps_id)
+            self._add_rows(ids, weights.to(self.spec.dtype), state, bounded=False)
+            return
         self._add_rows(ids, weights.to(self.spec.dtype), state)
 
 

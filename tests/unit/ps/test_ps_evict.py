@@ -281,3 +281,16 @@ def test_job_flags_reach_the_shard_config():
     assert cfg.embedding == EmbeddingDefaults(admit_after=3, ttl_versions=40, max_rows=1000,
                                               sketch_counters=4096, sweep_rows=512)
     assert cfg.embedding.policy(None, None, None, 2).max_rows == 500
+
+
+def test_restore_of_more_rows_than_the_bound_then_new_rows_evict_the_excess(tmp_path):
+    ckpt_dir = str(tmp_path / "ckpt")
+    unbounded = _shard(_spec(1 << 40), ckpt_dir)
+    _step(unbounded, np.arange(300, dtype=np.int64))
+    shard_ckpt.save_shard(unbounded, ckpt_dir)
+    bounded = PSShard(ShardConfig(embedding=EmbeddingDefaults(max_rows=100)), _opt)
+    shard_ckpt.restore_shard(bounded, paths.resolve(ckpt_dir))
+    t = bounded.params.tables["emb"]
+    assert t.live_rows == 300
+    bounded.pull_embedding("emb", np.array([10_000], dtype=np.int64))
+    assert t.live_rows <= 100 and t.find(np.array([10_000]))[0] >= 0
