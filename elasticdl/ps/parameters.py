@@ -265,7 +265,8 @@ class EmbeddingTable:
         self._grow(start + n)
         self.weights[start:start + n] = values
         self.row_ids[start:start + n] = ids
-        self._mark_dirty(np.arange(start, start + n, dtype=np.int64))
+        if not self._stamped:   # (a stamped table: the versions below say it)
+            self.dirty[start:start + n] = True
         self._index.insert(ids // self.num_ps, np.arange(start, start + n, dtype=np.int64))
         for name, rows in self.state.items():
             if name in given:
