@@ -15,7 +15,19 @@ gradient: every row gets its Adagrad state). Then:
    the first's (1.0: a full copy again);
 4. a new shard in this process restores the newest checkpoint: ``restore_s``.
 
-``evict_rss_ratio`` is null: no eviction exists yet.
+5. eviction under a drifting id stream, on a second PS (a fresh process) with a TTL of
+   16 versions (``--embedding_ttl_versions``): each step pulls and pushes the next
+   ``window / 4`` new ids of an endless stream and a random ``window / 4`` of the live
+   window (the ``window`` newest ids; each is updated every ~4 versions), one model
+   version per step. Warm-up: until the table is in its steady state (``window +
+   (16 + 4) x window / 4`` = 6 x window distinct ids seen: the rows that left the window
+   live 16 versions more); then the stream goes on until the distinct ids seen are 10x
+   those of the warm-up. ``evict_rss_ratio`` = PS RSS after the drift / at
+   the end of the warm-up; ``evict_table_ratio`` the same of the RSS above the empty PS's
+   (the table's own memory, without the process's fixed costs); ``evict_rows_*``,
+   ``evict_slots_*``, ``evict_table_mb_*``: the table's live rows, slots and bytes
+   (``EmbeddingTable.nbytes``) then, from the PS log; ``evict_rss_series_mb``: the RSS
+   each time the distinct ids reached another multiple of the warm-up's.
 
 Run:  python benchmarks/ps_table_scale.py --rows 1000000 [--full_checkpoint_every K]
       python benchmarks/ps_table_scale.py --smoke        (seconds)
@@ -225,11 +237,101 @@ def run(rows: int, extra: dict[str, Any], workdir: str) -> dict[str, Any]:
         live = client.pull_embedding_unique("emb", hot.ids, DIM)
         restored = fresh.pull_embedding("emb", hot.ids, create=False)
         out["restore_exact"] = bool(torch.equal(live, restored))
-        out["evict_rss_ratio"] = None
         return out
     finally:
         if hot is not None:
             hot.client.close()
+        if client is not None:
+            client.close()
+        ps.kill()
+        ps.join(timeout=10)
+
+
+def table_rows_logged(log: str) -> tuple[int, int, float]:
+    """``(live rows, slots, table MB)`` of the PS's last admission/eviction log line."""
+    import re
+
+    with open(log, encoding="utf-8") as f:
+        found = re.findall(r"at version \d+: (\d+) rows; (\d+) slots, ([\d.]+) MB;", f.read())
+    return (int(found[-1][0]), int(found[-1][1]), float(found[-1][2])) if found else \
+        (-1, -1, -1.0)
+
+
+def run_drift(window: int, workdir: str) -> dict[str, Any]:
+    """Phase 5 (see the module doc) on its own PS process."""
+    import numpy as np
+    import torch
+
+    from elasticdl.common.tables import TableSpec
+    from elasticdl.ps.eviction import EmbeddingDefaults
+    from elasticdl.worker.ps_client import PSClient
+
+    step_new = max(1, window // 4)
+    ttl = 16   # versions: an id of the window is updated every ~4 on average
+    drift_dir = os.path.join(workdir, "drift")
+    os.makedirs(drift_dir)
+    extra = {"embedding": EmbeddingDefaults(ttl_versions=ttl), "table_log_every": 1}
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    ps = ctx.Process(target=ps_server, args=(port_q, os.path.join(drift_dir, "ckpt"), extra),
+                     daemon=True)
+    ps.start()
+    client = None
+    out: dict[str, Any] = {"drift_window": window, "drift_ttl_versions": ttl}
+    try:
+        port, pid = port_q.get(timeout=300)
+        client = PSClient([f"127.0.0.1:{port}"], rpc_timeout_s=1800)
+        client.wait_ready(120)
+        base = rss_mb(pid)
+        client.push_model(0, {}, {}, [TableSpec("emb", NUM_IDS, DIM,
+                                                initializer="normal:0.01")])
+        rng = np.random.default_rng(7)
+        mult = np.uint64(0x9E3779B97F4A7C15)
+
+        def stream(lo: int, hi: int) -> Any:   # the k-th id of the stream (distinct)
+            with np.errstate(over="ignore"):
+                return ((np.arange(lo, hi, dtype=np.uint64) * mult) %
+                        np.uint64(NUM_IDS)).astype(np.int64)
+
+        seen = 0
+        warm = None
+        series: list[float] = []
+        start = time.monotonic()
+        while True:
+            if warm is None and seen >= window + (ttl + 4) * step_new:
+                time.sleep(0.2)   # the last version's log line
+                warm = (seen, rss_mb(pid), *table_rows_logged(os.path.join(drift_dir,
+                                                                        "ps.log")))
+            if warm is not None and seen >= (len(series) + 1) * warm[0]:
+                series.append(round(rss_mb(pid), 1))   # at 1x, 2x, ... the warm-up's ids
+            if warm is not None and seen >= 10 * warm[0]:
+                break
+            new = stream(seen, seen + step_new)
+            seen += step_new
+            lo = max(0, seen - window)
+            old = stream(lo, seen)[rng.integers(0, seen - lo, size=step_new)]
+            batch = np.unique(np.concatenate([new, old]))
+            for part in range(0, batch.shape[0], BATCH):
+                ids = batch[part:part + BATCH]
+                client.pull_embedding_unique("emb", ids, DIM)
+                client.push_gradients(0, 0, {}, [("emb", ids, torch.full(
+                    (ids.shape[0], DIM), 0.1))]).result()
+        time.sleep(0.2)
+        after = rss_mb(pid)
+        rows_after = table_rows_logged(os.path.join(drift_dir, "ps.log"))
+        assert warm is not None
+        out["drift_s"] = round(time.monotonic() - start, 1)
+        out["drift_distinct_warm"], out["drift_distinct_after"] = warm[0], seen
+        out["evict_rss_warm_mb"], out["evict_rss_after_mb"] = round(warm[1], 1), \
+            round(after, 1)
+        out["evict_rss_ratio"] = round(after / warm[1], 3)
+        out["evict_rss_series_mb"] = series
+        out["evict_table_ratio"] = round((after - base) / max(warm[1] - base, 1e-9), 3)
+        out["evict_rows_warm"], out["evict_rows_after"] = warm[2], rows_after[0]
+        out["evict_slots_warm"], out["evict_slots_after"] = warm[3], rows_after[1]
+        out["evict_table_mb_warm"], out["evict_table_mb_after"] = warm[4], rows_after[2]
+        return out
+    finally:
         if client is not None:
             client.close()
         ps.kill()
@@ -241,16 +343,24 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--full_checkpoint_every", type=int, default=None,
                    help="the PS flag of the same name (default: the PS's default)")
+    p.add_argument("--drift_window", type=int, default=None,
+                   help="live ids of the drift phase (default: rows / 10, at most 2^16; "
+                        "0 skips the phase)")
     p.add_argument("--smoke", action="store_true", help="seconds: 5,000 rows")
     args = p.parse_args()
     if args.smoke:
         args.rows = 5_000
+    window = min(args.rows // 10, 1 << 16) if args.drift_window is None else \
+        args.drift_window
     extra: dict[str, Any] = {}
     if args.full_checkpoint_every is not None:
         extra["full_checkpoint_every"] = args.full_checkpoint_every
     workdir = tempfile.mkdtemp(prefix="ps_table_scale_")
     try:
         out = run(args.rows, extra, workdir)
+        out["evict_rss_ratio"] = None
+        if window > 0:
+            out.update(run_drift(window, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"{out['rows']} rows x {DIM} (Adagrad), 1 PS, cpus={os.cpu_count()}: "
@@ -258,7 +368,8 @@ def main() -> None:
           f"({out['checkpoint_mb']} MiB), longest hot round trip during it "
           f"{out['checkpoint_block_ms']} ms (idle {out['idle_round_trip_ms']} ms); second "
           f"checkpoint {out['second_checkpoint_mb']} MiB (ratio {out['delta_ratio']}); "
-          f"restore {out['restore_s']} s")
+          f"restore {out['restore_s']} s; drift with TTL eviction: RSS x"
+          f"{out['evict_rss_ratio']} (table x{out.get('evict_table_ratio')}) for 10x the ids")
     print(json.dumps(out, separators=(",", ":")))
 
 

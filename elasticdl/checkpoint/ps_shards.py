@@ -11,10 +11,12 @@ Each file holds the shard's parameters, optimizer state, learning-rate
 schedule (scheduler state and the epoch it is at) and ledger, and its embedding rows:
 all of them (a *whole* shard), or only the rows changed since the PS's previous
 checkpoint (a *delta*: ``"delta": {"prev_version", "full_version"}``, per table the rows'
-``slots`` and the table's ``size`` at the cut). A delta is read as the whole shard it
-completes: :func:`load_shard` folds the chain (the whole one, then each delta in order)
-by slot, so every reader gets whole tables. Retention (:func:`mark_done`) keeps the
-versions the kept ones are deltas of. This module is the
+``slots`` and the table's ``size`` at the cut). A slot whose row was evicted holds id -1
+(a tombstone; a delta carries it, and per table ``evicted``: the ids evicted since the
+previous checkpoint); every reader drops those rows (:func:`tables_of`). A delta is read
+as the whole shard it completes: :func:`load_shard` folds the chain (the whole one, then
+each delta in order) by slot, so every reader gets whole tables. Retention
+(:func:`mark_done`) keeps the versions the kept ones are deltas of. This module is the
 file format (:func:`shard_path`, :func:`load_shards`, :func:`tables_of`) and the export:
 :func:`export_state_dict` rebuilds the plain model state dict a user loads with
 ``model.load_state_dict`` without elasticdl. Saving and restoring a live shard is the
@@ -127,7 +129,12 @@ def _fold(name: str, whole: dict[str, Any], deltas: list[Optional[dict[str, Any]
         slots = d["slots"].numpy()
         d_ids = d["ids"].numpy()
         old = slots < known
-        if not np.array_equal(ids[slots[old]], d_ids[old]) or \
+        was, now = ids[slots[old]], d_ids[old]
+        # a slot keeps its id, or changes through an eviction (a tombstone, a reuse)
+        gone = d["evicted"].numpy() if "evicted" in d else np.zeros(0, np.int64)
+        same = (was == now) | (was < 0) | (now < 0) | np.isin(was, gone) | \
+            (not d.get("evicted_complete", True))
+        if not same.all() or \
                 not np.array_equal(np.sort(slots[~old]), np.arange(known, int(d["size"]))):
             raise ckpt.CheckpointError(f"{path}: table {name!r}: a delta does not match the "
                                        "rows it applies to")
@@ -138,7 +145,8 @@ def _fold(name: str, whole: dict[str, Any], deltas: list[Optional[dict[str, Any]
             state[k].index_copy_(0, st, v)
         known = max(known, int(d["size"]))
     return {"spec": whole["spec"], "ids": torch.from_numpy(ids), "weights": weights,
-            "state": state, "state_fill": fill}
+            "state": state, "state_fill": fill,
+            "partial": any(bool(d.get("partial")) for d in [whole, *deltas] if d is not None)}
 
 
 def write_delta_note(version_dir: str, ps_id: int, num_ps: int,
@@ -171,21 +179,28 @@ def mark_done(checkpoint_dir: str, version: int, keep_max: int = 0) -> None:
 
 
 def tables_of(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per table: spec and the rows of all shards concatenated."""
+    """Per table: spec and the rows of all shards concatenated (evicted slots dropped)."""
     out: dict[str, dict[str, Any]] = {}
     for s in shards:
         for name, t in s["tables"].items():
             entry = out.setdefault(name, {"spec": TableSpec.from_dict(t["spec"]), "ids": [],
-                                          "weights": [], "state": {}, "fill": {}})
+                                          "weights": [], "state": {}, "fill": {},
+                                          "partial": False})
+            entry["partial"] = entry["partial"] or bool(t.get("partial"))
             entry["ids"].append(t["ids"].numpy())
             entry["weights"].append(t["weights"])
             for k, v in t["state"].items():
                 entry["state"].setdefault(k, []).append(v)
             entry["fill"].update(t["state_fill"])
     for entry in out.values():
-        entry["ids"] = np.concatenate(entry["ids"])
-        entry["weights"] = torch.cat(entry["weights"])
-        entry["state"] = {k: torch.cat(v) for k, v in entry["state"].items()}
+        ids = np.concatenate(entry["ids"])
+        weights = torch.cat(entry["weights"])
+        state = {k: torch.cat(v) for k, v in entry["state"].items()}
+        if (ids < 0).any():   # evicted slots (tombstones): not rows
+            live = torch.from_numpy(np.flatnonzero(ids >= 0))
+            ids, weights = ids[live.numpy()], weights.index_select(0, live)
+            state = {k: v.index_select(0, live) for k, v in state.items()}
+        entry["ids"], entry["weights"], entry["state"] = ids, weights, state
     return out
 
 
@@ -231,7 +246,9 @@ def export_state_dict(version_dir: str, skip: Collection[str] = ()) -> dict[str,
         if name in skip:
             continue
         spec: TableSpec = t["spec"]
-        if spec.explicit:  # every row was pushed and checkpointed
+        if spec.explicit and t["partial"]:   # admission/eviction: a missing row is zeros
+            full = torch.zeros((spec.num_embeddings, spec.dim), dtype=spec.dtype)
+        elif spec.explicit:  # every row was pushed and checkpointed
             if np.unique(t["ids"]).shape[0] != spec.num_embeddings:
                 raise ckpt.CheckpointError(f"{version_dir}: table {name!r} lacks rows")
             full = torch.empty((spec.num_embeddings, spec.dim), dtype=spec.dtype)

@@ -163,6 +163,25 @@ class JobSpec:
                                          "the rows that exist, beside model.pt, and read so "
                                          "by evaluate/predict (see docs/parameter_server.md)",
                                          "distribution", min=0)
+    # --- admission and eviction of PS table rows (docs/parameter_server.md); a layer's
+    #     Embedding(admit_after=, ttl_versions=, max_rows=) wins over these for its table
+    embedding_admit_after: int = _f(1, "ParameterServerStrategy: an embedding id gets a PS "
+                                    "row only on its Nth training pull; before, it reads "
+                                    "the table's default row and its gradients are dropped "
+                                    "(1: a row at once)", "distribution", min=1)
+    embedding_admission_counters: int = _f(1 << 22, "ParameterServerStrategy: bytes of the "
+                                           "admission counting sketch per table and PS "
+                                           "(1-byte counters; ~2 per candidate id)",
+                                           "distribution", min=64)
+    embedding_ttl_versions: int = _f(0, "ParameterServerStrategy: evict an embedding row "
+                                     "not updated for this many model versions (0: never)",
+                                     "distribution", min=0)
+    embedding_max_rows: int = _f(0, "ParameterServerStrategy: rows per embedding table, "
+                                 "all PS together; beyond, the least recently updated "
+                                 "rows are evicted (0: unbounded)", "distribution", min=0)
+    embedding_evict_sweep_rows: int = _f(1 << 16, "ParameterServerStrategy: rows of each "
+                                         "table the TTL sweep visits per model version",
+                                         "distribution", min=1)
     comm_backend: str = _f("", "Allreduce backend: gloo or nccl (default: nccl on CUDA, "
                            "else gloo)", "distribution", choices=("", "gloo", "nccl"))
     fixed_global_batch_size: bool = _f(False, "Allreduce: keep the global batch constant "

@@ -112,6 +112,10 @@ class TableSpec:
     # ids ps_id, ps_id + num_ps, ... in order) only travels into EmbeddingTable
     explicit: bool = False
     rows: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    # admission and eviction on the PS (docs/parameter_server.md); None: the job's flag
+    admit_after: Optional[int] = None    # a row for an id on its Nth training pull
+    ttl_versions: Optional[int] = None   # evict rows not updated for this many versions
+    max_rows: Optional[int] = None       # rows of the table, all PS together (LRU beyond)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -124,6 +128,11 @@ class TableSpec:
         if not self.dtype.is_floating_point:
             raise ValueError(f"table {self.name!r}: dtype must be floating point")
         parse_initializer(self.initializer)
+        for what, value, low in (("admit_after", self.admit_after, 1),
+                                 ("ttl_versions", self.ttl_versions, 0),
+                                 ("max_rows", self.max_rows, 0)):
+            if value is not None and value < low:
+                raise ValueError(f"table {self.name!r}: {what} must be >= {low}, got {value}")
 
     def initial_rows(self, ids: np.ndarray) -> torch.Tensor:
         """Initial values of rows ``ids``.
@@ -141,7 +150,8 @@ class TableSpec:
         return {"name": self.name, "num_embeddings": self.num_embeddings, "dim": self.dim,
                 "initializer": self.initializer, "seed": self.seed,
                 "padding_idx": self.padding_idx, "dtype": dtype_name(self.dtype),
-                "explicit": self.explicit}
+                "explicit": self.explicit, "admit_after": self.admit_after,
+                "ttl_versions": self.ttl_versions, "max_rows": self.max_rows}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> TableSpec:

@@ -35,6 +35,7 @@ from elasticdl.common.malloc import tune_malloc
 from elasticdl.common.schedule import Schedule
 from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.audit import AuditLog
+from elasticdl.ps.eviction import EmbeddingDefaults
 from elasticdl.ps.server import start_server
 from elasticdl.ps.servicer import PServicer
 from elasticdl.ps.shard import PSShard, ShardConfig
@@ -112,7 +113,13 @@ def shard_config(args: PSArgs) -> ShardConfig:
                        checkpoint_steps=spec.checkpoint_steps,
                        keep_checkpoint_max=spec.keep_checkpoint_max,
                        full_checkpoint_every=spec.full_checkpoint_every,
-                       minibatch_size=spec.minibatch_size)
+                       minibatch_size=spec.minibatch_size,
+                       embedding=EmbeddingDefaults(
+                           admit_after=spec.embedding_admit_after,
+                           ttl_versions=spec.embedding_ttl_versions,
+                           max_rows=spec.embedding_max_rows,
+                           sketch_counters=spec.embedding_admission_counters,
+                           sweep_rows=spec.embedding_evict_sweep_rows))
 
 
 def checkpoint_every_n(shard: PSShard) -> None:

@@ -135,7 +135,11 @@ class ModelPushes:
                              initializer=t.initializer or "normal", seed=t.seed,
                              padding_idx=t.padding_idx,
                              dtype=codec.torch_dtype(t.dtype or "float32"),
-                             explicit=t.rows_pushed)
+                             explicit=t.rows_pushed,
+                             admit_after=t.admit_after if t.HasField("admit_after") else None,
+                             ttl_versions=t.ttl_versions if t.HasField("ttl_versions")
+                             else None,
+                             max_rows=t.max_rows if t.HasField("max_rows") else None)
             if spec.explicit:
                 local = local_rows(spec.num_embeddings, cfg.ps_id, cfg.num_ps)
                 explicit_bytes += local * spec.dim * spec.dtype.itemsize

@@ -14,8 +14,8 @@ without ever creating all of its rows on a PS.
 
 Rows are found by a vectorised index (local index ``id // num_ps`` -> slot
 in one big weight tensor), so a pull of a million ids is a couple of
-numpy/torch gathers. The index is lazy like the rows: for up to
-``DIRECT_INDEX_MAX`` local ids a direct array (at most 32 MiB, allocated
+numpy/torch gathers (:mod:`elasticdl.ps.slot_index`). The index is lazy like the rows:
+for up to ``DIRECT_INDEX_MAX`` local ids a direct array (at most 32 MiB, allocated
 when the first row is created); beyond, a sorted id array searched with
 ``np.searchsorted``, whose size grows with the rows created (16 bytes per
 row), so a 2^31-id table costs nothing until rows are touched.
@@ -33,75 +33,17 @@ import torch
 
 from elasticdl.common.tables import TableSpec, dense_owner, local_rows
 from elasticdl.ps import row_arena
+from elasticdl.ps.admission import CountingSketch
+from elasticdl.ps.eviction import EmbeddingDefaults, TablePolicy, lru_victims, ttl_victims
 from elasticdl.ps.row_snapshot import TableSnapshot
+from elasticdl.ps.slot_index import SlotIndex
 
 logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ tables
-DIRECT_INDEX_MAX = 1 << 22
-
-
-class SlotIndex:
-    """Local id -> slot of the rows present (-1: absent), vectorised.
-
-    Up to ``DIRECT_INDEX_MAX`` local ids a direct array; beyond, sorted keys and their
-    slots, over reserved address space when ``reserve`` rows can be (inserted in place,
-    :func:`row_arena.merge_into`: no copy of the index per insert), else arrays that
-    ``np.insert`` replaces."""
-
-    def __init__(self, local_size: int, reserve: int = 0):
-        self.direct = local_size <= DIRECT_INDEX_MAX
-        self._local_size = max(local_size, 0)
-        self._array: Optional[np.ndarray] = None  # direct mode
-        keys = None if self.direct else row_arena.array(reserve, np.int64)
-        values = None if keys is None else row_arena.array(
-            reserve, np.int32 if reserve < 2**31 else np.int64)
-        self._in_place = keys is not None and values is not None
-        self._keys = keys if keys is not None and values is not None else \
-            np.empty(0, dtype=np.int64)   # sorted mode: keys[:n], values[:n]
-        self._values = values if keys is not None and values is not None else \
-            np.empty(0, dtype=np.int64)
-        self._n = 0
-
-    def find(self, local: np.ndarray) -> np.ndarray:
-        if self.direct:
-            if self._array is None:
-                return np.full(local.shape[0], -1, dtype=np.int64)
-            return self._array[local]
-        n = self._n
-        if n == 0:
-            return np.full(local.shape[0], -1, dtype=np.int64)
-        keys = self._keys[:n]
-        pos = np.searchsorted(keys, local)
-        np.minimum(pos, n - 1, out=pos)
-        return np.where(keys[pos] == local, self._values[:n][pos].astype(np.int64), -1)
-
-    def insert(self, local: np.ndarray, slots: np.ndarray) -> None:
-        """Add ids not present yet."""
-        if self.direct:
-            if self._array is None:
-                self._array = np.full(self._local_size, -1, dtype=np.int64)
-            self._array[local] = slots
-            return
-        order = np.argsort(local, kind="stable")
-        local, slots = local[order], slots[order]
-        n = self._n
-        if self._in_place and n + local.shape[0] <= self._keys.shape[0]:
-            self._n = row_arena.merge_into(self._keys, self._values, n, local, slots)
-            return
-        self._in_place = False   # out of reserved space: arrays replaced per insert
-        keys, values = self._keys[:n], self._values[:n]
-        pos = np.searchsorted(keys, local)
-        self._keys = np.insert(keys, pos, local)
-        self._values = np.insert(values, pos, slots)
-        self._n = self._keys.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        if self.direct:
-            return 0 if self._array is None else self._array.nbytes
-        return self._n * (self._keys.itemsize + self._values.itemsize)
+NO_POLICY = TablePolicy()          # admission and eviction off
+NO_DEFAULTS = EmbeddingDefaults()
 
 
 class EmbeddingTable:
@@ -112,27 +54,61 @@ class EmbeddingTable:
     the rows (created by :meth:`ensure_state`). ``dirty[:size]`` marks the rows created
     or updated since the last checkpoint's cut (a delta's rows); ``snapshot``, while a
     checkpoint copies this table, is told of every update first (:meth:`before_update`).
+
+    With a :class:`~elasticdl.ps.eviction.TablePolicy` that admits or evicts: ``sketch``
+    counts the ids without a row, ``touched[:size]`` holds each row's last-update model
+    version (uint32), an evicted row's slot holds id -1 and is reused by the next row
+    created (with fresh optimizer state); ``now`` is the model version (the shard's).
     """
 
-    def __init__(self, spec: TableSpec, ps_id: int, num_ps: int, capacity: int = 1024):
+    EVICTED_LOG_MAX = 1 << 22   # evicted ids kept for the next checkpoint's record
+
+    def __init__(self, spec: TableSpec, ps_id: int, num_ps: int, capacity: int = 1024,
+                 policy: TablePolicy = NO_POLICY):
         self.spec = spec
         self.ps_id = ps_id
         self.num_ps = num_ps
+        self.policy = policy
+        self.now = 0
+        self.stats = {"admitted": 0, "evicted_ttl": 0, "evicted_capacity": 0,
+                      "grads_dropped": 0}
+        self.sketch = CountingSketch(policy.sketch_counters) if self.policy.admits else None
+        self._free = np.zeros(0, dtype=np.int64)   # evicted slots, reused first
+        self._nfree = 0
+        self._evicted: list[np.ndarray] = []       # ids evicted since the last cut
+        self._evicted_n = 0
+        self._evicted_lost = False   # more than EVICTED_LOG_MAX since the last cut
+        self._record_evicted = False  # from the first checkpoint cut on (deltas need it)
+        self._sweep_pos = 0
+        self._rng = np.random.default_rng(ps_id)
+        self.touched: Optional[np.ndarray] = None
+        # a table that evicts has no dirty marks: a row is dirty when its last-update
+        # version is at least the version of the last cut (``_cut_at``): 4 B a row for
+        # both, where the marks would add a byte (docs/parameter_server.md)
+        self._stamped = self.policy.evicts
+        self._cut_at = 0
         local = local_rows(spec.num_embeddings, ps_id, num_ps)
         capacity = min(capacity, max(local, 1))
         self.weights = torch.empty((capacity, spec.dim), dtype=spec.dtype)
         self.row_ids = np.empty(capacity, dtype=np.int64)
-        self.dirty = np.zeros(capacity, dtype=bool)
+        self.dirty = np.zeros(0 if self._stamped else capacity, dtype=bool)
         # a big lazy table: rows over reserved address space (row_arena), never copied
         self._reserved = 0
         if spec.rows is None:
             most = row_arena.reserve_rows(spec.dim * self.weights.element_size(), local)
             weights = row_arena.reserve(most, (spec.dim,), spec.dtype)
             row_ids = row_arena.array(most, np.int64) if weights is not None else None
-            dirty = row_arena.array(most, np.bool_) if row_ids is not None else None
-            if weights is not None and row_ids is not None and dirty is not None:
-                self.weights, self.row_ids, self.dirty = weights, row_ids, dirty
+            marks = None if row_ids is None else row_arena.array(
+                most, np.uint32 if self._stamped else np.bool_)
+            if weights is not None and row_ids is not None and marks is not None:
+                self.weights, self.row_ids = weights, row_ids
+                if self._stamped:
+                    self.touched = marks
+                else:
+                    self.dirty = marks
                 self._reserved = most
+        if self.policy.evicts and self.touched is None:
+            self.touched = np.zeros(self.weights.shape[0], dtype=np.uint32)
         self._index = SlotIndex(local, self._reserved)
         self.snapshot: Optional[TableSnapshot] = None
         self.state: dict[str, torch.Tensor] = {}
@@ -152,7 +128,10 @@ class EmbeddingTable:
             self.weights = rows.contiguous()
             self.row_ids = np.arange(ps_id, spec.num_embeddings, num_ps, dtype=np.int64)
             self._index.insert(self.row_ids // num_ps, np.arange(local, dtype=np.int64))
-            self.dirty = np.ones(local, dtype=bool)
+            if self._stamped:
+                self.touched = np.zeros(local, dtype=np.uint32)   # dirty (>= _cut_at 0)
+            else:
+                self.dirty = np.ones(local, dtype=bool)
             self.size = local
 
     def ensure_state(self, name: str, fill: float = 0.0, per_row_scalar: bool = False) -> None:
@@ -173,6 +152,20 @@ class EmbeddingTable:
             self._leave_arena(self.size)
             cap = self.weights.shape[0]
         self.state[name] = torch.full((cap,) + tail, fill, dtype=dtype)
+
+    def default_rows(self, ids: np.ndarray) -> torch.Tensor:
+        """What a row without a row answers (and starts from when created): the
+        initializer's row of the id; zeros for a table whose rows were pushed whole
+        (a row of it exists only once evicted or not admitted: a policy is on)."""
+        if self.spec.explicit:
+            if not (self.policy.admits or self.policy.evicts):
+                return self.spec.initial_rows(ids)   # raises: the rows must all exist
+            return torch.zeros((ids.shape[0], self.spec.dim), dtype=self.spec.dtype)
+        return self.spec.initial_rows(ids)
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """Slot of each id (of this PS, unchecked); -1 where it has no row."""
+        return self._index.find(ids // self.num_ps)
 
     def check_ids(self, ids: np.ndarray, what: str = "") -> None:
         """Raises ValueError if an id is out of range or belongs to another PS."""
@@ -200,7 +193,7 @@ class EmbeddingTable:
                 raise ValueError(f"table {self.spec.name!r}: rows {ids[missing][:5].tolist()} "
                                  "were never created")
             new_ids = np.unique(ids[missing])
-            self._add_rows(new_ids, self.spec.initial_rows(new_ids))
+            self._add_rows(new_ids, self.default_rows(new_ids), keep=slots[~missing])
             slots = self._index.find(local)
         return torch.from_numpy(slots)
 
@@ -224,9 +217,14 @@ class EmbeddingTable:
         row_ids = np.empty(new_cap, dtype=np.int64)
         row_ids[:self.size] = self.row_ids[:self.size]
         self.row_ids = row_ids
-        dirty = np.zeros(new_cap, dtype=bool)
-        dirty[:self.size] = self.dirty[:self.size]
-        self.dirty = dirty
+        if not self._stamped:
+            dirty = np.zeros(new_cap, dtype=bool)
+            dirty[:self.size] = self.dirty[:self.size]
+            self.dirty = dirty
+        if self.touched is not None:
+            touched = np.zeros(new_cap, dtype=np.uint32)
+            touched[:self.size] = self.touched[:self.size]
+            self.touched = touched
         for name, old in self.state.items():
             grown = torch.full((new_cap,) + tuple(old.shape[1:]), self._state_fill[name],
                                dtype=old.dtype)
@@ -234,27 +232,176 @@ class EmbeddingTable:
             self.state[name] = grown
 
     def _add_rows(self, ids: np.ndarray, values: torch.Tensor,
-                  state: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+                  state: Optional[Mapping[str, torch.Tensor]] = None,
+                  keep: Optional[np.ndarray] = None, bounded: bool = True) -> None:
+        """Rows for ``ids`` (absent); a capacity bound evicts rows first, never those in
+        the slots ``keep`` (the other rows of the same pull or push)."""
         n = ids.shape[0]
+        if self.policy.max_rows and bounded:
+            self._make_room(n, keep)
+        given = state or {}
+        k = min(n, self._nfree)
+        if k:   # evicted slots first: their rows start as new ones (optimizer state fresh)
+            reused = self._free[self._nfree - k:self._nfree].copy()
+            self._nfree -= k
+            rt = torch.from_numpy(reused)
+            self.before_update(rt)   # a snapshot being copied keeps the slot as it was
+            self.weights.index_copy_(0, rt, values[:k].to(self.weights.dtype))
+            self.row_ids[reused] = ids[:k]
+            self._mark_dirty(reused)
+            self._index.insert(ids[:k] // self.num_ps, reused)
+            for name, rows in self.state.items():
+                rows.index_copy_(0, rt, given[name][:k].to(rows.dtype) if name in given else
+                                 rows.new_full((k,) + tuple(rows.shape[1:]),
+                                               self._state_fill[name]))
+            if self.touched is not None:
+                self.touched[reused] = self.now
+            if k == n:
+                return
+            ids, values = ids[k:], values[k:]
+            given = {name: v[k:] for name, v in given.items()}
+            n -= k
         start = self.size
         self._grow(start + n)
         self.weights[start:start + n] = values
         self.row_ids[start:start + n] = ids
-        self.dirty[start:start + n] = True
+        if not self._stamped:   # (a stamped table: the versions below say it)
+            self.dirty[start:start + n] = True
         self._index.insert(ids // self.num_ps, np.arange(start, start + n, dtype=np.int64))
-        given = state or {}
         for name, rows in self.state.items():
             if name in given:
                 rows[start:start + n] = given[name]
             elif self._reserved and self._state_fill[name] != 0.0:
                 rows[start:start + n] = self._state_fill[name]
+        if self.touched is not None:
+            self.touched[start:start + n] = self.now
         self.size = start + n
+
+    # ------------------------------------------------- admission and eviction
+    @property
+    def live_rows(self) -> int:
+        """Rows present (``size`` less the evicted slots not reused yet)."""
+        return self.size - self._nfree
+
+    def _admit(self, ids: np.ndarray, keep: np.ndarray) -> None:
+        """Count a training pull of ``ids`` without a row (unique); create the rows of
+        those seen ``admit_after`` times now (lock held; ``keep``: the pull's rows)."""
+        assert self.sketch is not None
+        counts = self.sketch.add(ids)
+        admitted = ids[counts >= self.policy.admit_after]
+        if admitted.shape[0]:
+            self._add_rows(admitted, self.default_rows(admitted), keep=keep)
+            self.stats["admitted"] += int(admitted.shape[0])
+
+    def slots_for_update(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], torch.Tensor]:
+        """``(keep, slots)`` of the rows a gradient of ``ids`` updates: every id (rows
+        created when missing, ``keep`` None) or, for a table that admits, only the ids
+        with a row (``keep`` masks them; the others' gradients are dropped)."""
+        if self.sketch is None:
+            return None, self.slots(ids)
+        self.check_ids(ids)
+        found = self._index.find(ids // self.num_ps)
+        keep = found >= 0
+        self.stats["grads_dropped"] += int(keep.shape[0] - keep.sum())
+        return keep, torch.from_numpy(found[keep])
+
+    def touch(self, slots: torch.Tensor) -> None:
+        """Rows ``slots`` were updated at this model version (their TTL and LRU age)."""
+        if self.touched is not None:
+            self.touched[slots.numpy()] = self.now
+
+    def evict(self, slots: np.ndarray, reason: str = "ttl") -> int:
+        """Drop the rows in ``slots`` (present ones; lock held): their ids are forgotten,
+        their slots reused, the ids recorded for the next checkpoint."""
+        slots = np.unique(slots)
+        slots = slots[self.row_ids[slots] >= 0]
+        n = int(slots.shape[0])
+        if n == 0:
+            return 0
+        self.before_update(torch.from_numpy(slots))   # the delta's tombstone; a snapshot
+        ids = self.row_ids[slots].copy()               # being copied keeps the row
+        self._index.remove(ids // self.num_ps)
+        self.row_ids[slots] = -1
+        if self._nfree + n > self._free.shape[0]:
+            free = np.zeros(max(2 * self._free.shape[0], self._nfree + n), dtype=np.int64)
+            free[:self._nfree] = self._free[:self._nfree]
+            self._free = free
+        self._free[self._nfree:self._nfree + n] = slots
+        self._nfree += n
+        if not self._record_evicted:
+            pass   # no checkpoint yet: the first one is whole and needs no record
+        elif self._evicted_n + n <= self.EVICTED_LOG_MAX:
+            self._evicted.append(ids)
+            self._evicted_n += n
+        else:   # no checkpoint for long: the record stops (the tombstones suffice)
+            self._evicted, self._evicted_n, self._evicted_lost = [], 0, True
+        self.stats["evicted_" + reason] += n
+        return n
+
+    def _make_room(self, n: int, keep: Optional[np.ndarray]) -> None:
+        """Evict the least recently updated rows (not in ``keep``) so that ``n`` more
+        fit the bound."""
+        most = self.policy.max_rows
+        kept = 0 if keep is None else int(np.unique(keep).shape[0])
+        if n + kept > most:
+            raise ValueError(f"table {self.spec.name!r}: {n + kept} rows in one pull or "
+                             f"push exceed its {most} rows on PS {self.ps_id} (max_rows)")
+        over = self.live_rows + n - most
+        if over <= 0:
+            return
+        assert self.touched is not None
+        need = min(self.live_rows, over + most // 64)
+        self.evict(lru_victims(self.touched, self.row_ids, self.size, need, self._rng, keep),
+                   "capacity")
+
+    def sweep(self) -> int:
+        """One step of the TTL sweep: up to ``sweep_rows`` slots (lock held), and one of
+        the id index's compaction (4 x ``sweep_rows`` entries); returns the rows
+        evicted."""
+        if self.policy.evicts:
+            self._index.compact_step(4 * self.policy.sweep_rows)
+        ttl = self.policy.ttl_versions
+        if ttl <= 0 or self.size == 0 or self.touched is None:
+            return 0
+        lo = self._sweep_pos if self._sweep_pos < self.size else 0
+        hi = min(lo + self.policy.sweep_rows, self.size)
+        self._sweep_pos = hi if hi < self.size else 0   # the next pass from the start
+        return self.evict(ttl_victims(self.touched, self.row_ids, lo, hi, self.now, ttl))
+
+    def take_evicted(self) -> Optional[np.ndarray]:
+        """The ids evicted since the last call (for a checkpoint's record); None when
+        there were more than ``EVICTED_LOG_MAX`` (not recorded)."""
+        out = None if self._evicted_lost else \
+            np.concatenate(self._evicted) if self._evicted else np.zeros(0, np.int64)
+        self._evicted, self._evicted_n, self._evicted_lost = [], 0, False
+        return out
+
+    def _mark_dirty(self, slots: np.ndarray) -> None:
+        """Rows ``slots`` belong to the next delta."""
+        if self._stamped:
+            assert self.touched is not None
+            self.touched[slots] = self.now
+        else:
+            self.dirty[slots] = True
+
+    def _dirty_slots(self, n: int) -> np.ndarray:
+        """Slots of ``[0, n)`` changed since the last cut (created, updated, evicted)."""
+        if self._stamped:
+            assert self.touched is not None
+            return np.flatnonzero(self.touched[:n] >= self._cut_at)
+        return np.flatnonzero(self.dirty[:n])
+
+    def start_clock(self, version: int) -> None:
+        """The model version now; rows present (pushed whole) count as updated now."""
+        self.now = int(version)
+        if self.touched is not None and self.size:
+            self.touched[:self.size] = np.maximum(self.touched[:self.size], self.now)
 
     def before_update(self, slots: torch.Tensor) -> None:
         """Rows ``slots`` are about to change (lock held): they belong to the next
         delta, and a snapshot being copied takes them as they are first."""
         s = slots.numpy()
-        self.dirty[s] = True
+        self._mark_dirty(s)
         if self.snapshot is not None:
             self.snapshot.preserve(s)
 
@@ -264,14 +411,26 @@ class EmbeddingTable:
         if self.snapshot is not None:
             self.snapshot.finish()
         n = self.size
-        snap = TableSnapshot(self, None if full else np.flatnonzero(self.dirty[:n]))
-        self.dirty[:n] = False
+        snap = TableSnapshot(self, None if full else self._dirty_slots(n))
+        snap.evicted = self.take_evicted()
+        self._record_evicted = True
+        snap.partial = self.policy.admits or self.policy.evicts
+        if self._stamped:
+            self._cut_at = self.now   # rows stamped from now on are the next delta's
+        else:
+            self.dirty[:n] = False
         self.snapshot = snap
         return snap
 
     def lookup(self, ids: np.ndarray, create: bool = True) -> torch.Tensor:
         """Rows of ``ids``, shape (len(ids), dim). New rows are created, or with
         ``create=False`` returned with their initial values and not stored."""
+        if create and self.sketch is not None:
+            self.check_ids(ids)
+            found = self._index.find(ids // self.num_ps)
+            if (found < 0).any():
+                self._admit(np.unique(ids[found < 0]), found[found >= 0])
+            return self.lookup(ids, create=False)
         if create:
             slots = self.slots(ids)  # first: creating rows may replace self.weights
             return self.weights.index_select(0, slots)
@@ -280,7 +439,7 @@ class EmbeddingTable:
         present = slots_np >= 0
         if present.all():
             return self.weights.index_select(0, torch.from_numpy(slots_np))
-        out = self.spec.initial_rows(ids)
+        out = self.default_rows(ids)
         if present.any():
             mask = torch.from_numpy(present)
             out[mask] = self.weights.index_select(0, torch.from_numpy(slots_np[present]))
@@ -292,9 +451,13 @@ class EmbeddingTable:
         are over reserved address space (row_arena), else the allocated capacity."""
         rows = self.size if self._reserved else self.weights.shape[0]
         per_row = self.weights.element_size() * self.spec.dim + self.row_ids.itemsize + \
-            self.dirty.itemsize + sum(v.element_size() * (v.nelement() // max(v.shape[0], 1))
-                                      for v in self.state.values())
-        return rows * per_row + self._index.nbytes
+            (0 if self._stamped else self.dirty.itemsize) + \
+            sum(v.element_size() * (v.nelement() // max(v.shape[0], 1))
+                for v in self.state.values())
+        if self.touched is not None:
+            per_row += self.touched.itemsize
+        sketch = 0 if self.sketch is None else self.sketch.nbytes
+        return rows * per_row + self._index.nbytes + sketch
 
     @property
     def state_fill(self) -> dict[str, float]:
@@ -302,10 +465,11 @@ class EmbeddingTable:
         return dict(self._state_fill)
 
     def state_dict(self) -> dict[str, object]:
-        n = self.size
-        return {"spec": self.spec.to_dict(), "ids": torch.from_numpy(self.row_ids[:n].copy()),
-                "weights": self.weights[:n].clone(),
-                "state": {k: v[:n].clone() for k, v in self.state.items()},
+        live = torch.from_numpy(np.flatnonzero(self.row_ids[:self.size] >= 0))
+        return {"spec": self.spec.to_dict(),
+                "ids": torch.from_numpy(self.row_ids[live.numpy()]),
+                "weights": self.weights.index_select(0, live),
+                "state": {k: v.index_select(0, live) for k, v in self.state.items()},
                 "state_fill": dict(self._state_fill)}
 
     def load_rows(self, ids: np.ndarray, weights: torch.Tensor,
@@ -315,6 +479,15 @@ class EmbeddingTable:
         for name, fill in state_fill.items():
             per_row = state[name].dim() == 1 if name in state else False
             self.ensure_state(name, fill, per_row_scalar=per_row)
+        most = self.policy.max_rows
+        if most and self.live_rows + ids.shape[0] > most:
+            # a checkpoint of more rows than the bound (written without it, or with a
+            # higher one): all are restored; the next rows created evict the excess
+            logger.warning("table %r: %d restored rows exceed max_rows %d on PS %d; the "
+                           "least recently updated go as new rows come", self.spec.name,
+                           self.live_rows + ids.shape[0], most, self.ps_id)
+            self._add_rows(ids, weights.to(self.spec.dtype), state, bounded=False)
+            return
         self._add_rows(ids, weights.to(self.spec.dtype), state)
 
 
@@ -322,11 +495,13 @@ class EmbeddingTable:
 class Parameters:
     """Dense parameters, buffers and embedding tables of one PS shard."""
 
-    def __init__(self, ps_id: int, num_ps: int):
+    def __init__(self, ps_id: int, num_ps: int,
+                 embedding: EmbeddingDefaults = NO_DEFAULTS):
         if not 0 <= ps_id < num_ps:
             raise ValueError(f"ps_id {ps_id} out of range for {num_ps} PS")
         self.ps_id = ps_id
         self.num_ps = num_ps
+        self.embedding = embedding
         self.dense: dict[str, torch.nn.Parameter] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         self.tables: dict[str, EmbeddingTable] = {}
@@ -351,18 +526,28 @@ class Parameters:
         for spec in tables:
             if spec.name in new_tables:
                 raise ValueError(f"embedding table {spec.name!r} declared twice")
-            new_tables[spec.name] = EmbeddingTable(spec, self.ps_id, self.num_ps)
+            policy = self.embedding.policy(spec.admit_after, spec.ttl_versions, spec.max_rows,
+                                           self.num_ps)
+            new_tables[spec.name] = EmbeddingTable(spec, self.ps_id, self.num_ps,
+                                                   policy=policy)
         self.dense = {n: torch.nn.Parameter(t.detach().to("cpu").clone(),
                                             requires_grad=t.dtype.is_floating_point)
                       for n, t in dense.items()}
         self.buffers = {n: t.detach().to("cpu").clone() for n, t in buffers.items()}
         self.tables = new_tables
         self.version = int(version)
+        for t in new_tables.values():
+            t.start_clock(self.version)
         self.initialized = True
         logger.info("PS %d initialised at version %d: %d dense (%.1f MB), %d buffers, "
                     "%d tables", self.ps_id, self.version, len(self.dense),
                     sum(p.numel() * p.element_size() for p in self.dense.values()) / 1e6,
                     len(self.buffers), len(self.tables))
+
+    def set_clock(self, version: int) -> None:
+        """The model version rows created or updated from now on are stamped with."""
+        for t in self.tables.values():
+            t.now = int(version)
 
     def table(self, name: str) -> EmbeddingTable:
         try:

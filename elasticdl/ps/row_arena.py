@@ -60,8 +60,8 @@ def reserve(rows: int, tail: tuple[int, ...], dtype: torch.dtype) -> Optional[to
 def array(rows: int, dtype: type) -> Optional[np.ndarray]:
     """:func:`reserve` as a 1-D numpy array."""
     t = reserve(rows, (), {np.int64: torch.int64, np.int32: torch.int32,
-                           np.bool_: torch.bool}[dtype])
-    return None if t is None else t.numpy()
+                           np.uint32: torch.int32, np.bool_: torch.bool}[dtype])
+    return None if t is None else t.numpy().view(dtype)
 
 
 def buffer(rows: int, tail: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -14,9 +14,11 @@ from the cut, together with the ledger, the dense parameters and the version the
 captured at the same moment. A writer pays once per row it touches before the copy got
 there; a row is never copied twice.
 
-Rows are append-only (a slot keeps its id for the table's life), so the slot order is
-stable: a full snapshot lists rows in slot order, a delta names its rows' slots, and a
-restore merges a delta onto the full by slot (checked against the ids).
+Slots are stable: a row keeps its slot until it is evicted (its slot then holds id -1, a
+tombstone, until a new row reuses it; both changes mark the slot dirty), so a full
+snapshot lists slots in order (evicted ones with id -1, which readers drop), a delta names
+its rows' slots, and a restore merges a delta onto the full by slot (checked against the
+ids: a slot changes id only through a tombstone or an eviction the delta records).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class TableSnapshot:
         self.state = {k: row_arena.buffer(n, tuple(v.shape[1:]), v.dtype)
                       for k, v in table.state.items()}
         self.saved = np.zeros(n, dtype=bool)   # copied ahead of the chunk copy by a writer
+        # ids evicted since the previous cut (None: too many to record)
+        self.evicted: Optional[np.ndarray] = np.zeros(0, dtype=np.int64)
+        self.partial = False   # the table admits or evicts: rows may be missing
         self.pos = 0                           # positions [0, pos) are copied
 
     @property

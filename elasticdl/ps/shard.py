@@ -52,6 +52,7 @@ from elasticdl.common.ledger import AppliedLedger
 from elasticdl.common.tables import TableSpec
 from elasticdl.ps.audit import AuditLog
 from elasticdl.ps.embedding_optimizer import RowOptimizer, refresh_row_optimizer
+from elasticdl.ps.eviction import EmbeddingDefaults
 from elasticdl.ps.parameters import Parameters
 from elasticdl.ps.push import GradientPush, Group, PushResult, coalesce, validate
 from elasticdl.ps.row_snapshot import CheckpointChain
@@ -89,6 +90,8 @@ class ShardConfig:
     full_checkpoint_every: int = 8   # every Nth checkpoint whole, the others deltas
     minibatch_size: int = 0   # records per minibatch: a ledger's minibatch k starts at
     #                           (k - 1) * minibatch_size in its task (data position)
+    embedding: EmbeddingDefaults = EmbeddingDefaults()   # admission/eviction defaults
+    table_log_every: int = 1000   # versions between two admission/eviction log lines
 
     def __post_init__(self) -> None:
         if not 0 <= self.ps_id < self.num_ps:
@@ -116,7 +119,7 @@ class PSShard:
         ``make_optimizer`` over named parameters and ``make_lr_scheduler``), or a
         plain ``optimizer(params)`` callable with an optional ``lr_scheduler``."""
         self.config = config
-        self.params = Parameters(config.ps_id, config.num_ps)
+        self.params = Parameters(config.ps_id, config.num_ps, config.embedding)
         self._spec = optimizer_factory if isinstance(optimizer_factory, ModelSpec) else None
         self._optimizer_factory = optimizer_factory
         self._scheduler_factory = lr_scheduler if lr_scheduler is not None or \
@@ -173,7 +176,8 @@ class PSShard:
         with self._cond:
             if self.params.initialized:
                 return False
-            params = Parameters(self.config.ps_id, self.config.num_ps)
+            params = Parameters(self.config.ps_id, self.config.num_ps,
+                                     self.config.embedding)
             params.initialize(version, dense, buffers, tables)
             optimizer, row_optimizer, schedule = self._build_optimizers(params)
             if optimizer_state is not None and optimizer is not None:
@@ -245,14 +249,18 @@ class PSShard:
         with self._cond:
             self._require_init()
             t = self.params.table(table)
-            ids = np.sort(t.row_ids[:t.size])
+            ids = t.row_ids[:t.size]
+            ids = np.sort(ids[ids >= 0])   # evicted slots hold -1
 
         def pages() -> Iterator[tuple[np.ndarray, torch.Tensor]]:
             for start in range(0, ids.shape[0], max_rows):
                 page = ids[start:start + max_rows]
                 with self._cond:
                     current = self.params.table(table)
-                    rows = current.weights.index_select(0, current.slots(page, create=False))
+                    found = current.find(page)
+                    if (found < 0).any():   # evicted since the order was taken
+                        page, found = page[found >= 0], found[found >= 0]
+                    rows = current.weights.index_select(0, torch.from_numpy(found))
                 yield page, rows
 
         return pages()
@@ -428,11 +436,15 @@ class PSShard:
                 for table_name, parts in g.sparse.items():
                     table = self.params.tables[table_name]
                     ids, grad = coalesce(parts)
-                    slots = table.slots(ids)
+                    keep, slots = table.slots_for_update(ids)
+                    if keep is not None:   # admission: ids without a row only count
+                        grad = grad[torch.from_numpy(keep)]
                     table.before_update(slots)   # the next delta; a snapshot copies first
                     self.row_optimizer.apply(table, slots, grad.mul_(scale))
+                    table.touch(slots)
         schedule.after_update()
         self.params.version += 1
+        self._table_upkeep()
         for (task, minibatch), records in g.identities.items():
             self.ledger.add(task, minibatch, records, self.params.version)
             if self.audit is not None:
@@ -441,6 +453,24 @@ class PSShard:
         self._cond.notify_all()
         if self._on_version is not None:
             self._on_version(self)
+
+    def _table_upkeep(self) -> None:
+        """After each version (lock held): the tables' clocks, one step of each TTL
+        sweep, and now and then a log line of admissions and evictions."""
+        version = self.params.version
+        self.params.set_clock(version)
+        for table in self.params.tables.values():
+            table.sweep()
+        every = self.config.table_log_every
+        if every > 0 and version % every == 0:
+            for name, t in self.params.tables.items():
+                if t.policy.admits or t.policy.evicts:
+                    logger.info("PS %d table %r at version %d: %d rows; %d slots, %.1f MB; "
+                                "admitted %d, evicted %d (ttl) %d (capacity), gradients of ids "
+                                "without a row dropped %d", self.config.ps_id, name, version,
+                                t.live_rows, t.size, t.nbytes / 2**20,
+                                t.stats["admitted"], t.stats["evicted_ttl"],
+                                t.stats["evicted_capacity"], t.stats["grads_dropped"])
 
     def rollback_answer(self, key: tuple[int, int, int]
                         ) -> Optional[list[tuple[int, int, int, int]]]:
@@ -462,7 +492,8 @@ class PSShard:
                                  "(versions never repeat)")
             self._drop_group()
             self.awaiting_rollback = False
-            self.params = Parameters(self.config.ps_id, self.config.num_ps)
+            self.params = Parameters(self.config.ps_id, self.config.num_ps,
+                                     self.config.embedding)
             self.optimizer = self.row_optimizer = None
             self.schedule = None
             restored = restore(self)
@@ -470,6 +501,7 @@ class PSShard:
                 raise ValueError(f"new_version {new_version} must exceed the restored "
                                  f"version {restored} (versions never repeat)")
             self.params.version = new_version
+            self.params.set_clock(new_version)
             self.ledger.generation = new_version   # older settle messages are ignored now
             self._cond.notify_all()
             logger.warning("PS %d rolled back to checkpoint version %d; versions continue "

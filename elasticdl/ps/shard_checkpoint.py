@@ -221,7 +221,12 @@ class CheckpointWriter:
         for name, (spec, fill, snap) in job.tables.items():
             entry: dict[str, Any] = {"spec": spec, "ids": torch.from_numpy(snap.ids),
                                      "weights": snap.weights, "state": snap.state,
-                                     "state_fill": fill}
+                                     "state_fill": fill,
+                                     "evicted": torch.from_numpy(
+                                         snap.evicted if snap.evicted is not None
+                                         else np.zeros(0, np.int64)),
+                                     "evicted_complete": snap.evicted is not None,
+                                     "partial": snap.partial}
             if job.delta is not None:
                 assert snap.slots is not None
                 entry["slots"] = torch.from_numpy(snap.slots)

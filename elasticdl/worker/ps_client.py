@@ -192,6 +192,10 @@ class PSClient:
                                        dtype=codec.dtype_name(t.dtype),
                                        num_embeddings=t.num_embeddings, seed=t.seed,
                                        padding_idx=t.padding_idx) for t in tables]
+        for info, t in zip(infos, tables):   # admission/eviction, when the layer sets it
+            for name in ("admit_after", "ttl_versions", "max_rows"):
+                if getattr(t, name) is not None:
+                    setattr(info, name, getattr(t, name))
 
         def push(i: int, stub: PSStub) -> bool:
             model = pb.Model(version=version, embedding_tables=infos,

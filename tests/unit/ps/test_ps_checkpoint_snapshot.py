@@ -21,10 +21,14 @@ from elasticdl.checkpoint import single as ckpt
 from elasticdl.common.tables import TableSpec
 from elasticdl.ps import row_snapshot
 from elasticdl.ps import shard_checkpoint as shard_ckpt
+from elasticdl.ps.eviction import EmbeddingDefaults
 from elasticdl.ps.shard import GradientPush, PSShard, ShardConfig
 
 ROWS = 20_000
 DIM = 4
+# a table that evicts keeps no dirty marks (its last-update versions say which rows are
+# a delta's): the same effects with eviction on (a TTL nothing reaches)
+POLICIES = [{}, {"embedding": EmbeddingDefaults(ttl_versions=1 << 30)}]
 
 
 def _opt(params):
@@ -77,7 +81,8 @@ def _restore(vdir: str) -> PSShard:
     return shard
 
 
-def test_checkpoint_cut_while_another_thread_pushes_is_one_moment(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cfg", POLICIES, ids=["marks", "stamps"])
+def test_checkpoint_cut_while_another_thread_pushes_is_one_moment(tmp_path, monkeypatch, cfg):
     monkeypatch.setattr(row_snapshot, "CHUNK_ROWS", 256)   # ~80 chunks: pushes interleave
     copied_ahead = []
     preserve = row_snapshot.TableSnapshot.preserve
@@ -88,7 +93,7 @@ def test_checkpoint_cut_while_another_thread_pushes_is_one_moment(tmp_path, monk
         return n
 
     monkeypatch.setattr(row_snapshot.TableSnapshot, "preserve", counting)
-    live = _shard(str(tmp_path))
+    live = _shard(str(tmp_path), **cfg)
     _init(live)
     for k in range(1, 6):
         _push(live, 1, k)
@@ -125,9 +130,10 @@ def test_checkpoint_cut_while_another_thread_pushes_is_one_moment(tmp_path, monk
     assert live.version > restored.version   # pushes went on after the last cut
 
 
-def test_whole_plus_deltas_restore_the_live_state(tmp_path):
+@pytest.mark.parametrize("cfg", POLICIES, ids=["marks", "stamps"])
+def test_whole_plus_deltas_restore_the_live_state(tmp_path, cfg):
     ckpt_dir = str(tmp_path)
-    live = _shard(ckpt_dir, full_checkpoint_every=3)
+    live = _shard(ckpt_dir, full_checkpoint_every=3, **cfg)
     _init(live)
     sizes, kinds, states = [], [], []
     task = 0

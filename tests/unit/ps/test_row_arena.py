@@ -7,7 +7,8 @@ import torch
 
 from elasticdl.common.tables import TableSpec
 from elasticdl.ps import row_arena
-from elasticdl.ps.parameters import EmbeddingTable, SlotIndex
+from elasticdl.ps.parameters import EmbeddingTable
+from elasticdl.ps.slot_index import SlotIndex
 
 
 def test_merge_into_keeps_keys_sorted_and_values_aligned():
