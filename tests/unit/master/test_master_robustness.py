@@ -35,7 +35,7 @@ def test_replicas_json_survives_concurrent_writers(tmp_path):
         cluster.close()
     assert errors == []
     with open(tmp_path / STATE_FILE) as f:
-        assert set(json.load(f)) == {"replicas", "exited"}
+        assert set(json.load(f)) == {"replicas", "exited", "ports"}
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
