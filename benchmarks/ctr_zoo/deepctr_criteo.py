@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ctr_zoo.criteo_gen import NUM_DENSE
-from elasticdl.api import metrics
+from ctr_zoo.ctr_module import columns, eval_metrics_fn, loss, optimizer  # noqa: F401
 
 EMB_DIM = 16
 
@@ -46,22 +46,8 @@ def custom_model(sizes: str = "", seed: int = 0) -> torch.nn.Module:
     return build([int(s) for s in str(sizes).split("-")], seed)
 
 
-def loss(labels, outputs):
-    return torch.nn.functional.binary_cross_entropy(outputs.reshape(-1), labels)
-
-
-def optimizer(params):
-    return torch.optim.SGD(params, lr=0.1)
-
-
 def feed(records, mode):
-    if isinstance(records, dict):
-        dense, cat, label = records["dense"], records["cat"], records["label"]
-    else:
-        dense = np.stack([r["dense"] for r in records])
-        cat = np.stack([r["cat"] for r in records])
-        label = np.array([r["label"] for r in records], dtype=np.float32)
-    return batch(np.asarray(dense), np.asarray(cat), np.asarray(label))
+    return batch(*columns(records))
 
 
 def batch(dense: np.ndarray, cat: np.ndarray, label: np.ndarray):
@@ -70,7 +56,3 @@ def batch(dense: np.ndarray, cat: np.ndarray, label: np.ndarray):
                         np.asarray(dense, dtype=np.float32)], axis=1)
     return (torch.from_numpy(np.ascontiguousarray(x)),), \
         torch.from_numpy(np.asarray(label, dtype=np.float32))
-
-
-def eval_metrics_fn():
-    return {"auc": metrics.AUC()}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ctr_zoo.ctr_module import columns, eval_metrics_fn, loss, optimizer  # noqa: F401
 from ctr_zoo.torchfm_dfm import DeepFactorizationMachineModel
-from elasticdl.api import metrics
 
 
 def build(sizes: list[int], seed: int = 0) -> DeepFactorizationMachineModel:
@@ -25,28 +25,11 @@ def custom_model(sizes: str = "", seed: int = 0) -> DeepFactorizationMachineMode
     return build([int(s) for s in str(sizes).split("-")], seed)
 
 
-def loss(labels, outputs):
-    return torch.nn.functional.binary_cross_entropy(outputs.reshape(-1), labels)
-
-
-def optimizer(params):
-    return torch.optim.SGD(params, lr=0.1)
-
-
 def feed(records, mode):
-    if isinstance(records, dict):
-        cat, label = records["cat"], records["label"]
-    else:
-        cat = np.stack([r["cat"] for r in records])
-        label = np.array([r["label"] for r in records], dtype=np.float32)
-    return batch(None, np.asarray(cat), np.asarray(label))
+    return batch(*columns(records))
 
 
 def batch(dense, cat: np.ndarray, label: np.ndarray):
     """``(x,)``: DeepFM's forward takes the (batch, 26) field ids (no dense features)."""
     x = torch.from_numpy(np.ascontiguousarray(cat, dtype=np.int64))
     return (x,), torch.from_numpy(np.asarray(label, dtype=np.float32))
-
-
-def eval_metrics_fn():
-    return {"auc": metrics.AUC()}

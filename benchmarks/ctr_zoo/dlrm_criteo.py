@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ctr_zoo.criteo_gen import NUM_DENSE
+from ctr_zoo.ctr_module import columns, eval_metrics_fn, loss, optimizer  # noqa: F401
 from ctr_zoo.dlrm_s_pytorch import DLRM_Net
-from elasticdl.api import metrics
 
 EMB_DIM = 16
 
@@ -36,24 +36,10 @@ def custom_model(sizes: str = "", seed: int = 0) -> DLRM_Net:
     return build([int(s) for s in str(sizes).split("-")], seed)
 
 
-def loss(labels, outputs):
-    return torch.nn.functional.binary_cross_entropy(outputs.reshape(-1), labels)
-
-
-def optimizer(params):
-    return torch.optim.SGD(params, lr=0.1)
-
-
 def feed(records, mode):
     """``(dense_x, lS_o, lS_i)`` as DLRM's forward takes them: one index tensor and one
     offsets tensor per table (one id per bag, as Criteo's one-hot fields)."""
-    if isinstance(records, dict):   # a batch of .npz rows already stacked
-        dense, cat, label = records["dense"], records["cat"], records["label"]
-    else:
-        dense = np.stack([r["dense"] for r in records])
-        cat = np.stack([r["cat"] for r in records])
-        label = np.array([r["label"] for r in records], dtype=np.float32)
-    return batch(np.asarray(dense), np.asarray(cat), np.asarray(label))
+    return batch(*columns(records))
 
 
 def batch(dense: np.ndarray, cat: np.ndarray, label: np.ndarray):
@@ -63,7 +49,3 @@ def batch(dense: np.ndarray, cat: np.ndarray, label: np.ndarray):
     lS_o = [offsets for _ in lS_i]
     x = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
     return (x, lS_o, lS_i), torch.from_numpy(np.asarray(label, dtype=np.float32))
-
-
-def eval_metrics_fn():
-    return {"auc": metrics.AUC()}
