@@ -50,8 +50,8 @@ def shard_path(version_dir: str, ps_id: int, num_ps: int) -> str:
     return os.path.join(version_dir, f"ps-{ps_id}-of-{num_ps}.pt")
 
 
-def load_shards(version_dir: str) -> list[dict[str, Any]]:
-    """Every shard state of a complete version directory.
+def shard_count(version_dir: str) -> tuple[str, int]:
+    """``(directory, n)`` of a complete version directory of ``n`` PS shard files.
 
     Raises:
         CheckpointError: no DONE marker, shard files missing or of mixed counts.
@@ -66,11 +66,35 @@ def load_shards(version_dir: str) -> list[dict[str, Any]]:
     n = counts.pop()
     if [i for i, _ in found] != list(range(n)):
         raise ckpt.CheckpointError(f"{vdir}: shards {[i for i, _ in found]} of {n} present")
+    return vdir, n
+
+
+def load_shards(version_dir: str) -> list[dict[str, Any]]:
+    """Every shard state of a complete version directory (:func:`shard_count`)."""
+    vdir, n = shard_count(version_dir)
     return [load_shard(vdir, i, n) for i in range(n)]
 
 
 def _load(path: str) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    # mapped, not read: a restore copies each table once, from the page cache into its
+    # rows, instead of reading the file into memory first (a second copy of the table).
+    # Private mapping: folding a delta onto it writes to copies of the pages, never to
+    # the file, and a file removed meanwhile (retention) stays readable until unmapped.
+    # Everything but the rows is cloned, so what a restored PS keeps (dense parameters,
+    # optimizer state, ledger) never pins the file's mapping.
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {k: v if k == "tables" else _owned(v) for k, v in state.items()}
+
+
+def _owned(obj: Any) -> Any:
+    """``obj`` with every tensor in it cloned (dicts, lists and tuples walked)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _owned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_owned(v) for v in obj)
+    return obj
 
 
 def load_shard(version_dir: str, ps_id: int, num_ps: int) -> dict[str, Any]:
@@ -193,9 +217,10 @@ def tables_of(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 entry["state"].setdefault(k, []).append(v)
             entry["fill"].update(t["state_fill"])
     for entry in out.values():
-        ids = np.concatenate(entry["ids"])
-        weights = torch.cat(entry["weights"])
-        state = {k: torch.cat(v) for k, v in entry["state"].items()}
+        one = len(entry["ids"]) == 1   # one shard: its tensors as they are, not a copy
+        ids = entry["ids"][0] if one else np.concatenate(entry["ids"])
+        weights = entry["weights"][0] if one else torch.cat(entry["weights"])
+        state = {k: v[0] if one else torch.cat(v) for k, v in entry["state"].items()}
         if (ids < 0).any():   # evicted slots (tombstones): not rows
             live = torch.from_numpy(np.flatnonzero(ids >= 0))
             ids, weights = ids[live.numpy()], weights.index_select(0, live)

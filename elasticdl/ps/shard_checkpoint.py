@@ -32,8 +32,10 @@ import torch
 from elasticdl.checkpoint import data_position, paths
 from elasticdl.checkpoint import single as ckpt
 from elasticdl.checkpoint.ps_shards import (
+    load_shard,
     load_shards,
     mark_done,
+    shard_count,
     shard_path,
     tables_of,
     write_delta_note,
@@ -284,15 +286,19 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
 
     Returns the restored model version.
     """
-    shards = load_shards(version_dir)
     cfg = shard.config
+    vdir, n = shard_count(version_dir)
+    same_layout = n == cfg.num_ps
+    # the same number of PS: this PS's own file holds all it owns (its dense parameters
+    # by name hash, its rows by id), and only that file is read
+    shards = [load_shard(vdir, cfg.ps_id, n)] if same_layout else load_shards(vdir)
+    own = shards[0] if same_layout else None
     # the directory names the version (a sync job's final checkpoint may hold a shard
     # written by a PS whose count of applied updates was lower: PS versions parted)
     try:
         version = paths.version_of(version_dir)
     except ckpt.CheckpointError:   # not a version-N directory (a copy of the files)
         version = int(shards[0]["version"])
-    same_layout = len(shards) == cfg.num_ps
     dense: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     for s in shards:
@@ -302,14 +308,13 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
         for name, value in s["buffers"].items():
             if dense_owner(name, cfg.num_ps) == cfg.ps_id:
                 buffers[name] = value
-    opt_state = shards[cfg.ps_id]["optimizer"] if same_layout else \
-        _regroup_optimizer(shards, dense)
+    opt_state = own["optimizer"] if own is not None else _regroup_optimizer(shards, dense)
     tables = tables_of(shards)
     # the ledger says which pushes these parameters contain; with a different
     # number of PS a push is in the restored state only if every old shard has it
-    ledger = shards[cfg.ps_id].get("ledger") if same_layout else _common_ledger(shards)
+    ledger = own.get("ledger") if own is not None else _common_ledger(shards)
     # the learning-rate schedule (and the epoch it is at) is the same on every PS
-    schedule = shards[cfg.ps_id if same_layout else 0].get("lr_schedule")
+    schedule = shards[0].get("lr_schedule")
     if not shard.initialize(version, dense, buffers, [t["spec"] for t in tables.values()],
                             optimizer_state=opt_state, ledger=ledger,
                             lr_schedule_state=schedule):
@@ -317,13 +322,15 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
                                    f"{version_dir}")
     with shard.lock:
         for name, t in tables.items():
-            mine = t["ids"] % cfg.num_ps == cfg.ps_id
-            idx = torch.from_numpy(np.nonzero(mine)[0])
-            shard.params.tables[name].load_rows(
-                t["ids"][mine], t["weights"].index_select(0, idx),
-                {k: v.index_select(0, idx) for k, v in t["state"].items()}, t["fill"])
+            ids, weights, state = t["ids"], t["weights"], t["state"]
+            if not same_layout:   # (own rows: load_rows checks they are)
+                mine = ids % cfg.num_ps == cfg.ps_id
+                idx = torch.from_numpy(np.nonzero(mine)[0])
+                ids, weights = ids[mine], weights.index_select(0, idx)
+                state = {k: v.index_select(0, idx) for k, v in state.items()}
+            shard.params.tables[name].load_rows(ids, weights, state, t["fill"])
     logger.info("PS %d restored version %d from %s (%d shards -> %d PS)", cfg.ps_id, version,
-                version_dir, len(shards), cfg.num_ps)
+                version_dir, n, cfg.num_ps)
     return version
 
 

@@ -12,10 +12,23 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
+import torch
 
 from elasticdl.ps import row_arena
 
 DIRECT_INDEX_MAX = 1 << 22
+TORCH_SORT_MIN = 1 << 14   # from here torch's sort (radix for integers) beats numpy's
+
+
+def _sorted(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``keys`` sorted and ``values`` in the same order (a restore's 1e7 ids: 0.3 s
+    with torch's sort, 1.3 s with numpy's argsort)."""
+    if keys.shape[0] < TORCH_SORT_MIN:
+        order = np.argsort(keys, kind="stable")
+        return keys[order], values[order]
+    k = keys if keys.flags.writeable else keys.copy()   # (torch.from_numpy: writable)
+    result = torch.sort(torch.from_numpy(k), stable=True)
+    return result.values.numpy(), values[result.indices.numpy()]
 
 
 class SlotIndex:
@@ -64,8 +77,7 @@ class SlotIndex:
                 self._array = np.full(self._local_size, -1, dtype=np.int64)
             self._array[local] = slots
             return
-        order = np.argsort(local, kind="stable")
-        local, slots = local[order], slots[order]
+        local, slots = _sorted(local, slots)
         n = self._n
         if self._dead and n:   # a removed id back: its key is still there
             pos = np.minimum(np.searchsorted(self._keys[:n], local), n - 1)

@@ -49,6 +49,23 @@ def test_index_in_place_and_after_its_reserve_agree():
         assert np.array_equal(found[mask], expected[mask])
 
 
+def test_a_big_insert_sorted_by_torch_finds_every_id():
+    """An insert from ``TORCH_SORT_MIN`` ids on (a restore's) sorts with torch; read-only
+    ids (a mapped checkpoint) are copied, not written."""
+    from elasticdl.ps import slot_index
+
+    rng = np.random.default_rng(2)
+    ids = np.unique(rng.integers(0, 1 << 40, size=3 * slot_index.TORCH_SORT_MIN))
+    rng.shuffle(ids)
+    first, second = ids[:slot_index.TORCH_SORT_MIN], ids[slot_index.TORCH_SORT_MIN:]
+    second.flags.writeable = False
+    index = SlotIndex(1 << 40, reserve=1 << 17)
+    index.insert(first, np.arange(first.shape[0]))
+    index.insert(second, np.arange(first.shape[0], ids.shape[0]))
+    assert np.array_equal(index.find(ids), np.arange(ids.shape[0]))
+    assert index.find(np.array([int(ids.max()) + 1]))[0] == -1
+
+
 def test_a_big_lazy_table_grows_without_copying_and_keeps_its_rows():
     spec = TableSpec("emb", 1 << 40, 4, initializer="normal:0.01")
     t = EmbeddingTable(spec, 0, 1)
