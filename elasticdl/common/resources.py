@@ -57,6 +57,28 @@ def parse_resources(text: str) -> dict[str, str]:
     return resources
 
 
+def cpu_threads(quantity: str) -> int:
+    """The compute threads a replica of ``quantity`` CPUs runs (``"2"``: 2, ``"500m"``
+    or ``"1.5"``: 1); 0 for no quantity."""
+    m = _QUANTITY.match(quantity or "")
+    if not m:
+        return 0
+    cpus = float(m.group(1)) / (1000 if m.group(3) == "m" else 1)
+    return max(1, int(cpus))
+
+
+def thread_env(env: dict[str, str], requests: dict[str, str],
+               limits: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``OMP_NUM_THREADS`` set from the replica's CPUs (its limit, else
+    its request) unless ``env`` sets it: torch otherwise runs a thread per core of the
+    machine in every replica, and replicas sharing cores (a Kubernetes node, every
+    ``--cluster=local`` job) spin against each other."""
+    threads = cpu_threads(limits.get("cpu", "") or requests.get("cpu", ""))
+    if threads and "OMP_NUM_THREADS" not in env:
+        return {**env, "OMP_NUM_THREADS": str(threads)}
+    return env
+
+
 def parse_envs(text: str) -> dict[str, str]:
     """Parse ``--envs="A=1,B=two"``."""
     envs = parse_kv_list(text)

@@ -15,7 +15,7 @@ from typing import Union
 from elasticdl.cluster.api import Cluster, ReplicaSpec, ReplicaType
 from elasticdl.common import entry_points
 from elasticdl.common.job_spec import JobSpec
-from elasticdl.common.resources import parse_envs, parse_resources
+from elasticdl.common.resources import parse_envs, parse_resources, thread_env
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,12 @@ class ReplicaTemplate:
     @classmethod
     def for_type(cls, spec: JobSpec, typ: ReplicaType) -> ReplicaTemplate:
         worker = typ == ReplicaType.WORKER
-        return cls(env=parse_envs(spec.envs),
-                   resource_requests=parse_resources(
-                       spec.worker_resource_request if worker else spec.ps_resource_request),
-                   resource_limits=parse_resources(
-                       spec.worker_resource_limit if worker else spec.ps_resource_limit),
+        requests = parse_resources(
+            spec.worker_resource_request if worker else spec.ps_resource_request)
+        limits = parse_resources(
+            spec.worker_resource_limit if worker else spec.ps_resource_limit)
+        return cls(env=thread_env(parse_envs(spec.envs), requests, limits),
+                   resource_requests=requests, resource_limits=limits,
                    priority=spec.worker_pod_priority if worker else spec.ps_pod_priority)
 
 

@@ -219,12 +219,31 @@ class PServicer(pb_grpc.PServerServicer):
     @_guard
     def pull_embedding(self, request: pb.PullEmbeddingRequest,
                        context: grpc.ServicerContext) -> pb.Tensor:
+        return self._pull(request, 0)
+
+    @_guard
+    def pull_embeddings(self, request: pb.PullEmbeddingsRequest,
+                        context: grpc.ServicerContext) -> pb.PullEmbeddingsResponse:
+        """Several tables' rows in one call, each as :meth:`pull_embedding`; the limits
+        are on the whole call."""
+        total = 0
+        rows = []
+        for part in request.tables:
+            rows.append(self._pull(part, total))
+            total += 2 * len(rows[-1].content)   # (as _pull counts: 8 bytes a value)
+        return pb.PullEmbeddingsResponse(rows=rows)
+
+    def _pull(self, request: pb.PullEmbeddingRequest, bytes_before: int) -> pb.Tensor:
         what = f"pull of table {request.table!r}"
+        if not self.shard.initialized:   # (a restarted PS: not "unknown table")
+            raise NotInitializedError(f"PS {self.shard.config.ps_id} has no model yet "
+                                      "(push_model)")
         spec = self.shard.params.table(request.table).spec
         count = len(request.ids) or (request.id_tensor.shape[0]
                                      if len(request.id_tensor.shape) == 1 else 0)
         check_range(f"{what}: number of ids", count, 0, MAX_IDS_PER_PULL)
-        check_range(f"{what}: bytes of rows", count * spec.dim * 8, 0, MAX_PULL_BYTES)
+        check_range(f"{what}: bytes of rows", bytes_before + count * spec.dim * 8, 0,
+                    MAX_PULL_BYTES)
         ids = _ids_of(request.ids, request.id_tensor, request.HasField("id_tensor"), what)
         rows = self.shard.pull_embedding(request.table, ids, create=not request.no_create)
         return codec.encode(rows, request.table)

@@ -262,6 +262,52 @@ class PSClient:
         self._all(pull, "pull_embedding")
         return out
 
+    def pull_embeddings_unique(self, tables: Sequence[tuple[str, np.ndarray, int, torch.dtype]],
+                               create: bool = True) -> list[torch.Tensor]:
+        """:meth:`pull_embedding_unique` of several tables ``(name, unique ids, dim,
+        dtype)`` in one call per PS (concurrently): a model's lookups of one step."""
+        return self.start_pull_embeddings(tables, create)()
+
+    def start_pull_embeddings(self, tables: Sequence[tuple[str, np.ndarray, int, torch.dtype]],
+                              create: bool = True) -> Callable[[], list[torch.Tensor]]:
+        """:meth:`pull_embeddings_unique` under way: returns at once, and the function
+        it returns waits for the rows (raising what a PS call raised)."""
+        parts = []
+        outs = []
+        for table, ids, dim, dtype in tables:
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            parts.append((table, ids, self.partition_ids(ids)))
+            outs.append(torch.empty((ids.shape[0], dim), dtype=dtype))
+
+        def pull(i: int, stub: PSStub) -> None:
+            mine = [k for k, (_, _, positions) in enumerate(parts) if positions[i].shape[0]]
+            if not mine:
+                return
+            req = pb.PullEmbeddingsRequest(tables=[
+                pb.PullEmbeddingRequest(table=parts[k][0],
+                                        id_tensor=codec.encode_ids(parts[k][1][parts[k][2][i]]),
+                                        no_create=not create) for k in mine])
+            resp = stub.pull_embeddings(req, timeout=self.rpc_timeout_s)
+            if len(resp.rows) != len(mine):
+                raise PSError(f"PS {i} answered {len(resp.rows)} tables of {len(mine)}")
+            for k, msg in zip(mine, resp.rows):
+                pos, out = parts[k][2][i], outs[k]
+                rows = codec.decode(msg, out.dtype, [pos.shape[0], out.shape[1]])
+                if pos.shape[0] == out.shape[0]:
+                    out.copy_(rows)
+                else:
+                    out.index_copy_(0, torch.from_numpy(pos), rows)
+
+        futures = [self.submit(i, functools.partial(pull, i), "pull_embeddings")
+                   for i in range(self.num_ps)]
+
+        def wait() -> list[torch.Tensor]:
+            for f in futures:
+                f.result()
+            return outs
+
+        return wait
+
     def export_rows(self, table: str, dim: int, dtype: torch.dtype,
                     on_rows: Callable[[np.ndarray, torch.Tensor], None],
                     max_rows: int = 0) -> int:

@@ -45,6 +45,7 @@ from elasticdl.common.malloc import tune_malloc
 from elasticdl.common.sparse_tables import SparseExportWriter, export_bytes
 from elasticdl.common.tables import TableSpec
 from elasticdl.common.task import Task
+from elasticdl.worker.lookup_plan import LookupPlan
 from elasticdl.worker.poller import minibatch_count
 from elasticdl.worker.ps_amp import GradNorm, LossScaler, push_scale
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
@@ -133,6 +134,7 @@ class PSTrainer(Trainer):
         self.ps_versions = [-1] * self.client.num_ps   # newest each PS reported
         self.steps = 0
         self._session: Optional[PushSession] = None
+        self.lookups = LookupPlan()   # a step's table pulls in one call per PS
         for name, p in self.params.items():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(
@@ -237,9 +239,13 @@ class PSTrainer(Trainer):
         flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
         uniq, inverse = np.unique(flat, return_inverse=True)
         session = self._session  # None: evaluation or prediction (no rows created)
-        rows = self.client.pull_embedding_unique(layer.table_name, uniq, layer.embedding_dim,
-                                                 layer.table_dtype,
-                                                 create=session is not None).to(self.device)
+        rows = self.lookups.take(layer.table_name, ids, uniq, layer.embedding_dim,
+                                 layer.table_dtype)
+        if rows is None:
+            rows = self.client.pull_embedding_unique(layer.table_name, uniq,
+                                                     layer.embedding_dim, layer.table_dtype,
+                                                     create=session is not None)
+        rows = rows.to(self.device)
         pad = None
         if layer.padding_idx is not None:
             hit = np.searchsorted(uniq, layer.padding_idx)
@@ -300,7 +306,13 @@ class PSTrainer(Trainer):
             attempt += 1
             before = list(self.ps_versions)
             if pull or attempt > 1:
-                self._pull_or_reinit()
+                # the step's table rows come in while the dense parameters do
+                self.lookups.prefetch(features, self.client, create=True)
+                try:
+                    self._pull_or_reinit()
+                except BaseException:
+                    self.lookups.end_step()   # (rows pulled before a failure: dropped)
+                    raise
             try:
                 loss, results = self._step(features, labels, targets)
             except PSNotInitializedError as e:  # an embedding pull met a restarted PS
@@ -346,6 +358,8 @@ class PSTrainer(Trainer):
                               self.lr_scale)
         self._session = session
         try:
+            if not self.lookups.started:
+                self.lookups.prefetch(features, self.client, create=True)
             loss = self.compute_loss(features, labels)
             (loss * self.scaler.scale if self.scaler is not None else loss).backward()
             grad_scale, discard = push_scale(norm, self.clip_grad_norm, self.scaler)
@@ -358,6 +372,7 @@ class PSTrainer(Trainer):
             raise
         finally:
             self._session = None
+            self.lookups.end_step()
         if discard:
             logger.warning("worker %d: fp16 gradients overflowed; step skipped, loss scale "
                            "now %g", self.worker_id, self.scaler.scale if self.scaler else 0)
@@ -365,8 +380,12 @@ class PSTrainer(Trainer):
 
     def forward(self, features: Any) -> Any:
         """Outputs with the newest parameters (evaluation and prediction)."""
-        self._pull_or_reinit()
-        return super().forward(features)
+        try:
+            self.lookups.prefetch(features, self.client, create=False)
+            self._pull_or_reinit()
+            return super().forward(features)
+        finally:
+            self.lookups.end_step()
 
     # ------------------------------------------------------------ export
     def sparse_tables(self) -> list[str]:

@@ -157,3 +157,21 @@ def test_autoscale_needs_a_range_and_a_fraction():
         spec(**ps, num_workers="3", autoscale="0.2")
     with pytest.raises(JobSpecError, match="--autoscale.*fraction"):
         spec(**ps, num_workers="1:3", autoscale="1.5")
+
+
+def test_each_replica_runs_as_many_compute_threads_as_it_has_cpus():
+    """torch would start a thread per core of the machine in every replica: replicas
+    sharing cores (a node, a --cluster=local job) spin against each other."""
+    from elasticdl.common.resources import cpu_threads
+    from elasticdl.master.replica_launcher import ReplicaLauncher, WorkerLaunch
+
+    assert [cpu_threads(q) for q in ("2", "500m", "1.5", "2500m", "")] == [2, 1, 1, 2, 0]
+
+    def threads(**flags):
+        launcher = ReplicaLauncher(spec(**flags), cluster=None, master_addr="m:1")
+        return launcher.replica_spec(WorkerLaunch(0)).env.get("OMP_NUM_THREADS")
+
+    assert threads() == "1"                                   # the default request, cpu=1
+    assert threads(worker_resource_request="cpu=3,memory=1Gi") == "3"
+    assert threads(worker_resource_request="cpu=1", worker_resource_limit="cpu=4") == "4"
+    assert threads(envs="OMP_NUM_THREADS=2") == "2"           # the user's word stands

@@ -68,7 +68,8 @@ def test_replica_argv_is_what_the_controller_always_built():
                           "--port=7001", "--restore_from=none", "--version_floor=5",
                           "--await_rollback", *common)
     assert (ps.type, ps.index, ps.port, ps.env) == (ReplicaType.PS, 1, 7001,
-                                                    {"A": "1", "B": "2"})
+                                                    {"A": "1", "B": "2",
+                                                     "OMP_NUM_THREADS": "1"})  # its cpu=1
     worker = launcher.replica_spec(WorkerLaunch(3, ("a:1", "b:2")))
     assert worker.command == ("python", "-m", "elasticdl.worker.main", "--worker_id=3",
                               "--ps_addrs=a:1,b:2", *common)

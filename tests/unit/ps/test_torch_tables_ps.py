@@ -64,6 +64,10 @@ def test_torch_tables_live_on_the_ps_and_train_as_torch_does(monkeypatch):
                 trainer.set_position(1, k, 16)
                 trainer.train_minibatch(features, labels)
             state = trainer.state_dict_from_ps()
+            # from the second step on, every table's rows came in one pull per PS before
+            # the forward (their ids are feature tensors: worker/lookup_plan.py)
+            assert (trainer.lookups.hits, trainer.lookups.misses) == \
+                (len(TABLES) * (len(batches) - 1), 0)
         finally:
             trainer.close()
     assert pushed == {"dense": {"fc.weight", "fc.bias"}, "sparse": TABLES}
