@@ -96,7 +96,7 @@ def check_model(spec: JobSpec) -> JobSpec:
     if on_ps:
         from elasticdl.api.torch_tables import TableSwapError, tables_to_ps
 
-        try:  # as the PS trainer will (elasticdl.worker.ps_trainer.build_ps_model)
+        try:  # as the PS trainer will (elasticdl.worker.ps_export.build_ps_model)
             tables_to_ps(model, spec.ps_table_min_elements)
         except TableSwapError as e:
             raise ModelSpecError(f"{model_spec.module_path}: {e}") from e

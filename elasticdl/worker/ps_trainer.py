@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import resource
 import signal
 import time
 import zlib
@@ -37,18 +36,18 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from elasticdl.api.layers import Embedding, PulledRows, tables_on_ps
+from elasticdl.api.layers import Embedding, PulledRows
 from elasticdl.api.model_spec import ModelSpec
-from elasticdl.api.torch_tables import tables_to_ps
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.malloc import tune_malloc
-from elasticdl.common.sparse_tables import SparseExportWriter, export_bytes
 from elasticdl.common.tables import TableSpec
 from elasticdl.common.task import Task
+from elasticdl.worker import ps_export
 from elasticdl.worker.lookup_plan import LookupPlan
 from elasticdl.worker.poller import minibatch_count
 from elasticdl.worker.ps_amp import GradNorm, LossScaler, push_scale
 from elasticdl.worker.ps_client import Identity, PSClient, PSNotInitializedError
+from elasticdl.worker.ps_export import build_ps_model
 from elasticdl.worker.ps_model_push import push_model
 from elasticdl.worker.ps_push import PushSession
 from elasticdl.worker.sequence_state import SequenceState
@@ -67,16 +66,6 @@ def _kill_hook(worker_id: int) -> int:
         return -1
     worker, _, steps = value.partition(":")
     return int(steps) if int(worker) == worker_id else -1
-
-
-def build_ps_model(model_spec: ModelSpec, job_spec: JobSpec) -> torch.nn.Module:
-    """The model as a PS worker holds it: built inside ``tables_on_ps()`` (lazy tables
-    without a local weight), torch's qualifying tables swapped for PS tables
-    (:func:`~elasticdl.api.torch_tables.tables_to_ps`)."""
-    with tables_on_ps():
-        model = model_spec.build_model()
-    tables_to_ps(model, job_spec.ps_table_min_elements)
-    return model
 
 
 class PSTrainer(Trainer):
@@ -389,10 +378,8 @@ class PSTrainer(Trainer):
 
     # ------------------------------------------------------------ export
     def sparse_tables(self) -> list[str]:
-        """Tables exported as their rows that exist: those of at least
-        ``--export_sparse_min_elements`` elements."""
-        limit = self.job_spec.export_sparse_min_elements
-        return [n for n, spec in self._declared.items() if spec.num_embeddings * spec.dim >= limit]
+        """Tables exported as their rows that exist (:func:`ps_export.sparse_tables`)."""
+        return ps_export.sparse_tables(self._declared, self.job_spec)
 
     def state_dict_from_ps(self, batch_ids: int = 1 << 20,
                            skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
@@ -400,52 +387,14 @@ class PSTrainer(Trainer):
         tables (but ``skip``) whole (rows never trained hold their initial values)."""
         self.versions = [-1] * self.client.num_ps  # force a full pull
         self._pull_or_reinit()
-        state = {n: t.detach().cpu().clone() for n, t in self.model.state_dict().items()}
-        for name, spec in self.tables.items():
-            if name in skip:
-                continue
-            table = torch.empty((spec.num_embeddings, spec.dim), dtype=spec.dtype)
-            for start in range(0, spec.num_embeddings, batch_ids):
-                ids = np.arange(start, min(start + batch_ids, spec.num_embeddings))
-                table[start:start + ids.shape[0]] = self.client.pull_embedding_unique(
-                    name, ids, spec.dim, spec.dtype, create=False)
-            state[name] = table
-        return state
+        return ps_export.state_dict(self.model, self.client, self.tables, batch_ids, skip)
 
     def export_model(self, directory: str) -> list[str]:
-        """Write the final model like the Local strategy does (``model.pt``: a
-        plain state dict loadable without elasticdl) and the tables of
-        :meth:`sparse_tables` as their rows that exist, beside it
-        (:mod:`elasticdl.common.sparse_tables`); returns the paths."""
-        from elasticdl.checkpoint.api import export_model
-
+        """``model.pt`` as the Local strategy writes it and the big tables as their rows
+        that exist (:func:`ps_export.export_model`); returns the paths."""
         sparse = self.sparse_tables()
-        paths = []
-        if sparse:
-            writer = SparseExportWriter(directory)
-            for name in sparse:
-                spec = self._declared[name]
-                writer.declare(spec)
-
-                def add(ids: np.ndarray, values: torch.Tensor, spec: TableSpec = spec) -> None:
-                    writer.add(spec, ids, values)
-
-                rows = self.client.export_rows(name, spec.dim, spec.dtype, add)
-                logger.info("exported table %s sparse: %d of %d rows exist", name, rows,
-                            spec.num_embeddings)
-            paths.append(writer.close())
-            logger.info("sparse export written: %s (%d bytes); peak RSS of this process so "
-                        "far %.0f MiB", paths[-1], export_bytes(directory),
-                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        state = self.state_dict_from_ps(skip=sparse)
-        model = build_ps_model(self.spec, self.job_spec)
-        for name, module in model.named_modules():
-            if isinstance(module, Embedding):
-                key = f"{name}.weight" if name else "weight"
-                module.register_parameter("weight", None if key in sparse
-                                          else torch.nn.Parameter(state[key]))
-        model.load_state_dict(state, strict=True)
-        return export_model(model, directory, self.job_spec.export_torchscript) + paths
+        return ps_export.export_model(self.spec, self.job_spec, self.client, self._declared,
+                                      sparse, directory, self.state_dict_from_ps(skip=sparse))
 
     def save_checkpoint(self) -> str:
         """Every PS writes its shard of its current version into the job's checkpoint
