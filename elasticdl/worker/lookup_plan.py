@@ -14,7 +14,7 @@ the features and pulls all their rows in one call per PS
 (:meth:`~elasticdl.worker.ps_client.PSClient.pull_embeddings_unique`) before the forward.
 Each lookup then checks that its own unique ids are exactly the prefetched ones and uses
 those rows; otherwise it pulls its own, as without a plan, and the table leaves the plan
-(a warning; it may be learned again, at most ``MAX_LEARN`` times). A wrong plan costs
+(a warning; a table is searched for in at most ``MAX_LEARN`` steps). A wrong plan costs
 one pull, never a wrong row. A planned table the step did not look up leaves the plan
 too (its prefetched rows unused).
 """
@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAX_LEARN = 3          # times a table is (re)learned before it is pulled on its own
+MAX_LEARN = 3          # steps a table is searched for before it is pulled on its own
 MAX_COLUMNS = 4096     # wider 2-D feature tensors are not searched for id columns
 
 Path = tuple[Any, ...]
@@ -164,10 +164,12 @@ class LookupPlan:
             return None
         if table not in self.plan and self._features is not None and \
                 self._learned.get(table, 0) < MAX_LEARN:
+            # (every attempt counts: a table whose ids are computed is searched for at
+            # most MAX_LEARN steps, not every step)
+            self._learned[table] = self._learned.get(table, 0) + 1
             source = find_source(self._features, ids)
             if source is not None:
                 self.plan[table] = (source, dim, dtype)
-                self._learned[table] = self._learned.get(table, 0) + 1
         return None
 
     def end_step(self) -> None:

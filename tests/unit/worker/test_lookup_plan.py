@@ -92,3 +92,20 @@ def test_a_failed_prefetch_surfaces_in_the_lookup_and_the_next_step_starts_clean
     plan.prefetch((ids,), Client(), create=False)
     got, uniq = _lookup(plan, "a", ids)
     assert got[:, 0].tolist() == uniq.tolist() == [3, 4]
+
+
+def test_a_table_of_computed_ids_is_searched_for_a_few_steps_only(monkeypatch):
+    """torchfm adds field offsets to the features: its ids are in no feature tensor; the
+    search (up to MAX_COLUMNS equality checks a 2-D tensor) stops after MAX_LEARN steps."""
+    from elasticdl.worker import lookup_plan
+
+    searched = []
+    real = lookup_plan.find_source
+    monkeypatch.setattr(lookup_plan, "find_source",
+                        lambda f, ids: searched.append(1) or real(f, ids))
+    plan, x = LookupPlan(), torch.tensor([[1, 2], [3, 4]])
+    for _ in range(10):
+        plan.prefetch((x,), Client(), create=True)
+        assert _lookup(plan, "fm", x + 100)[0] is None
+        plan.end_step()
+    assert len(searched) == lookup_plan.MAX_LEARN and plan.plan == {}
