@@ -109,9 +109,24 @@ class PSClient:
             generation = self._generation[ps]
             try:
                 return fn(self._stubs[ps])
+            except ValueError:
+                # a concurrent call to the same PS (a step's table pull beside its dense
+                # pull) is reconnecting and closed the channel this one was using: wait
+                # for that reconnect (it holds the PS's lock, bounded by its deadline) and
+                # retry on the new channel
+                with self._locks[ps]:
+                    pass
+                if self._generation[ps] != generation:
+                    continue
+                raise
             except grpc.RpcError as e:
                 code = e.code()  # type: ignore[attr-defined]
                 details = e.details()  # type: ignore[attr-defined]
+                if code == grpc.StatusCode.CANCELLED:   # closed under it by a reconnect?
+                    with self._locks[ps]:
+                        pass
+                    if self._generation[ps] != generation:
+                        continue
                 where = f"PS {ps} ({self.addrs[ps]})"
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(f"{where} rejected {what}: {details}") from None

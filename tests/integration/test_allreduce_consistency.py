@@ -46,7 +46,7 @@ def test_members_parameters_and_buffers_are_bitwise_identical_after_every_step(
             f"--output={job_dir}", "--job_name=ar-consistency", "--cluster=local",
             "--distribution_strategy=AllreduceStrategy", "--num_workers=3",
             "--minibatch_size=32", "--num_epochs=3", "--collective_timeout_s=10",
-            f"--envs=DIGEST_DIR={digests}"]
+            f"--envs=DIGEST_DIR={digests},BN_DIGITS_FULL=3"]
     proc = start_cli(args, str(tmp_path / "home"), str(tmp_path / "cli.log"))
     try:
         wait_for(lambda: _steps_done(str(digests)) >= 3 * 10, 240, "training under way")
