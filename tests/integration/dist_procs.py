@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -29,7 +30,10 @@ def _entry(fn: Callable[..., Any], args: Sequence[Any], key: Any, results: Any) 
         logging.basicConfig(level=os.environ["ELASTICDL_TEST_LOG"],
                             format=f"%(relativeCreated)7.0f [{key}] %(name)s: %(message)s")
     try:
-        results.put((key, "ok", fn(*args)))
+        # pickled here, by value: through the queue torch shares a tensor's storage by
+        # a file descriptor the parent fetches from this process, which may have exited
+        # by then (FileNotFoundError in the parent, seen once in a loaded CI run)
+        results.put((key, "ok", pickle.dumps(fn(*args))))
     except BaseException as e:  # sent to the parent, which fails the test with it
         results.put((key, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
@@ -69,7 +73,7 @@ class Procs:
                 continue
             if status == "error":
                 raise AssertionError(f"process {key} failed: {value}")
-            out[key] = value
+            out[key] = pickle.loads(value)
         return out
 
     def close(self) -> None:
