@@ -56,7 +56,8 @@ def check_report(job_dir, epochs):
 def test_ps_job_survives_worker_and_ps_kills(digits_data, tmp_path):
     job_dir = str(tmp_path / "ps")
     ckpt = str(tmp_path / "ckpt")
-    proc = start_cli(train_args(digits_data, job_dir, "chaos-ps", num_epochs=6,
+    # 12 epochs: with one torch thread a replica, 6 could end before the PS kill landed
+    proc = start_cli(train_args(digits_data, job_dir, "chaos-ps", num_epochs=12,
                                 distribution_strategy="ParameterServerStrategy",
                                 num_workers=2, num_ps_pods=1, checkpoint_dir=ckpt,
                                 checkpoint_steps=10),
@@ -71,7 +72,7 @@ def test_ps_job_survives_worker_and_ps_kills(digits_data, tmp_path):
         assert code == 0, (tmp_path / "cli.log").read_text()[-4000:]
     finally:
         kill_job_tree(proc, job_dir)
-    report = check_report(job_dir, 6)
+    report = check_report(job_dir, 12)
     relaunched = {(r["replica"], r["new_replica"], r["reason"]) for r in report["relaunches"]}
     assert ("worker-1", "worker-2", "killed") in relaunched
     assert ("ps-0", "ps-0", "killed") in relaunched
