@@ -40,6 +40,14 @@ T = TypeVar("T")
 ROLLBACK_PENDING = "waiting for the master's rollback"  # in a PS's UNAVAILABLE details
 
 
+def _place(out: torch.Tensor, positions: np.ndarray, rows: torch.Tensor) -> None:
+    """A PS's ``rows`` into their ``positions`` of a pull's output (all of it: a copy)."""
+    if positions.shape[0] == out.shape[0]:
+        out.copy_(rows)
+    else:
+        out.index_copy_(0, torch.from_numpy(positions), rows)
+
+
 class PSError(RuntimeError):
     """A PS call failed for a reason retrying cannot fix."""
 
@@ -109,24 +117,16 @@ class PSClient:
             generation = self._generation[ps]
             try:
                 return fn(self._stubs[ps])
-            except ValueError:
-                # a concurrent call to the same PS (a step's table pull beside its dense
-                # pull) is reconnecting and closed the channel this one was using: wait
-                # for that reconnect (it holds the PS's lock, bounded by its deadline) and
-                # retry on the new channel
-                with self._locks[ps]:
-                    pass
-                if self._generation[ps] != generation:
+            except ValueError:   # "Channel closed": see _reconnected_meanwhile
+                if self._reconnected_meanwhile(ps, generation):
                     continue
                 raise
             except grpc.RpcError as e:
                 code = e.code()  # type: ignore[attr-defined]
                 details = e.details()  # type: ignore[attr-defined]
-                if code == grpc.StatusCode.CANCELLED:   # closed under it by a reconnect?
-                    with self._locks[ps]:
-                        pass
-                    if self._generation[ps] != generation:
-                        continue
+                if code == grpc.StatusCode.CANCELLED and \
+                        self._reconnected_meanwhile(ps, generation):
+                    continue
                 where = f"PS {ps} ({self.addrs[ps]})"
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(f"{where} rejected {what}: {details}") from None
@@ -149,6 +149,14 @@ class PSClient:
                     time.sleep(0.2)
                     continue
                 self._reconnect(ps, generation, deadline)
+
+    def _reconnected_meanwhile(self, ps: int, generation: int) -> bool:
+        """Whether a concurrent call to the same PS (a step's table pull beside its dense
+        pull) reconnected since ``generation``, closing the channel this call used: waits
+        for a reconnect under way (it holds the PS's lock, bounded by its deadline)."""
+        with self._locks[ps]:
+            pass
+        return self._generation[ps] != generation
 
     def _reconnect(self, ps: int, generation: int, deadline: float) -> None:
         with self._locks[ps]:
@@ -267,12 +275,8 @@ class PSClient:
                 return
             req = pb.PullEmbeddingRequest(table=table, id_tensor=codec.encode_ids(ids[pos]),
                                           no_create=not create)
-            rows = codec.decode(stub.pull_embedding(req, timeout=self.rpc_timeout_s), dtype,
-                                [pos.shape[0], dim])
-            if pos.shape[0] == ids.shape[0]:
-                out.copy_(rows)
-            else:
-                out.index_copy_(0, torch.from_numpy(pos), rows)
+            _place(out, pos, codec.decode(stub.pull_embedding(req, timeout=self.rpc_timeout_s),
+                                          dtype, [pos.shape[0], dim]))
 
         self._all(pull, "pull_embedding")
         return out
@@ -307,11 +311,7 @@ class PSClient:
                 raise PSError(f"PS {i} answered {len(resp.rows)} tables of {len(mine)}")
             for k, msg in zip(mine, resp.rows):
                 pos, out = parts[k][2][i], outs[k]
-                rows = codec.decode(msg, out.dtype, [pos.shape[0], out.shape[1]])
-                if pos.shape[0] == out.shape[0]:
-                    out.copy_(rows)
-                else:
-                    out.index_copy_(0, torch.from_numpy(pos), rows)
+                _place(out, pos, codec.decode(msg, out.dtype, [pos.shape[0], out.shape[1]]))
 
         futures = [self.submit(i, functools.partial(pull, i), "pull_embeddings")
                    for i in range(self.num_ps)]
