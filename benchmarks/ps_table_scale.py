@@ -6,8 +6,11 @@ async so that every push is applied at once, a checkpoint directory) holds a tab
 gradient: every row gets its Adagrad state). Then:
 
 1. the PS's RSS growth / rows = ``bytes_per_row`` (payload: 64 B weights + 64 B Adagrad
-   sum + 8 B step = 136 B); ``marginal_bytes_per_row``: the growth over the second half
-   of the rows alone (without fixed costs: RPC buffers, the first allocations);
+   sum = 128 B; Adagrad without ``lr_decay`` keeps no per-row step), read once the PS
+   has handed the fill's freed heap pages back (it does every ``TRIM_EVERY_S``,
+   ``common/malloc.py``); ``bytes_per_row_burst``: the same right after the last push;
+   ``marginal_bytes_per_row``: the growth over the second half of the rows alone
+   (without fixed costs: RPC buffers, the first allocations; burst);
 2. a second client pulls and pushes 4,096 hot ids in a loop (its idle round trip is
    measured first); a checkpoint (the ``save_checkpoint`` RPC) is taken while it runs:
    ``checkpoint_block_ms`` is the longest hot round trip during the checkpoint;
@@ -66,12 +69,12 @@ def ps_server(port_q: Any, checkpoint_dir: str, extra: dict[str, Any]) -> None:
     """One PS process on 127.0.0.1: ``(port, pid)`` goes to ``port_q``."""
     import torch
 
-    from elasticdl.common.malloc import tune_malloc
+    from elasticdl.common.malloc import PS_MALLOC_ARENAS, release_free_heap_every, tune_malloc
     from elasticdl.ps.server import start_server
     from elasticdl.ps.servicer import PServicer
     from elasticdl.ps.shard import PSShard, ShardConfig
 
-    tune_malloc()
+    tune_malloc(PS_MALLOC_ARENAS)   # as ps/main.py does
     torch.set_num_threads(1)
     logging.basicConfig(filename=os.path.join(os.path.dirname(checkpoint_dir), "ps.log"),
                         level=logging.INFO)
@@ -80,6 +83,7 @@ def ps_server(port_q: Any, checkpoint_dir: str, extra: dict[str, Any]) -> None:
                     _optimizer)
     server, port = start_server(PServicer(shard), 0, "127.0.0.1")
     port_q.put((port, os.getpid()))
+    release_free_heap_every(threading.Event())   # as ps/main.py does
     server.wait_for_termination(timeout=7200)
 
 
@@ -152,7 +156,7 @@ def lock_figures(log: str) -> dict[str, Any]:
     return out
 
 
-def run(rows: int, extra: dict[str, Any], workdir: str) -> dict[str, Any]:
+def run(rows: int, extra: dict[str, Any], workdir: str, settle_s: float) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -197,7 +201,11 @@ def run(rows: int, extra: dict[str, Any], workdir: str) -> dict[str, Any]:
             client.push_gradients(0, 0, {}, [("emb", part, grad)]).result()
         out["touch_s"] = round(time.monotonic() - start, 2)
         after = rss_mb(pid)
-        growth = after - before
+        out["bytes_per_row_burst"] = round((after - before) * 2**20 / rows, 1)
+        # the PS hands the burst's freed heap pages back every TRIM_EVERY_S
+        # (common/malloc.py): what a row costs from then on (the smoke does not wait)
+        time.sleep(settle_s)
+        growth = rss_mb(pid) - before
         out["rss_growth_mb"] = round(growth, 1)
         out["bytes_per_row"] = round(growth * 2**20 / rows, 1)
         if half is not None:   # the second half's rows alone: without the fixed costs
@@ -357,7 +365,9 @@ def main() -> None:
         extra["full_checkpoint_every"] = args.full_checkpoint_every
     workdir = tempfile.mkdtemp(prefix="ps_table_scale_")
     try:
-        out = run(args.rows, extra, workdir)
+        from elasticdl.common.malloc import TRIM_EVERY_S
+
+        out = run(args.rows, extra, workdir, 0.0 if args.smoke else TRIM_EVERY_S + 1.5)
         out["evict_rss_ratio"] = None
         if window > 0:
             out.update(run_drift(window, workdir))

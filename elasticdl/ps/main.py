@@ -31,7 +31,7 @@ from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.common import auth, faults
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.log_utils import configure_logging
-from elasticdl.common.malloc import tune_malloc
+from elasticdl.common.malloc import PS_MALLOC_ARENAS, release_free_heap_every, tune_malloc
 from elasticdl.common.schedule import Schedule
 from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.audit import AuditLog
@@ -177,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     configure_logging(args.job_spec.log_level, role=f"ps-{args.ps_id}")
     faults.set_role(f"ps-{args.ps_id}")
-    tune_malloc()
+    tune_malloc(PS_MALLOC_ARENAS)
     shard = build_shard(args)
     job_secrets = auth.JobSecrets.from_env()
     if job_secrets is None:
@@ -206,6 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from elasticdl.ps.group_size import follow_job_size
 
             follow_job_size(args.master_addr, f"ps-{args.ps_id}", shard, stop)
+    release_free_heap_every(stop, name=f"PS {args.ps_id}")   # a burst's freed heap pages
     while not stop.wait(1.0):
         pass
     server.stop(args.grace_s).wait(args.grace_s + 1)

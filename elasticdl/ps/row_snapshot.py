@@ -65,7 +65,8 @@ class TableSnapshot:
         self.rows = n
         dim = table.weights.shape[1]
         # mapped, not touched (the copy fills them), unmapped once written and dropped
-        self.ids = row_arena.buffer(n, (), torch.int64).numpy()
+        self._ids = row_arena.buffer(n, (), torch.int64)
+        self.ids = self._ids.numpy()
         self.weights = row_arena.buffer(n, (dim,), table.weights.dtype)
         self.state = {k: row_arena.buffer(n, tuple(v.shape[1:]), v.dtype)
                       for k, v in table.state.items()}
@@ -132,6 +133,11 @@ class TableSnapshot:
             src = positions if self.slots is None else self.slots[positions]
             self._copy(positions, src)
         self.pos = hi
+
+    def release(self) -> None:
+        """Hand the copy's memory back (written, or abandoned): a step at a time
+        (:func:`row_arena.release`), not one unmap that stalls the PS's threads."""
+        row_arena.release(self._ids, self.weights, *self.state.values())
 
     def finish(self) -> None:
         """Copy everything left (lock held): a new cut cannot start before the last one's

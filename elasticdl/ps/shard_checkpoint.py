@@ -255,6 +255,9 @@ class CheckpointWriter:
                  led["log"].tolist()))
         write_delta_note(vdir, ps_id, n, job.delta)
         ckpt.save_file(state, path)
+        del state, tables
+        for _, _, snap in job.tables.values():
+            snap.release()   # a step at a time (row_arena.release): no long unmap
         if all(os.path.exists(shard_path(vdir, i, n)) for i in range(n)):
             mark_done(job.checkpoint_dir, job.version, job.keep_max)
             logger.info("checkpoint version %d complete (%d shards) in %s", job.version, n,

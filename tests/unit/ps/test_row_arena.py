@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -86,3 +88,22 @@ def test_a_big_lazy_table_grows_without_copying_and_keeps_its_rows():
     more = np.arange(300_000, 300_100, dtype=np.int64) * 11
     t.slots(more)
     assert torch.equal(t.state["sum"][t.size - 100:t.size], torch.full((100, 4), 0.5))
+
+
+def test_release_hands_the_pages_back_and_leaves_other_tensors_alone():
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    t = row_arena.buffer(1 << 20, (16,), torch.float32)   # 64 MiB over a mapping
+    t.fill_(1.0)
+    plain = torch.ones(1000)
+    before = rss_mb()
+    row_arena.release(t, plain, t[10:])   # a view that does not start the mapping: skipped
+    assert before - rss_mb() > 48   # its pages went back
+    assert float(t.abs().sum()) == 0.0   # (and read as zeros: it is dropped next)
+    assert float(plain.sum()) == 1000.0
+    small = row_arena.buffer(16, (4,), torch.float32)   # heap memory: never released
+    small.fill_(2.0)
+    row_arena.release(small)
+    assert float(small.sum()) == 128.0
