@@ -159,6 +159,9 @@ class PServicer(pb_grpc.PServerServicer):
         self.chunk_bytes = chunk_bytes
         self._cache_lock = threading.Lock()
         self._chunk_cache: tuple[int, int, list[bytes]] = (-1, 0, [])
+        # the dense parameters of one version, encoded (pull_dense and the pushes that
+        # want them answer every worker from it; buffers change between versions: not kept)
+        self._dense_cache: tuple[int, list[pb.Tensor]] = (-1, [])
         self._model_pushes = ModelPushes(shard)
 
     # ------------------------------------------------------------ model
@@ -173,14 +176,39 @@ class PServicer(pb_grpc.PServerServicer):
     def pull_dense(self, request: pb.PullDenseRequest,
                    context: grpc.ServicerContext) -> pb.PullDenseResponse:
         check_range("version", request.version, -1, MAX_VERSION)
+        with self.shard.lock:
+            initialized, version, dense, buffers = self._dense_messages(request.version)
+        return pb.PullDenseResponse(initialized=initialized, version=version, dense=dense,
+                                    buffers=buffers)
+
+    def _dense_messages(self, worker_version: int
+                        ) -> tuple[bool, int, list[pb.Tensor], list[pb.Tensor]]:
+        """``(initialized, version, dense, buffers)`` as ``pull_dense`` answers them (empty
+        lists: the worker is current); the dense ones encoded once per version (versions
+        never repeat on a PS: a rollback continues above). Caller holds the shard lock."""
         shard = self.shard
-        with shard.lock:
-            initialized, version, tensors = shard.snapshot_dense(request.version)
-            resp = pb.PullDenseResponse(initialized=initialized, version=version)
-            if tensors is not None:
-                for name, t in tensors.items():
-                    target = resp.buffers if name in shard.params.buffers else resp.dense
-                    target.append(codec.encode(t, name))
+        initialized, version, tensors = shard.snapshot_dense(worker_version)
+        if tensors is None:
+            return initialized, version, [], []
+        buffers = [codec.encode(t, n) for n, t in shard.params.buffers.items()]
+        with self._cache_lock:
+            cached_version, dense = self._dense_cache
+        if cached_version != version:
+            dense = [codec.encode(t, n) for n, t in shard.params.dense.items()]
+            with self._cache_lock:
+                self._dense_cache = (version, dense)
+        return initialized, version, dense, buffers
+
+    def _answer(self, result: PushResult, want_dense: bool) -> pb.PushGradientsResponse:
+        """A push's reply; with ``want_dense`` (and accepted) the dense parameters and
+        buffers as they are now (the worker's next pull, saved)."""
+        resp = _push_response(result)
+        if want_dense and result.accepted:
+            with self.shard.lock:
+                _, version, dense, buffers = self._dense_messages(-1)
+            resp.has_dense, resp.dense_version = True, version
+            resp.dense.extend(dense)
+            resp.buffers.extend(buffers)
         return resp
 
     @_guard
@@ -199,22 +227,25 @@ class PServicer(pb_grpc.PServerServicer):
             initialized, version, tensors = shard.snapshot_dense(worker_version)
             if tensors is None:
                 return [chunk_wire.dense_chunk_bytes(initialized, version, False, None)]
+            def encode(items: Any, is_buffer: bool) -> list[bytes]:
+                out = []
+                for name, t in items:
+                    view = codec.byte_view(t.detach())
+                    for _, parts in chunk_wire.tensor_chunks_wire(
+                            name, view, codec.dtype_name(t.dtype), tuple(t.shape), chunk_bytes):
+                        out.append(chunk_wire.dense_chunk_bytes(True, version, is_buffer, parts))
+                return out
+
+            # the dense chunks once per version; buffers (a sync push's statistics are
+            # copied as it arrives, before the version moves) every time
             with self._cache_lock:
                 cached_version, cached_size, chunks = self._chunk_cache
-                if cached_version == version and cached_size == chunk_bytes:
-                    return chunks
-            chunks = []
-            for name, t in tensors.items():
-                is_buffer = name in shard.params.buffers
-                view = codec.byte_view(t.detach())
-                for _, parts in chunk_wire.tensor_chunks_wire(
-                        name, view, codec.dtype_name(t.dtype), tuple(t.shape), chunk_bytes):
-                    chunks.append(chunk_wire.dense_chunk_bytes(True, version, is_buffer, parts))
-            if not chunks:
-                chunks = [chunk_wire.dense_chunk_bytes(True, version, False, None)]
-            with self._cache_lock:
-                self._chunk_cache = (version, chunk_bytes, chunks)
-            return chunks
+            if cached_version != version or cached_size != chunk_bytes:
+                chunks = encode(shard.params.dense.items(), False)
+                with self._cache_lock:
+                    self._chunk_cache = (version, chunk_bytes, chunks)
+            chunks = chunks + encode(shard.params.buffers.items(), True)
+            return chunks or [chunk_wire.dense_chunk_bytes(True, version, False, None)]
 
     @_guard
     def pull_embedding(self, request: pb.PullEmbeddingRequest,
@@ -292,7 +323,7 @@ class PServicer(pb_grpc.PServerServicer):
             push.dense[msg.name] = self._dense_grad(msg)
         push.buffers = {b.name: self._buffer(b) for b in request.buffers}
         push.sparse = [decode_rows(rows, self.shard) for rows in request.sparse]
-        return _push_response(self.shard.push_gradients(push))
+        return self._answer(self.shard.push_gradients(push), request.want_dense)
 
     @_guard
     def push_gradient_chunks(self, request_iterator: Iterator[chunk_wire.GradientChunkView],

@@ -40,6 +40,14 @@ T = TypeVar("T")
 ROLLBACK_PENDING = "waiting for the master's rollback"  # in a PS's UNAVAILABLE details
 
 
+def _decode_dense(ps: int, resp: Any, dest: Mapping[str, torch.Tensor]) -> None:
+    """A ``PullDenseResponse``'s (or a push reply's) tensors into ``dest`` by name."""
+    for msg in list(resp.dense) + list(resp.buffers):
+        if msg.name not in dest:
+            raise ValueError(f"PS {ps} sent unknown tensor {msg.name!r}")
+        codec.decode_into(msg, dest[msg.name])
+
+
 def _place(out: torch.Tensor, positions: np.ndarray, rows: torch.Tensor) -> None:
     """A PS's ``rows`` into their ``positions`` of a pull's output (all of it: a copy)."""
     if positions.shape[0] == out.shape[0]:
@@ -240,10 +248,7 @@ class PSClient:
                                       chunk_bytes=chunk_wire.clamp_chunk_bytes(self.chunk_bytes))
             if not streaming[i]:
                 resp = stub.pull_dense(req, timeout=self.rpc_timeout_s)
-                for msg in list(resp.dense) + list(resp.buffers):
-                    if msg.name not in parts[i]:
-                        raise ValueError(f"PS {i} sent unknown tensor {msg.name!r}")
-                    codec.decode_into(msg, parts[i][msg.name])
+                _decode_dense(i, resp, parts[i])
                 return resp.initialized, resp.version, bool(len(resp.dense) + len(resp.buffers))
             assembler = codec.ChunkAssembler(destinations=parts[i])
             initialized, version, updated = False, -1, False
@@ -361,9 +366,13 @@ class PSClient:
                        buffers: Optional[Mapping[str, torch.Tensor]] = None,
                        worker_id: int = 0, identity: Identity = (0, 0, 0), epoch: int = 0,
                        grad_scale: float = 1.0, discard: bool = False,
-                       lr_reductions: int = 0, lr_scale: float = 1.0) -> Future:
+                       lr_reductions: int = 0, lr_scale: float = 1.0,
+                       dense_into: Optional[Mapping[str, torch.Tensor]] = None) -> Future:
         """One unary push to PS ``ps``; the future gives a :class:`PushReply`
-        (``(accepted, version)`` and the lr it was applied with)."""
+        (``(accepted, version)`` and the lr it was applied with). With ``dense_into``
+        (this PS's dense parameters and buffers by name: contiguous CPU tensors) the
+        PS answers with its parameters once the push is applied, decoded into them
+        (``dense_version`` of the reply: theirs; the next pull of this PS is saved)."""
         task_id, minibatch, num_records = identity
 
         def push(stub: PSStub) -> PushReply:
@@ -375,8 +384,11 @@ class PSClient:
                 dense=[codec.encode(g, n) for n, g in dense.items()],
                 sparse=[pb.EmbeddingRows(table=t, id_tensor=codec.encode_ids(ids),
                                          values=codec.encode(g)) for t, ids, g in sparse],
-                buffers=[codec.encode(b, n) for n, b in (buffers or {}).items()])
+                buffers=[codec.encode(b, n) for n, b in (buffers or {}).items()],
+                want_dense=dense_into is not None)
             resp = stub.push_gradients(req, timeout=self.rpc_timeout_s)
+            if resp.has_dense and dense_into is not None:
+                _decode_dense(ps, resp, dense_into)
             return PushReply.of(resp)
 
         return self.submit(ps, push, "push_gradients")

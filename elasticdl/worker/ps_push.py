@@ -69,6 +69,9 @@ class PushingTrainer(Protocol):
     streaming: list[bool]   # per PS: push through a stream
     worker_id: int
 
+    def dense_reply_into(self, ps: int) -> Optional[dict[str, torch.Tensor]]:
+        """Where PS ``ps``'s push answer decodes its parameters (None: not wanted)."""
+
 
 class PushSession:
     """One step's gradient pushes to the PS in ``targets``."""
@@ -151,7 +154,7 @@ class PushSession:
                 futures[ps] = self.t.client.push_gradients(
                     ps, self.t.versions[ps], dense, sparse, parts[ps],
                     self.t.worker_id, self.t.identity, self.epoch, grad_scale, discard,
-                    self.lr_reductions, self.lr_scale)
+                    self.lr_reductions, self.lr_scale, dense_into=self.t.dense_reply_into(ps))
         out: dict[int, Any] = {}
         for ps in self.targets:
             try:

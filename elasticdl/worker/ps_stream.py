@@ -29,19 +29,24 @@ Identity = tuple[int, int, int]  # task id, minibatch (1-based; 0: none), record
 
 
 class PushReply(tuple):
-    """A PS's answer to a push: ``(accepted, version)``, and ``learning_rate``
-    (the first param group's lr the push's group was applied with)."""
+    """A PS's answer to a push: ``(accepted, version)``, ``learning_rate`` (the first
+    param group's lr the push's group was applied with) and ``dense_version``: the
+    version of the dense parameters the answer brought (-1: none)."""
 
     learning_rate: float
+    dense_version: int
 
-    def __new__(cls, accepted: bool, version: int, learning_rate: float = 0.0) -> PushReply:
+    def __new__(cls, accepted: bool, version: int, learning_rate: float = 0.0,
+                dense_version: int = -1) -> PushReply:
         out = super().__new__(cls, (accepted, version))
         out.learning_rate = learning_rate
+        out.dense_version = dense_version
         return out
 
     @classmethod
     def of(cls, resp: pb.PushGradientsResponse) -> PushReply:
-        return cls(resp.accepted, resp.version, resp.learning_rate)
+        return cls(resp.accepted, resp.version, resp.learning_rate,
+                   resp.dense_version if resp.has_dense else -1)
 
 
 class PSStub(pb_grpc.PServerStub):

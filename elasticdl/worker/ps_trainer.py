@@ -1,7 +1,8 @@
 """The worker's trainer under ParameterServerStrategy.
 
 Per step: pull the dense parameters that changed (async mode: every
-``get_model_steps`` steps), run forward — each
+``get_model_steps`` steps; a PS whose unary push answer brought them, after the
+push was applied, is not pulled again), run forward — each
 :class:`~elasticdl.api.layers.Embedding` pulls only the deduplicated rows of
 the batch — and backward. Gradients leave for their PS while backward still
 runs: a ``post_accumulate_grad`` hook on every parameter (and on every pulled
@@ -119,6 +120,10 @@ class PSTrainer(Trainer):
         for n, t in self.mirror.items():
             sizes[self.owner[n]] += t.numel() * t.element_size()
         self.streaming = [s > self.client.chunk_bytes for s in sizes]
+        self._mirror_parts = self.client.partition(self.mirror)
+        # PS whose last push answer brought their parameters (of its version): the
+        # next step does not pull them (sync, or async pulling every step)
+        self._fresh: set[int] = set()
         self.versions = [-1] * self.client.num_ps      # of the parameters held here
         self.ps_versions = [-1] * self.client.num_ps   # newest each PS reported
         self.steps = 0
@@ -212,15 +217,37 @@ class PSTrainer(Trainer):
                         # synchronous: the next pull reuses the (pinned) mirror
                         t.data.copy_(self.mirror[name])
 
-    def _pull_or_reinit(self) -> None:
+    def _pull_or_reinit(self, ps_list: Optional[list[int]] = None) -> None:
         """pull_dense; a PS that lost its model (restart without checkpoint) gets ours."""
         for _ in range(self.client.num_ps + 1):
             try:
-                self.pull_dense()
+                self.pull_dense(ps_list)
                 return
             except PSNotInitializedError as e:
                 self._push_model([e.ps])
-        self.pull_dense()
+        self.pull_dense(ps_list)
+
+    def dense_reply_into(self, ps: int) -> Optional[dict[str, torch.Tensor]]:
+        """Where PS ``ps``'s push answer should decode its parameters (its part of the
+        mirror): when the next step would pull them and its push is unary (a streamed
+        dense part is pulled as a stream); else None."""
+        if self.streaming[ps]:
+            return None
+        if self.job_spec.use_async and (self.steps + 1) % self.job_spec.get_model_steps:
+            return None
+        return self._mirror_parts[ps]
+
+    def _took_dense(self, ps: int, version: int) -> None:
+        """PS ``ps``'s push answer brought its parameters of ``version`` (in the mirror)."""
+        self.versions[ps] = version
+        self.ps_versions[ps] = max(self.ps_versions[ps], version)
+        with torch.no_grad():
+            for name, t in self._mirror_parts[ps].items():
+                param = self.params.get(name)
+                target: torch.Tensor = self.buffers[name] if param is None else param
+                if t is not target.data:
+                    target.data.copy_(t)
+        self._fresh.add(ps)
 
     def _lookup(self, layer: Embedding, ids: torch.Tensor) -> PulledRows:
         """The deduplicated rows of ``ids`` (training: a leaf whose gradient is
@@ -294,11 +321,14 @@ class PSTrainer(Trainer):
         while True:
             attempt += 1
             before = list(self.ps_versions)
-            if pull or attempt > 1:
+            stale = [ps for ps in range(self.client.num_ps)
+                     if attempt > 1 or ps not in self._fresh]
+            self._fresh.clear()
+            if (pull or attempt > 1) and stale:
                 # the step's table rows come in while the dense parameters do
                 self.lookups.prefetch(features, self.client, create=True)
                 try:
-                    self._pull_or_reinit()
+                    self._pull_or_reinit(stale)
                 except BaseException:
                     self.lookups.end_step()   # (rows pulled before a failure: dropped)
                     raise
@@ -319,6 +349,8 @@ class PSTrainer(Trainer):
                     retry.append(ps)
                 else:
                     lrs[ps] = result.learning_rate
+                    if result.dense_version >= 0:
+                        self._took_dense(ps, result.dense_version)
             if not retry:
                 self.steps += 1
                 self.last_lr = lrs[min(lrs)] if lrs else self.last_lr

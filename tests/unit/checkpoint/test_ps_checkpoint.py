@@ -182,14 +182,15 @@ def test_ps_restarted_without_checkpoint_gets_the_workers_model(tmp_path):
             shard = PSShard(ShardConfig(), _spec().optimizer)
             restarted, _ = start_server(PServicer(shard), cluster.ports[0], "127.0.0.1")
             trainer.train_minibatch(*batches[2])  # re-initialises the PS, then steps
-            # the PS restarted from the newest parameters the worker had pulled
-            # (version 1: the update of version 2 never reached a worker, it is lost)
-            assert shard.initialized and shard.version == 2
+            # the PS restarted from the newest parameters the worker held: version 2,
+            # which the answer to its second push brought (before push answers carried
+            # the parameters the update of version 2 never reached a worker and was lost)
+            assert shard.initialized and shard.version == 3
             params = shard.params.dense
             assert not torch.equal(params["fc.weight"], before["fc.weight"])
             assert params["fc.weight"].shape == before["fc.weight"].shape
             trainer.train_minibatch(*batches[3])
-            assert trainer.model_version == 3
+            assert trainer.model_version == 4
         finally:
             trainer.close()
             if restarted is not None:
@@ -209,7 +210,9 @@ def test_async_trainer_pulls_every_get_model_steps():
             for features, labels in mod.make_batches(5, 8, seed=3):
                 trainer.train_minibatch(features, labels)
                 held.append(list(trainer.versions))
-            assert held == [[0, 0], [0, 0], [0, 0], [3, 3], [3, 3]]
+            # steps 1-3 train on version 0; the answer to the third push brings version 3
+            # (the pull before step 4 it saves), on which steps 4 and 5 train
+            assert held == [[0, 0], [0, 0], [3, 3], [3, 3], [3, 3]]
             assert trainer.model_version == 5
         finally:
             trainer.close()
