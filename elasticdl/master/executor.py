@@ -240,7 +240,9 @@ class ProtocolExecutor:
 
     def _choose_version(self, p: RecoveryProtocol) -> int:
         current = ps_rollback.ps_versions(self.c.ps_addrs)
-        return max(current + [int(p.data["checkpoint"])]) + 1 + ps_rollback.VERSION_SLACK
+        slack = ps_rollback.alone_slack(self.c.spec.num_workers) if p.data.get("alone") \
+            else ps_rollback.VERSION_SLACK
+        return max(current + [int(p.data["checkpoint"])]) + 1 + slack
 
     def _rollback_all(self, p: RecoveryProtocol) -> tuple[dict[int, int], IntervalSet]:
         if p.data.get("alone"):   # --ps_recovery=alone: the lost PS only

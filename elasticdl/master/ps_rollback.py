@@ -40,6 +40,19 @@ logger = logging.getLogger(__name__)
 VERSION_SLACK = 100  # versions a PS may still apply between the status read and the rollback
 
 
+def alone_slack(num_workers: int) -> int:
+    """The slack of a lone restore's new version above every PS's current one.
+
+    The restored PS must only never repeat its own earlier versions, and those are at
+    most the others' current versions plus the pushes in flight to it when it died (a
+    worker whose push to the lost PS fails stalls there: one each). The others are not
+    rolled back, so their versions need no room. A small slack keeps the restored PS's
+    numbering close to theirs: with ``VERSION_SLACK`` it ran ~100 versions ahead, and for
+    those ~100 versions no new checkpoint directory could complete (a second PS lost
+    meanwhile restored an older checkpoint, redoing more)."""
+    return num_workers + 2
+
+
 def newest_version(checkpoint_dir: str) -> Optional[int]:
     versions = ckpt_paths.complete_versions(checkpoint_dir) if checkpoint_dir else []
     return versions[-1] if versions else None

@@ -91,6 +91,32 @@ def test_lost_ps_restored_alone_others_keep_their_state(alone):
             (ps, len(entries))
 
 
+def test_restored_ps_numbers_its_versions_close_to_the_others(alone):
+    """The restored PS continues a few versions above the others (``alone_slack``), not
+    ~100 (its checkpoint directories then completed only ~100 versions later): the job's
+    final versions differ by at most the slack and the pushes it redid (versions of its
+    own; the others skip them by their ledgers), and a checkpoint cut after the recovery
+    completed."""
+    import json
+
+    from elasticdl.checkpoint import paths as ckpt_paths
+    from elasticdl.master.ps_rollback import alone_slack
+
+    run, report, redone = alone
+    with open(os.path.join(run["job_dir"], "job_spec.json")) as f:
+        spec = json.load(f)
+    final = []
+    for ps in range(NUM_PS):
+        with open(os.path.join(run["job_dir"], f"ps-{ps}-ledger.json")) as f:
+            final.append(json.loads(f.readline())["version"])
+    others = [v for ps, v in enumerate(final) if ps != 1]
+    gap = final[1] - max(others)
+    assert 0 < gap <= alone_slack(int(spec["num_workers"])) + 1 + redone[1], (final, redone)
+    recovered_at = report["ps_recoveries"][0]["checkpoint_version"]
+    done = ckpt_paths.complete_versions(spec["checkpoint_dir"])
+    assert [v for v in done if v > recovered_at + gap], (recovered_at, final, done)
+
+
 def test_redo_alone_is_at_most_a_third_of_a_rollback_of_every_ps(alone, rollback_all):
     """Same job, same fault: the PS applications redone (module docstring) alone are at
     most a third of those of the rollback of every PS; ``rollback_all`` is today's
