@@ -128,6 +128,13 @@ class Cluster(ABC):
         """
         return []
 
+    def finished_replicas(self) -> dict[tuple[ReplicaType, int], tuple[Phase, Optional[int]]]:
+        """After a master restart: ``(type, index) -> (phase, exit code)`` of the job's
+        replicas that ended while no master watched (Kubernetes: their pods, terminal and
+        not being deleted). Backends that cannot tell return {}: every replica gone is
+        then handled as killed."""
+        return {}
+
 
 @dataclass(frozen=True)
 class ReplicaInfo:

@@ -215,6 +215,16 @@ class KubernetesCluster(Cluster):
                     ", ".join(f"{r.name} (pod uid {r.ident})" for r in adopted) or "none")
         return adopted
 
+    def finished_replicas(self) -> dict[tuple[ReplicaType, int], tuple[Phase, Optional[int]]]:
+        out: dict[tuple[ReplicaType, int], tuple[Phase, Optional[int]]] = {}
+        with self._lock:
+            for t in self._pods.values():
+                meta = t.pod.get("metadata") or {}
+                if t.state is not None and t.state.terminal and \
+                        not meta.get("deletionTimestamp"):
+                    out[(t.type, t.index)] = (t.state.phase, t.state.exit_code)
+        return out
+
     def detach(self) -> None:
         """Stop watching and keep every replica: this master is going away and its
         successor adopts them (see :meth:`close`)."""

@@ -109,7 +109,7 @@ def take_over(controller: JobController, cluster: Cluster, job_dir: str) -> dict
     core = controller.core
     adopted = cluster.adopt_replicas()
     before = redone_records(core)
-    lost = controller.adopt(adopted)
+    lost = controller.adopt(adopted, cluster.finished_replicas())
     restarts = core.report.extra.setdefault("master_restarts", [])
     notes = _launcher_notes(job_dir)
     note = notes[len(restarts)] if len(notes) > len(restarts) else {}

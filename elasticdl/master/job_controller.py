@@ -136,11 +136,15 @@ class JobController:
             self.launch_worker()
         self.core.snapshot()
 
-    def adopt(self, adopted: list[ReplicaInfo]) -> list[str]:
+    def adopt(self, adopted: list[ReplicaInfo],
+              finished: Optional[dict[tuple[ReplicaType, int],
+                                      tuple[Phase, Optional[int]]]] = None) -> list[str]:
         """After a master restart: go on with the replicas still running (``adopted``,
-        their PS endpoints kept); every PS and live worker of the restored core
-        that is gone is handled as killed (its held tasks re-queued, relaunched).
-        Returns the names of those lost."""
+        their PS endpoints kept); a worker that ``finished`` with exit 0 while no master
+        watched (its last task done, the job near its end) is handled as that exit;
+        every other PS and live worker of the restored core that is gone is handled as
+        killed (its held tasks re-queued, relaunched). Returns the names of those lost."""
+        finished = finished or {}
         have = {(r.type, r.index) for r in adopted}
         for r in adopted:
             self.core.notify("on_replica", kind=r.type.value, index=r.index, alive=True)
@@ -149,9 +153,19 @@ class JobController:
         lost = [ReplicaEvent(ReplicaType.PS, i, Phase.FAILED, None, "killed",
                              "gone while the master was down")
                 for i in range(num_ps) if (ReplicaType.PS, i) not in have]
-        lost += [ReplicaEvent(ReplicaType.WORKER, w, Phase.FAILED, None, "killed",
-                              "gone while the master was down")
-                 for w in sorted(self.book.live_workers) if (ReplicaType.WORKER, w) not in have]
+        done = []
+        for w in sorted(self.book.live_workers):
+            if (ReplicaType.WORKER, w) in have:
+                continue
+            if finished.get((ReplicaType.WORKER, w)) == (Phase.SUCCEEDED, 0):
+                done.append(ReplicaEvent(ReplicaType.WORKER, w, Phase.SUCCEEDED, 0,
+                                         "completed", "finished while the master was down"))
+            else:
+                lost.append(ReplicaEvent(ReplicaType.WORKER, w, Phase.FAILED, None, "killed",
+                                         "gone while the master was down"))
+        for event in done:
+            logger.info("%s finished (exit 0) while the master was down", event.name)
+            self._guarded(f"handling {event.name} finished", self.handle, event)
         for event in lost:
             logger.warning("%s is gone (it died while the master was down)", event.name)
             self._guarded(f"handling {event.name} lost", self.handle, event)

@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from elasticdl.cluster.api import Phase, ReplicaEvent, ReplicaType
+from elasticdl.cluster.api import Phase, ReplicaEvent, ReplicaInfo, ReplicaType
 from elasticdl.common.job_report import JobReport
 from elasticdl.common.job_spec import job_spec_from_flags
 from elasticdl.common.schedule import Schedule
@@ -182,3 +182,22 @@ def test_master_client_gives_up_on_dead_master():
     with pytest.raises(ConnectionError, match="unreachable"):
         client.get_task()
     client.close()
+
+
+@pytest.mark.parametrize("finished, relaunched", [
+    ({(ReplicaType.WORKER, 0): (Phase.SUCCEEDED, 0)}, False),   # done while no master watched
+    ({(ReplicaType.WORKER, 0): (Phase.FAILED, 1)}, True),
+    ({}, True),                                                  # the backend cannot tell
+])
+def test_adopt_a_worker_that_finished_while_the_master_was_down(tmp_path, finished,
+                                                                relaunched):
+    """A k8s real-tier run under load: worker-0 finished its last task while the master
+    was down, and the new master relaunched it as killed (a replica replaced for nothing).
+    A worker whose pod ended with exit 0 is handled as that exit."""
+    ctl, cluster, _, report = controller(tmp_path)
+    ctl.start()
+    assert cluster.names() == ["worker-0", "worker-1"]
+    lost = ctl.adopt([ReplicaInfo(ReplicaType.WORKER, 1, Phase.RUNNING)], finished)
+    assert lost == (["worker-0"] if relaunched else [])
+    assert (cluster.names() == ["worker-0", "worker-1", "worker-2"]) == relaunched
+    assert bool(report.relaunches) == relaunched, report.relaunches
