@@ -229,11 +229,15 @@ class PSTrainer(Trainer):
 
     def dense_reply_into(self, ps: int) -> Optional[dict[str, torch.Tensor]]:
         """Where PS ``ps``'s push answer should decode its parameters (its part of the
-        mirror): when the next step would pull them and its push is unary (a streamed
-        dense part is pulled as a stream); else None."""
-        if self.streaming[ps]:
-            return None
-        if self.job_spec.use_async and (self.steps + 1) % self.job_spec.get_model_steps:
+        mirror): in lockstep sync training (a version waits for every worker's push:
+        ``grads_to_wait`` >= the workers), where the answer is what the next step's pull
+        would bring, and for a unary push (a streamed dense part is pulled as a stream);
+        else None. With fewer pushes a version (or async) another worker's push can move
+        the PS between the answer and the next step, and the pull at the step's start is
+        fresher: a digits PS job with 2 workers and ``grads_to_wait=1`` ended at 0.936
+        accuracy against its 0.94 bar when it trained on the answers."""
+        spec = self.job_spec
+        if self.streaming[ps] or spec.use_async or spec.grads_to_wait < spec.num_workers:
             return None
         return self._mirror_parts[ps]
 
