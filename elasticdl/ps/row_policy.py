@@ -119,8 +119,7 @@ class RowPolicy:
             self._evicted.append(ids)
             self._evicted_n += n
         else:   # no checkpoint for long: the record stops (the tombstones suffice)
-            none: list[np.ndarray] = []
-            self._evicted = none
+            self._evicted.clear()
             self._evicted_n, self._evicted_lost = 0, True
         self.stats["evicted_" + reason] += n
         return n
@@ -160,7 +159,6 @@ class RowPolicy:
         there were more than ``EVICTED_LOG_MAX`` (not recorded)."""
         out = None if self._evicted_lost else \
             np.concatenate(self._evicted) if self._evicted else np.zeros(0, np.int64)
-        none: list[np.ndarray] = []
-        self._evicted = none
+        self._evicted.clear()
         self._evicted_n, self._evicted_lost = 0, False
         return out

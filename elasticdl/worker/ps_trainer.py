@@ -210,12 +210,18 @@ class PSTrainer(Trainer):
             self.ps_versions[ps] = version
             if changed:
                 updated.add(ps)
-        if updated:
-            with torch.no_grad():
-                for name, t in {**self.params, **self.buffers}.items():
-                    if self.owner[name] in updated and self.mirror[name] is not t.data:
-                        # synchronous: the next pull reuses the (pinned) mirror
-                        t.data.copy_(self.mirror[name])
+        self._install(updated)
+
+    def _install(self, updated: Collection[int]) -> None:
+        """The mirror's tensors of PS ``updated`` into the parameters and buffers (a
+        copy only where the mirror is not the tensor itself: a pinned copy for CUDA)."""
+        if not updated:
+            return
+        with torch.no_grad():
+            for name, t in {**self.params, **self.buffers}.items():
+                if self.owner[name] in updated and self.mirror[name] is not t.data:
+                    # synchronous: the next pull reuses the (pinned) mirror
+                    t.data.copy_(self.mirror[name])
 
     def _pull_or_reinit(self, ps_list: Optional[list[int]] = None) -> None:
         """pull_dense; a PS that lost its model (restart without checkpoint) gets ours."""
@@ -245,12 +251,7 @@ class PSTrainer(Trainer):
         """PS ``ps``'s push answer brought its parameters of ``version`` (in the mirror)."""
         self.versions[ps] = version
         self.ps_versions[ps] = max(self.ps_versions[ps], version)
-        with torch.no_grad():
-            for name, t in self._mirror_parts[ps].items():
-                param = self.params.get(name)
-                target: torch.Tensor = self.buffers[name] if param is None else param
-                if t is not target.data:
-                    target.data.copy_(t)
+        self._install((ps,))
         self._fresh.add(ps)
 
     def _lookup(self, layer: Embedding, ids: torch.Tensor) -> PulledRows:
