@@ -19,9 +19,20 @@ records-weighted mean loss of the window) and decides, at each window's close:
   ``stalled`` (e.g. a CNN whose ReLUs died, stuck at ln 10 for ten classes).
 
 The relative rules need a positive first window mean (a "loss" that starts at 0 or
-below, such as a counting fixture's, is judged only for non-finite values). The
-first unhealthy verdict sticks (the job's report keeps its evidence); after a
-rollback :meth:`LossHealth.restart` starts judging afresh and keeps the history.
+below, such as a counting fixture's, is judged only for non-finite values).
+
+A non-finite verdict sticks. A rising or stalled one is an *episode*: when, for
+``recover_windows`` consecutive windows, the condition that made it no longer holds
+(the window mean back within ``best × rise_factor``; the best mean below
+``initial × (1 - stall_progress)``), the status becomes ``recovered`` and judging goes
+on (a later episode turns it unhealthy again). The report keeps the last episodes
+with their evidence. Async PS jobs spike now and then and come back (a digits CNN,
+2 async workers, one window of 256 records at more than half its initial loss); a
+job that ends back at its best is not a diverged one, and under
+``--on_divergence=warn`` it ends a plain ``succeeded`` with the episode in
+``training_health`` (``fail`` and ``rollback`` act at the verdict, not waiting for a
+recovery). After a rollback :meth:`LossHealth.restart` starts judging afresh and
+keeps the history.
 
 Pure: no I/O, no torch, no clock; bookkeeping is O(windows kept), never O(tasks).
 :meth:`state_dict` is JSON-able (the job core snapshots and journals it).
@@ -46,6 +57,7 @@ class HealthStatus(str, enum.Enum):
     HEALTHY = "healthy"
     DIVERGED = "diverged"
     STALLED = "stalled"
+    RECOVERED = "recovered"   # an episode (rising or stalled) that ended: healthy
 
 
 class OnDivergence(str, enum.Enum):
@@ -71,9 +83,12 @@ class HealthRule:
     stall_tolerance: float = 0.02
     stall_progress: float = 0.1
     keep: int = 16            # window means kept as evidence (at least stall_windows)
+    recover_windows: int = 3  # consecutive good windows that end a rising/stalled episode
+    episodes_kept: int = 8    # the newest episodes kept as evidence (their count is kept)
 
     def __post_init__(self) -> None:
-        if self.window_tasks < 1 or self.patience < 1 or self.stall_windows < 2:
+        if self.window_tasks < 1 or self.patience < 1 or self.stall_windows < 2 or \
+                self.recover_windows < 1 or self.episodes_kept < 1:
             raise ValueError(f"invalid health rule {self}")
         if self.keep < max(self.stall_windows, self.patience):
             raise ValueError(f"keep={self.keep} must hold stall_windows and patience windows")
@@ -93,6 +108,10 @@ class LossHealth:
         self.rising = 0                     # consecutive rising windows
         self.restarts = 0
         self.verdict_window: Optional[int] = None
+        self.cause = ""                     # the open episode's: rising, stalled, nonfinite
+        self.recovering = 0                 # consecutive windows past the episode's cause
+        self.episodes: deque[dict[str, Any]] = deque(maxlen=self.rule.episodes_kept)
+        self.episode_count = 0
         self.best_version = 0               # model version when the best window closed
         self._version = 0                   # newest model version reported in the window
         self._sum = 0.0                     # the open window
@@ -141,17 +160,26 @@ class LossHealth:
         version) describe the same model on the same data, and a restart that took its
         first window (the restored, already trained model) as the initial value would
         call the noise of a converged loss a divergence."""
-        keep = (self.restarts + 1, self._version, self.initial, self.best, self.best_version)
+        keep = (self.restarts + 1, self._version, self.initial, self.best, self.best_version,
+                self.episodes, self.episode_count)
         self.__init__(self.rule)  # type: ignore[misc]
-        self.restarts, self._version, self.initial, self.best, self.best_version = keep
+        (self.restarts, self._version, self.initial, self.best, self.best_version,
+         self.episodes, self.episode_count) = keep
 
     # -------------------------------------------------------------- deciding
     def _close(self) -> bool:
         nonfinite, records, total = self._nonfinite, self._records, self._sum
         self._sum, self._records, self._tasks, self._nonfinite = 0.0, 0, 0, 0
         if nonfinite:
+            if self.cause in ("rising", "stalled"):   # an open episode turns non-finite
+                self.status, self.cause = HealthStatus.DIVERGED, "nonfinite"   # and sticks
+                self.reason += f"; then a non-finite loss or gradient in {nonfinite} task(s)"
+                self.episodes[-1].update(status=self.status.value, cause="nonfinite",
+                                         reason=self.reason)
+                return False
             return self._verdict(HealthStatus.DIVERGED,
-                                 f"non-finite loss or gradient in {nonfinite} task(s)")
+                                 f"non-finite loss or gradient in {nonfinite} task(s)",
+                                 "nonfinite")
         if records == 0:
             return False   # no loss reported in this window (e.g. a custom loop)
         mean = total / records
@@ -162,9 +190,12 @@ class LossHealth:
         if self.best is None or mean < self.best:
             self.best = mean
             self.best_version = self._version
-        if self.status != HealthStatus.HEALTHY or self.initial <= 0:
-            return False
+        if self.initial <= 0 or self.cause == "nonfinite":
+            return False   # judged for non-finite values only; a non-finite verdict sticks
         r, best, initial = self.rule, self.best, self.initial
+        if not self.healthy:
+            self._maybe_recover(mean)
+            return False
         if mean > best * r.rise_factor and mean > best + r.rise_fraction * (initial - best):
             self.rising += 1
         else:
@@ -172,24 +203,50 @@ class LossHealth:
         if self.rising >= r.patience:
             return self._verdict(HealthStatus.DIVERGED,
                                  f"window mean {mean:.4g} rose above the best {best:.4g} for "
-                                 f"{self.rising} windows")
+                                 f"{self.rising} windows", "rising")
         if self.windows >= r.stall_windows and best >= initial * (1 - r.stall_progress):
             last = list(self.means)[-r.stall_windows:]
             if max(last) - min(last) <= r.stall_tolerance * abs(sum(last) / len(last)):
                 return self._verdict(HealthStatus.STALLED,
                                      f"the loss never left its initial value {initial:.4g} "
-                                     f"in {self.windows} windows (last {last[-1]:.4g})")
+                                     f"in {self.windows} windows (last {last[-1]:.4g})",
+                                     "stalled")
         return False
 
-    def _verdict(self, status: HealthStatus, reason: str) -> bool:
-        if self.status != HealthStatus.HEALTHY:
+    def _maybe_recover(self, mean: float) -> None:
+        """An open rising/stalled episode: has its cause gone for recover_windows?"""
+        r = self.rule
+        assert self.best is not None and self.initial is not None
+        if self.cause == "rising":
+            past = mean <= self.best * r.rise_factor
+        else:
+            past = self.best < self.initial * (1 - r.stall_progress)
+        self.recovering = self.recovering + 1 if past else 0
+        if self.recovering < r.recover_windows:
+            return
+        self.episodes[-1]["recovered_window"] = self.windows
+        logger.warning("training health: recovered from %s (%s) after %d windows; window "
+                       "means %s, best %.4g", self.status.value, self.reason,
+                       self.windows - (self.verdict_window or 0),
+                       [round(m, 4) for m in self.means], self.best)
+        self.status, self.cause, self.rising, self.recovering = \
+            HealthStatus.RECOVERED, "", 0, 0
+
+    def _verdict(self, status: HealthStatus, reason: str, cause: str) -> bool:
+        if not self.healthy:
             return False
         self.status, self.reason, self.verdict_window = status, reason, self.windows
+        self.cause, self.recovering = cause, 0
+        self.episode_count += 1
+        self.episodes.append({"status": status.value, "cause": cause, "reason": reason,
+                              "window": self.windows, "version": self._version,
+                              "recovered_window": None})
         return True
 
     @property
     def healthy(self) -> bool:
-        return self.status == HealthStatus.HEALTHY
+        """No open episode: never unhealthy, or recovered from every episode."""
+        return self.status in (HealthStatus.HEALTHY, HealthStatus.RECOVERED)
 
     # ---------------------------------------------------------------- report
     def report(self) -> dict[str, Any]:
@@ -198,14 +255,16 @@ class LossHealth:
                 "windows": self.windows, "verdict_window": self.verdict_window,
                 "window_means": [round(m, 6) for m in self.means],
                 "initial": self.initial, "best": self.best, "best_version": self.best_version,
-                "restarts": self.restarts, "thresholds": asdict(self.rule)}
+                "restarts": self.restarts, "episodes": list(self.episodes),
+                "episode_count": self.episode_count, "thresholds": asdict(self.rule)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"status": self.status.value, "reason": self.reason, "windows": self.windows,
                 "means": list(self.means), "initial": self.initial, "best": self.best,
                 "rising": self.rising, "restarts": self.restarts,
                 "verdict_window": self.verdict_window, "best_version": self.best_version,
-                "version": self._version,
+                "version": self._version, "cause": self.cause, "recovering": self.recovering,
+                "episodes": list(self.episodes), "episode_count": self.episode_count,
                 "open": [self._sum, self._records, self._tasks, self._nonfinite]}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
@@ -220,6 +279,11 @@ class LossHealth:
         self.verdict_window = state.get("verdict_window")
         self.best_version = int(state.get("best_version", 0))
         self._version = int(state.get("version", 0))
+        self.cause = state.get("cause") or ("" if self.status in (
+            HealthStatus.HEALTHY, HealthStatus.RECOVERED) else "nonfinite")  # older: sticky
+        self.recovering = int(state.get("recovering", 0))
+        self.episodes = deque(state.get("episodes", []), maxlen=self.rule.episodes_kept)
+        self.episode_count = int(state.get("episode_count", len(self.episodes)))
         s, rec, tasks, nf = state["open"]
         self._sum, self._records, self._tasks, self._nonfinite = float(s), int(rec), int(tasks), \
             int(nf)

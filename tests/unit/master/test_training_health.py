@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from elasticdl.master.training_health import HealthRule, HealthStatus, LossHealth
+from elasticdl.master.training_health import HealthRule, HealthStatus, LossHealth, final_status
 
 RULE = HealthRule(window_tasks=4)
 
@@ -60,6 +60,51 @@ def test_one_spike_is_not_divergence():
     _feed(h, [2.3 - 0.1 * i for i in range(16)])
     assert _feed(h, [2.5] * 4 + [0.9] * 4 + [2.5] * 4 + [0.8] * 8) == []
     assert h.healthy
+
+
+def test_a_spike_that_comes_back_is_a_recovered_episode_with_its_evidence():
+    """Two windows more than halfway back to the initial loss (an async PS spike), then
+    three windows back near the best: the verdict turned, then ``recovered``; the job
+    is healthy again (``final_status``: a plain succeeded), the episode in the report."""
+    h = LossHealth(RULE)
+    down = [2.3 - 0.1 * i for i in range(16)]      # windows 2.15 .. 0.95
+    spike = [2.0] * 8                              # two windows at 2.0: diverged
+    turned = _feed(h, down + spike)
+    assert turned == [len(down) + 7] and h.status == HealthStatus.DIVERGED
+    assert _feed(h, [1.1] * 8) == [] and h.status == HealthStatus.DIVERGED   # 2 of 3
+    assert _feed(h, [1.0] * 4) == [] and h.status == HealthStatus.RECOVERED, h.report()
+    assert h.healthy and final_status("succeeded", None) == "succeeded"
+    rep = h.report()
+    assert rep["status"] == "recovered" and "rose above the best" in rep["reason"]
+    assert rep["episode_count"] == 1 and rep["episodes"][0]["cause"] == "rising"
+    assert rep["episodes"][0]["recovered_window"] == rep["episodes"][0]["window"] + 3
+    # judging goes on: a second rise is a second episode
+    assert _feed(h, [2.1] * 8) == [7] and h.status == HealthStatus.DIVERGED
+    assert h.report()["episode_count"] == 2 and not h.healthy
+
+
+def test_a_rise_that_does_not_come_back_stays_diverged():
+    h = LossHealth(RULE)
+    _feed(h, [2.3 - 0.1 * i for i in range(16)] + [2.0] * 8)
+    # near but not back within best x rise_factor (0.95 x 1.25 = 1.19): still diverged
+    assert _feed(h, [1.3] * 40) == [] and h.status == HealthStatus.DIVERGED
+
+
+def test_a_nonfinite_loss_during_an_open_episode_sticks():
+    h = LossHealth(RULE)
+    _feed(h, [2.3 - 0.1 * i for i in range(16)] + [2.0] * 8)
+    assert not h.observe(float("nan"), 32)
+    _feed(h, [0.5] * 40)
+    assert h.status == HealthStatus.DIVERGED and "non-finite" in h.reason
+    assert h.report()["episodes"][-1]["cause"] == "nonfinite"
+
+
+def test_a_stall_that_starts_learning_recovers():
+    h = LossHealth(RULE)
+    _feed(h, [math.log(10)] * 4 * (RULE.stall_windows + 1))
+    assert h.status == HealthStatus.STALLED
+    _feed(h, [1.5] * 4 * RULE.recover_windows)
+    assert h.status == HealthStatus.RECOVERED
 
 
 def test_a_loss_exploding_from_the_start_is_diverged():
