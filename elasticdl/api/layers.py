@@ -98,12 +98,13 @@ class Embedding(nn.Module):
             ``"normal:STD"``, ``"uniform:LOW:HIGH"``, ``"zeros"`` or ``"constant:V"``.
         seed: seed of a lazy table's initializer; by default drawn from torch's
             generator, so ``torch.manual_seed`` makes it reproducible.
-        admit_after, ttl_versions, max_rows: admission and eviction of the table's rows
-            on the parameter servers (docs/parameter_server.md; None: the job's
-            ``--embedding_admit_after``, ``--embedding_ttl_versions``,
-            ``--embedding_max_rows``): a row only on an id's Nth training pull; evict
-            rows not updated for this many model versions; at most this many rows, all
-            PS together (least recently updated evicted). Other strategies ignore them.
+        admit_after, ttl_versions, ttl_seconds, max_rows: admission and eviction of the
+            table's rows on the parameter servers (docs/parameter_server.md; None: the
+            job's ``--embedding_admit_after``, ``--embedding_ttl_versions``,
+            ``--embedding_ttl_seconds``, ``--embedding_max_rows``): a row only on an id's
+            Nth training pull; evict rows not updated for this many model versions, or
+            seconds (either TTL evicts); at most this many rows, all PS together (least
+            recently updated evicted). Other strategies ignore them.
 
     Raises:
         ValueError: ``max_norm``, bad sizes, ``padding_idx`` or initializer.
@@ -118,13 +119,15 @@ class Embedding(nn.Module):
                  device: Any = None, dtype: Optional[torch.dtype] = None, *,
                  initializer: Optional[str] = None, seed: Optional[int] = None,
                  admit_after: Optional[int] = None, ttl_versions: Optional[int] = None,
-                 max_rows: Optional[int] = None):
+                 max_rows: Optional[int] = None, ttl_seconds: Optional[float] = None):
         super().__init__()
         for what, value, low in (("admit_after", admit_after, 1),
-                                 ("ttl_versions", ttl_versions, 0), ("max_rows", max_rows, 0)):
-            if value is not None and value < low:
+                                 ("ttl_versions", ttl_versions, 0), ("max_rows", max_rows, 0),
+                                 ("ttl_seconds", ttl_seconds, 0)):
+            if value is not None and not value >= low:
                 raise ValueError(f"Embedding {what} must be >= {low}, got {value}")
         self.admit_after, self.ttl_versions, self.max_rows = admit_after, ttl_versions, max_rows
+        self.ttl_seconds = ttl_seconds
         if max_norm is not None:
             raise ValueError("elasticdl Embedding does not support max_norm: it renormalises "
                              "rows in place at lookup, which the parameter servers do not do; "
@@ -249,7 +252,7 @@ class Embedding(nn.Module):
                          padding_idx=-1 if self.padding_idx is None else self.padding_idx,
                          dtype=self.table_dtype, explicit=not self.lazy,
                          admit_after=self.admit_after, ttl_versions=self.ttl_versions,
-                         max_rows=self.max_rows)
+                         max_rows=self.max_rows, ttl_seconds=self.ttl_seconds)
 
     @property
     def on_ps(self) -> bool:

@@ -176,6 +176,10 @@ class JobSpec:
     embedding_ttl_versions: int = _f(0, "ParameterServerStrategy: evict an embedding row "
                                      "not updated for this many model versions (0: never)",
                                      "distribution", min=0)
+    embedding_ttl_seconds: float = _f(0.0, "ParameterServerStrategy: evict an embedding row "
+                                      "not updated for this many seconds (0: never; with "
+                                      "--embedding_ttl_versions too, either evicts)",
+                                      "distribution", min=0)
     embedding_max_rows: int = _f(0, "ParameterServerStrategy: rows per embedding table, "
                                  "all PS together; beyond, the least recently updated "
                                  "rows are evicted (0: unbounded)", "distribution", min=0)

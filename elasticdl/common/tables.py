@@ -116,6 +116,7 @@ class TableSpec:
     admit_after: Optional[int] = None    # a row for an id on its Nth training pull
     ttl_versions: Optional[int] = None   # evict rows not updated for this many versions
     max_rows: Optional[int] = None       # rows of the table, all PS together (LRU beyond)
+    ttl_seconds: Optional[float] = None  # evict rows not updated for this many seconds
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -130,7 +131,8 @@ class TableSpec:
         parse_initializer(self.initializer)
         for what, value, low in (("admit_after", self.admit_after, 1),
                                  ("ttl_versions", self.ttl_versions, 0),
-                                 ("max_rows", self.max_rows, 0)):
+                                 ("max_rows", self.max_rows, 0),
+                                 ("ttl_seconds", self.ttl_seconds, 0)):
             if value is not None and value < low:
                 raise ValueError(f"table {self.name!r}: {what} must be >= {low}, got {value}")
 
@@ -151,7 +153,8 @@ class TableSpec:
                 "initializer": self.initializer, "seed": self.seed,
                 "padding_idx": self.padding_idx, "dtype": dtype_name(self.dtype),
                 "explicit": self.explicit, "admit_after": self.admit_after,
-                "ttl_versions": self.ttl_versions, "max_rows": self.max_rows}
+                "ttl_versions": self.ttl_versions, "max_rows": self.max_rows,
+                "ttl_seconds": self.ttl_seconds}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> TableSpec:

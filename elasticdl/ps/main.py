@@ -117,6 +117,7 @@ def shard_config(args: PSArgs) -> ShardConfig:
                        embedding=EmbeddingDefaults(
                            admit_after=spec.embedding_admit_after,
                            ttl_versions=spec.embedding_ttl_versions,
+                           ttl_seconds=spec.embedding_ttl_seconds,
                            max_rows=spec.embedding_max_rows,
                            sketch_counters=spec.embedding_admission_counters,
                            sweep_rows=spec.embedding_evict_sweep_rows))

@@ -139,7 +139,9 @@ class ModelPushes:
                              admit_after=t.admit_after if t.HasField("admit_after") else None,
                              ttl_versions=t.ttl_versions if t.HasField("ttl_versions")
                              else None,
-                             max_rows=t.max_rows if t.HasField("max_rows") else None)
+                             max_rows=t.max_rows if t.HasField("max_rows") else None,
+                             ttl_seconds=t.ttl_seconds if t.HasField("ttl_seconds")
+                             else None)
             if spec.explicit:
                 local = local_rows(spec.num_embeddings, cfg.ps_id, cfg.num_ps)
                 explicit_bytes += local * spec.dim * spec.dtype.itemsize

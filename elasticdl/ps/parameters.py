@@ -34,7 +34,7 @@ import torch
 from elasticdl.common.tables import TableSpec, dense_owner, local_rows
 from elasticdl.ps import row_arena
 from elasticdl.ps.admission import CountingSketch
-from elasticdl.ps.eviction import EmbeddingDefaults, TablePolicy
+from elasticdl.ps.eviction import EmbeddingDefaults, TablePolicy, VersionClock
 from elasticdl.ps.row_policy import RowPolicy
 from elasticdl.ps.row_snapshot import TableSnapshot
 from elasticdl.ps.slot_index import SlotIndex
@@ -80,6 +80,7 @@ class EmbeddingTable(RowPolicy):
         self._record_evicted = False  # from the first checkpoint cut on (deltas need it)
         self._sweep_pos = 0
         self._rng = np.random.default_rng(ps_id)
+        self.clock = VersionClock(policy.ttl_seconds) if policy.ttl_seconds > 0 else None
         self.touched: Optional[np.ndarray] = None
         # a table that evicts has no dirty marks: a row is dirty when its last-update
         # version is at least the version of the last cut (``_cut_at``): 4 B a row for
@@ -293,7 +294,7 @@ class EmbeddingTable(RowPolicy):
 
     def start_clock(self, version: int) -> None:
         """The model version now; rows present (pushed whole) count as updated now."""
-        self.now = int(version)
+        self.set_now(version)
         if self.touched is not None and self.size:
             self.touched[:self.size] = np.maximum(self.touched[:self.size], self.now)
 
@@ -427,7 +428,7 @@ class Parameters:
             if spec.name in new_tables:
                 raise ValueError(f"embedding table {spec.name!r} declared twice")
             policy = self.embedding.policy(spec.admit_after, spec.ttl_versions, spec.max_rows,
-                                           self.num_ps)
+                                           self.num_ps, spec.ttl_seconds)
             new_tables[spec.name] = EmbeddingTable(spec, self.ps_id, self.num_ps,
                                                    policy=policy)
         self.dense = {n: torch.nn.Parameter(t.detach().to("cpu").clone(),
@@ -447,7 +448,7 @@ class Parameters:
     def set_clock(self, version: int) -> None:
         """The model version rows created or updated from now on are stamped with."""
         for t in self.tables.values():
-            t.now = int(version)
+            t.set_now(version)
 
     def table(self, name: str) -> EmbeddingTable:
         try:

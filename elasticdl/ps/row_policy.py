@@ -12,7 +12,7 @@ import torch
 
 from elasticdl.common.tables import TableSpec
 from elasticdl.ps.admission import CountingSketch
-from elasticdl.ps.eviction import TablePolicy, lru_victims, ttl_victims
+from elasticdl.ps.eviction import TablePolicy, VersionClock, lru_victims, ttl_victims
 from elasticdl.ps.slot_index import SlotIndex
 
 
@@ -29,6 +29,7 @@ class TableLike(Protocol):
     sketch: Optional[CountingSketch]
     row_ids: np.ndarray
     touched: Optional[np.ndarray]
+    clock: Optional[VersionClock]
     EVICTED_LOG_MAX: int
     _index: SlotIndex
     _free: np.ndarray
@@ -90,6 +91,12 @@ class RowPolicy:
         self.stats["grads_dropped"] += int(keep.shape[0] - keep.sum())
         return keep, torch.from_numpy(found[keep])
 
+    def set_now(self: TableLike, version: int) -> None:
+        """The model version rows updated from now on are stamped with."""
+        self.now = int(version)
+        if self.clock is not None:
+            self.clock.mark(self.now)
+
     def touch(self: TableLike, slots: torch.Tensor) -> None:
         """Rows ``slots`` were updated at this model version (their TTL and LRU age)."""
         if self.touched is not None:
@@ -147,6 +154,10 @@ class RowPolicy:
         if self.policy.evicts:
             self._index.compact_step(4 * self.policy.sweep_rows)
         ttl = self.policy.ttl_versions
+        if self.clock is not None:   # a TTL in seconds: either evicts
+            by_time = self.clock.ttl_versions(self.now)
+            if by_time > 0:
+                ttl = by_time if ttl <= 0 else min(ttl, by_time)
         if ttl <= 0 or self.size == 0 or self.touched is None:
             return 0
         lo = self._sweep_pos if self._sweep_pos < self.size else 0

@@ -72,6 +72,22 @@ class PSNotInitializedError(PSError):
         self.ps = ps
 
 
+POLICY_FIELDS = ("admit_after", "ttl_versions", "max_rows", "ttl_seconds")
+"""A table's admission and eviction settings (TableSpec and EmbeddingTableInfo alike)."""
+
+
+def table_info(spec: TableSpec) -> pb.EmbeddingTableInfo:
+    info = pb.EmbeddingTableInfo(name=spec.name, dim=spec.dim, initializer=spec.initializer,
+                                 dtype=codec.dtype_name(spec.dtype),
+                                 num_embeddings=spec.num_embeddings, seed=spec.seed,
+                                 padding_idx=spec.padding_idx, rows_pushed=spec.explicit)
+    for name in POLICY_FIELDS:   # set only when the layer does
+        value = getattr(spec, name)
+        if value is not None:
+            setattr(info, name, value)
+    return info
+
+
 class PSClient:
     """Talks to ``addrs`` (``host:port`` of PS 0..n-1)."""
 
@@ -219,14 +235,7 @@ class PSClient:
                    ps_list: Optional[Sequence[int]] = None) -> list[bool]:
         """Initialise PS (each gets its part); returns per PS whether it took it."""
         dparts, bparts = self.partition(dense), self.partition(buffers)
-        infos = [pb.EmbeddingTableInfo(name=t.name, dim=t.dim, initializer=t.initializer,
-                                       dtype=codec.dtype_name(t.dtype),
-                                       num_embeddings=t.num_embeddings, seed=t.seed,
-                                       padding_idx=t.padding_idx) for t in tables]
-        for info, t in zip(infos, tables):   # admission/eviction, when the layer sets it
-            for name in ("admit_after", "ttl_versions", "max_rows"):
-                if getattr(t, name) is not None:
-                    setattr(info, name, getattr(t, name))
+        infos = [table_info(t) for t in tables]
 
         def push(i: int, stub: PSStub) -> bool:
             model = pb.Model(version=version, embedding_tables=infos,

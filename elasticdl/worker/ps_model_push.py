@@ -21,19 +21,7 @@ import torch
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.tables import TableSpec
 from elasticdl.proto import elasticdl_pb2 as pb
-from elasticdl.worker.ps_client import PSClient
-
-
-def table_info(spec: TableSpec) -> pb.EmbeddingTableInfo:
-    info = pb.EmbeddingTableInfo(name=spec.name, dim=spec.dim, initializer=spec.initializer,
-                                 dtype=codec.dtype_name(spec.dtype),
-                                 num_embeddings=spec.num_embeddings, seed=spec.seed,
-                                 padding_idx=spec.padding_idx, rows_pushed=spec.explicit)
-    for name in ("admit_after", "ttl_versions", "max_rows"):   # set only when the layer does
-        value = getattr(spec, name)
-        if value is not None:
-            setattr(info, name, value)
-    return info
+from elasticdl.worker.ps_client import PSClient, table_info
 
 
 def _row_chunks(rows: Mapping[str, torch.Tensor], ps: int, num_ps: int,

@@ -217,17 +217,19 @@ def test_layer_arguments_reach_the_ps_table_policy_over_the_wire():
 
     with tables_on_ps():   # no local weight
         layer = Embedding(1 << 30, DIM, initializer="zeros", admit_after=2, ttl_versions=7,
-                          max_rows=100)
+                          max_rows=100, ttl_seconds=30.5)
         plain = Embedding(1 << 30, DIM, initializer="zeros")
     shard = PSShard(ShardConfig(num_ps=2, ps_id=1, embedding=EmbeddingDefaults(
-        ttl_versions=50)), _opt)
+        ttl_versions=50, ttl_seconds=600)), _opt)
     ModelPushes(shard).push(pb.Model(version=0, embedding_tables=[
         table_info(layer.table_spec("a")), table_info(plain.table_spec("b"))]))
     a, b = shard.params.tables["a"].policy, shard.params.tables["b"].policy
-    assert (a.admit_after, a.ttl_versions, a.max_rows) == (2, 7, 50)   # 100 over 2 PS
-    assert (b.admit_after, b.ttl_versions, b.max_rows) == (1, 50, 0)   # the job's defaults
+    assert (a.admit_after, a.ttl_versions, a.max_rows, a.ttl_seconds) == (2, 7, 50, 30.5)
+    assert (b.admit_after, b.ttl_versions, b.max_rows, b.ttl_seconds) == (1, 50, 0, 600)
     with pytest.raises(ValueError):
         Embedding(10, DIM, admit_after=0)
+    with pytest.raises(ValueError):
+        Embedding(10, DIM, ttl_seconds=-1.0)
 
 
 def test_table_pushed_whole_evicts_to_zeros():
@@ -276,10 +278,12 @@ def test_job_flags_reach_the_shard_config():
         "model_zoo": "z", "model_def": "m.f", "training_data": "d",
         "distribution_strategy": "ParameterServerStrategy", "embedding_admit_after": "3",
         "embedding_ttl_versions": "40", "embedding_max_rows": "1000",
-        "embedding_admission_counters": "4096", "embedding_evict_sweep_rows": "512"})
+        "embedding_admission_counters": "4096", "embedding_evict_sweep_rows": "512",
+        "embedding_ttl_seconds": "86400"})
     cfg = shard_config(PSArgs(ps_id=0, num_ps=2, port=0, job_spec=job))
     assert cfg.embedding == EmbeddingDefaults(admit_after=3, ttl_versions=40, max_rows=1000,
-                                              sketch_counters=4096, sweep_rows=512)
+                                              sketch_counters=4096, sweep_rows=512,
+                                              ttl_seconds=86400.0)
     assert cfg.embedding.policy(None, None, None, 2).max_rows == 500
 
 
