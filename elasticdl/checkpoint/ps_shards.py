@@ -170,6 +170,7 @@ def _fold(name: str, whole: dict[str, Any], deltas: list[Optional[dict[str, Any]
         known = max(known, int(d["size"]))
     return {"spec": whole["spec"], "ids": torch.from_numpy(ids), "weights": weights,
             "state": state, "state_fill": fill,
+            **_folded_clocks(whole, deltas, size),
             "partial": any(bool(d.get("partial")) for d in [whole, *deltas] if d is not None)}
 
 
@@ -202,15 +203,32 @@ def mark_done(checkpoint_dir: str, version: int, keep_max: int = 0) -> None:
             shutil.rmtree(ckpt.version_dir(checkpoint_dir, old), ignore_errors=True)
 
 
+def _folded_clocks(whole: dict[str, Any], deltas: list[Optional[dict[str, Any]]],
+                   size: int) -> dict[str, Any]:
+    """``{"clocks": ...}``, the rows' last-update versions with the deltas' applied by
+    slot, when the whole shard and every delta kept them (else ``{}``)."""
+    parts = [whole] + [d for d in deltas if d is not None]
+    if any("clocks" not in p for p in parts):
+        return {}
+    clocks = np.zeros(size, dtype=np.int32)
+    clocks[:int(whole["ids"].shape[0])] = whole["clocks"].numpy()
+    for d in parts[1:]:
+        clocks[d["slots"].numpy()] = d["clocks"].numpy()
+    return {"clocks": torch.from_numpy(clocks)}
+
+
 def tables_of(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per table: spec and the rows of all shards concatenated (evicted slots dropped)."""
+    """Per table: spec and the rows of all shards concatenated (evicted slots dropped);
+    ``clocks``, the rows' last-update versions (int32 bits of uint32) when every shard
+    kept them, else None."""
     out: dict[str, dict[str, Any]] = {}
     for s in shards:
         for name, t in s["tables"].items():
             entry = out.setdefault(name, {"spec": TableSpec.from_dict(t["spec"]), "ids": [],
                                           "weights": [], "state": {}, "fill": {},
-                                          "partial": False})
+                                          "partial": False, "clocks": []})
             entry["partial"] = entry["partial"] or bool(t.get("partial"))
+            entry["clocks"].append(t["clocks"].numpy() if "clocks" in t else None)
             entry["ids"].append(t["ids"].numpy())
             entry["weights"].append(t["weights"])
             for k, v in t["state"].items():
@@ -221,11 +239,16 @@ def tables_of(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         ids = entry["ids"][0] if one else np.concatenate(entry["ids"])
         weights = entry["weights"][0] if one else torch.cat(entry["weights"])
         state = {k: v[0] if one else torch.cat(v) for k, v in entry["state"].items()}
+        parts = entry["clocks"]
+        clocks = None if any(c is None for c in parts) else \
+            parts[0] if one else np.concatenate(parts)
         if (ids < 0).any():   # evicted slots (tombstones): not rows
             live = torch.from_numpy(np.flatnonzero(ids >= 0))
             ids, weights = ids[live.numpy()], weights.index_select(0, live)
             state = {k: v.index_select(0, live) for k, v in state.items()}
+            clocks = None if clocks is None else clocks[live.numpy()]
         entry["ids"], entry["weights"], entry["state"] = ids, weights, state
+        entry["clocks"] = clocks
     return out
 
 

@@ -302,9 +302,9 @@ class EmbeddingTable(RowPolicy):
         """Rows ``slots`` are about to change (lock held): they belong to the next
         delta, and a snapshot being copied takes them as they are first."""
         s = slots.numpy()
-        self._mark_dirty(s)
-        if self.snapshot is not None:
+        if self.snapshot is not None:   # first: a stamped table's mark is its clock
             self.snapshot.preserve(s)
+        self._mark_dirty(s)
 
     def cut(self, full: bool) -> TableSnapshot:
         """Start a snapshot of every row (``full``) or of the rows changed since the
@@ -374,8 +374,23 @@ class EmbeddingTable(RowPolicy):
                 "state_fill": dict(self._state_fill)}
 
     def load_rows(self, ids: np.ndarray, weights: torch.Tensor,
-                  state: Mapping[str, torch.Tensor], state_fill: Mapping[str, float]) -> None:
-        """Add restored rows (ids not yet present, belonging to this PS)."""
+                  state: Mapping[str, torch.Tensor], state_fill: Mapping[str, float],
+                  clocks: Optional[np.ndarray] = None) -> None:
+        """Add restored rows (ids not yet present, belonging to this PS); ``clocks``,
+        their last-update versions where the checkpoint kept them (else they count as
+        updated at the restore)."""
+        start, reuse = self.size, self._nfree
+        self._load_rows(ids, weights, state, state_fill)
+        if clocks is None or self.touched is None or ids.shape[0] == 0:
+            return
+        stamps = np.minimum(np.asarray(clocks).view(np.uint32), self.now)
+        if reuse == 0 and self.size == start + ids.shape[0]:   # appended in order
+            self.touched[start:self.size] = stamps
+        else:
+            self.touched[self._index.find(ids // self.num_ps)] = stamps
+
+    def _load_rows(self, ids: np.ndarray, weights: torch.Tensor,
+                   state: Mapping[str, torch.Tensor], state_fill: Mapping[str, float]) -> None:
         self.check_ids(ids, f"restored table {self.spec.name!r}")
         for name, fill in state_fill.items():
             per_row = state[name].dim() == 1 if name in state else False

@@ -52,6 +52,7 @@ class RowTable(Protocol):
     state: dict[str, torch.Tensor]
     size: int
     snapshot: Optional[TableSnapshot]
+    touched: Optional[np.ndarray]   # last-update versions (uint32; tables that evict)
 
 
 class TableSnapshot:
@@ -70,6 +71,10 @@ class TableSnapshot:
         self.weights = row_arena.buffer(n, (dim,), table.weights.dtype)
         self.state = {k: row_arena.buffer(n, tuple(v.shape[1:]), v.dtype)
                       for k, v in table.state.items()}
+        # the rows' last-update versions (uint32, kept as int32 bits: the TTL and LRU
+        # clocks go on after a restore); None for a table that does not evict
+        self.clocks = None if table.touched is None else row_arena.buffer(n, (), torch.int32)
+        self._clocks = None if self.clocks is None else self.clocks.numpy().view(np.uint32)
         self.saved = np.zeros(n, dtype=bool)   # copied ahead of the chunk copy by a writer
         # ids evicted since the previous cut (None: too many to record)
         self.evicted: Optional[np.ndarray] = np.zeros(0, dtype=np.int64)
@@ -110,6 +115,8 @@ class TableSnapshot:
         t = self.table
         dst_t, src_t = torch.from_numpy(positions), torch.from_numpy(src)
         self.ids[positions] = t.row_ids[src]
+        if self._clocks is not None and t.touched is not None:
+            self._clocks[positions] = t.touched[src]
         self.weights.index_copy_(0, dst_t, t.weights.index_select(0, src_t))
         for k, out in self.state.items():
             out.index_copy_(0, dst_t, t.state[k].index_select(0, src_t))
@@ -125,6 +132,8 @@ class TableSnapshot:
         t = self.table
         if self.slots is None and not saved.any():   # the usual case: one block
             self.ids[lo:hi] = t.row_ids[lo:hi]
+            if self._clocks is not None and t.touched is not None:
+                self._clocks[lo:hi] = t.touched[lo:hi]
             self.weights[lo:hi] = t.weights[lo:hi]
             for k, out in self.state.items():
                 out[lo:hi] = t.state[k][lo:hi]
@@ -137,7 +146,8 @@ class TableSnapshot:
     def release(self) -> None:
         """Hand the copy's memory back (written, or abandoned): a step at a time
         (:func:`row_arena.release`), not one unmap that stalls the PS's threads."""
-        row_arena.release(self._ids, self.weights, *self.state.values())
+        row_arena.release(self._ids, self.weights, *self.state.values(),
+                          *([] if self.clocks is None else [self.clocks]))
 
     def finish(self) -> None:
         """Copy everything left (lock held): a new cut cannot start before the last one's

@@ -229,6 +229,8 @@ class CheckpointWriter:
                                          else np.zeros(0, np.int64)),
                                      "evicted_complete": snap.evicted is not None,
                                      "partial": snap.partial}
+            if snap.clocks is not None:
+                entry["clocks"] = snap.clocks
             if job.delta is not None:
                 assert snap.slots is not None
                 entry["slots"] = torch.from_numpy(snap.slots)
@@ -325,13 +327,14 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
                                    f"{version_dir}")
     with shard.lock:
         for name, t in tables.items():
-            ids, weights, state = t["ids"], t["weights"], t["state"]
+            ids, weights, state, clocks = t["ids"], t["weights"], t["state"], t["clocks"]
             if not same_layout:   # (own rows: load_rows checks they are)
                 mine = ids % cfg.num_ps == cfg.ps_id
                 idx = torch.from_numpy(np.nonzero(mine)[0])
                 ids, weights = ids[mine], weights.index_select(0, idx)
                 state = {k: v.index_select(0, idx) for k, v in state.items()}
-            shard.params.tables[name].load_rows(ids, weights, state, t["fill"])
+                clocks = None if clocks is None else clocks[mine]
+            shard.params.tables[name].load_rows(ids, weights, state, t["fill"], clocks)
     logger.info("PS %d restored version %d from %s (%d shards -> %d PS)", cfg.ps_id, version,
                 version_dir, n, cfg.num_ps)
     return version

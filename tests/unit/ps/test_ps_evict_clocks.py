@@ -1,14 +1,19 @@
-"""A time-to-live in seconds (issue 29): rows not updated for that long are evicted,
-rows updated since are kept, with no per-row clock (the rows' last-update versions and
-a bounded record of when versions began)."""
+"""Eviction clocks (issue 29): a time-to-live in seconds (rows not updated for that long
+are evicted, rows updated since are kept, with no per-row clock: the rows' last-update
+versions and a bounded record of when versions began), and the rows' last-update
+versions kept by checkpoints, so a PS restored more often than its TTL still evicts."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from elasticdl.checkpoint import paths
+from elasticdl.ps import shard_checkpoint as shard_ckpt
 from elasticdl.ps.eviction import VersionClock
-from tests.unit.ps.test_ps_evict import SIZES, _shard, _spec, _step
+from elasticdl.ps.shard import PSShard, ShardConfig
+from tests.unit.ps.test_ps_evict import SIZES, _opt, _shard, _spec, _step
 
 
 class FakeTime:
@@ -86,3 +91,45 @@ def test_either_ttl_evicts():
     for _ in range(3):
         _step(shard, [20])
     assert t.find(np.array([10]))[0] == -1 and t.stats["evicted_ttl"] == 1
+
+
+@pytest.mark.parametrize("num", SIZES)
+@pytest.mark.parametrize("num_ps", [1, 2])   # the same layout, and re-sharded (1 -> 2 PS)
+def test_row_clocks_survive_a_restore_from_a_whole_checkpoint_and_its_delta(tmp_path, num,
+                                                                             num_ps):
+    """Row 10 idle since version 0, TTL 5 versions: it goes at version 5 whether or not
+    the PS was restored at version 4 (before, a restore restarted every row's clock:
+    evicted at 9, and never in a job whose PS restarts more often than its TTL)."""
+    ckpt_dir = str(tmp_path / "ckpt")
+    shard = _shard(_spec(num, ttl_versions=5), ckpt_dir, full_checkpoint_every=4)
+    _step(shard, [10, 20])                      # both stamped 0; version 1
+    for _ in range(2):
+        _step(shard, [20])                      # version 3
+    shard_ckpt.save_shard(shard, ckpt_dir)      # whole
+    _step(shard, [20])                          # version 4
+    path = shard_ckpt.save_shard(shard, ckpt_dir)   # a delta (10 not in it)
+    assert torch.load(path, weights_only=True).get("delta") is not None
+    restored = PSShard(ShardConfig(num_ps=num_ps, ps_id=0, use_async=True), _opt)
+    shard_ckpt.restore_shard(restored, paths.resolve(ckpt_dir))
+    t, r = shard.params.tables["emb"], restored.params.tables["emb"]
+    ids = np.array([10, 20], dtype=np.int64)
+    assert r.touched is not None and t.touched is not None
+    assert r.touched[r.find(ids)].tolist() == t.touched[t.find(ids)].tolist() == [0, 3]
+    for s in (shard, restored):
+        assert s.params.tables["emb"].find(ids[:1])[0] >= 0     # age 4: kept
+        _step(s, [20])                                          # version 5: age 5
+        assert s.params.tables["emb"].find(ids[:1])[0] == -1, s.version
+        assert s.params.tables["emb"].find(ids[1:])[0] >= 0
+
+
+def test_a_checkpoint_without_clocks_restores_rows_as_updated_at_the_restore(tmp_path):
+    ckpt_dir = str(tmp_path / "ckpt")
+    shard = _shard(_spec(1 << 40), ckpt_dir)    # no eviction: no clocks in the file
+    _step(shard, [10, 20])
+    _step(shard, [20])
+    shard_ckpt.save_shard(shard, ckpt_dir)
+    restored = PSShard(ShardConfig(use_async=True, embedding=shard.config.embedding.__class__(
+        ttl_versions=3)), _opt)
+    shard_ckpt.restore_shard(restored, paths.resolve(ckpt_dir))
+    r = restored.params.tables["emb"]
+    assert r.touched is not None and r.touched[r.find(np.array([10]))].tolist() == [2]
