@@ -26,7 +26,12 @@ from elasticdl.worker.task_source import Metric, TaskSource
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED: a master going away (its pod deleted, a graceful stop under way) ended a
+# call in flight with it on the Kubernetes tier; this client never cancels its own
+# calls, so the code can only come from the master's side, and every request is safe
+# to repeat (request_id; a retried get_tasks gets the same lease)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.CANCELLED)
 
 
 class ReportRefused(RuntimeError):

@@ -21,6 +21,7 @@ from elasticdl.worker.ps_client import PSClient
 from elasticdl.worker.ps_trainer import PSTrainer
 from elasticdl.worker.trainer import LocalTrainer
 from tests.conftest import FIXTURE_ZOO
+from tests.integration.helpers import wait_for
 from tests.integration.ps_procs import PSProcess, run_in_threads
 
 pytestmark = pytest.mark.integration
@@ -102,7 +103,11 @@ def test_killed_ps_restarts_from_checkpoint_and_worker_reconnects(tmp_path):
         for features, labels in batches[:5]:
             trainer.train_minibatch(features, labels)
         assert trainer.model_version == 5
-        assert ckpt.complete_versions(ckpt_dir) == [2, 4]
+        # checkpoints are written in the background (the PS trains on meanwhile): the
+        # kill comes once version 4's is complete (a loaded machine took longer than the
+        # 5th step to write it once in a CI run)
+        wait_for(lambda: ckpt.complete_versions(ckpt_dir) == [2, 4], 60,
+                 "checkpoints 2 and 4 to be complete")
         port = ps.port
         ps.kill()  # SIGKILL
         restarter = threading.Timer(1.0, lambda: restarted.append(
@@ -120,7 +125,8 @@ def test_killed_ps_restarts_from_checkpoint_and_worker_reconnects(tmp_path):
         assert trainer.model_version == 7
         # the newest 2 (--keep_checkpoint_max) and what they are folded onto: 4 is a
         # delta on the whole 2 (6, the first after the restore, is whole)
-        assert ckpt.complete_versions(ckpt_dir) == [2, 4, 6]
+        wait_for(lambda: ckpt.complete_versions(ckpt_dir) == [2, 4, 6], 60,
+                 "checkpoint 6 to be complete")
         assert os.path.exists(os.path.join(ckpt.version_dir(ckpt_dir, 4), "ps-0-of-1.delta.json"))
         assert not os.path.exists(os.path.join(ckpt.version_dir(ckpt_dir, 6),
                                                "ps-0-of-1.delta.json"))
