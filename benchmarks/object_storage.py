@@ -17,6 +17,13 @@ It is the worst case: nothing overlaps a read. In a job the worker's prefetch re
 task while the current one trains, so each round also runs a Local digits job (CNN, CSV
 from both places) and compares its training records/s.
 
+A cloud store answers in tens of milliseconds where this local server answers in a few;
+the PS phase puts ``--latency_ms`` (default 30) in front of every S3 request (a TCP proxy
+that holds each request that long) and runs a PS digits job (2 workers, 1 PS, 64-record
+tasks) on local files, on ``s3://`` with the worker's read-ahead (the next leased task
+read while the current one trains, ``--task_read_ahead``) and on ``s3://`` without it,
+side by side: steady epochs' training records/s and the ratios to local files.
+
     python benchmarks/object_storage.py [--rounds 5] [--parquet_rows 1000000]
     python benchmarks/object_storage.py --smoke      # seconds: 1 round, 20,000 rows
 
@@ -26,13 +33,16 @@ Last line: one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -96,6 +106,95 @@ def train_job(train: str, val: str, out: str, epochs: int) -> float:
     return float(statistics.median(rates))
 
 
+def latency_proxy(endpoint: str, delay_s: float) -> str:
+    """An endpoint in front of ``endpoint`` (http://127.0.0.1:PORT) that holds every chunk
+    a client sends for ``delay_s``: each S3 request pays that first-byte latency. Serves
+    from a daemon thread until the process ends."""
+    target = int(endpoint.rstrip("/").rsplit(":", 1)[1])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   delay: float) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                await asyncio.sleep(delay)
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection("127.0.0.1", target)
+        await asyncio.gather(pipe(cr, sw, delay_s), pipe(sr, cw, 0.0))
+
+    async def serve() -> None:
+        server = await asyncio.start_server(handle, sock=sock)
+        async with server:
+            await server.serve_forever()
+
+    threading.Thread(target=lambda: asyncio.run(serve()), daemon=True).start()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def ps_job(train: str, val: str, out: str, epochs: int, env: dict[str, str],
+           read_ahead: bool) -> float:
+    """Training records/s of a PS digits job (``--cluster=local``: 2 workers, 1 PS,
+    64-record tasks), the median over the epochs after the first."""
+    args = [sys.executable, "-m", "elasticdl_client.main", "train", f"--output={out}",
+            f"--job_name=os-{os.path.basename(out).replace('_', '-')}",
+            f"--model_zoo={ROOT}/model_zoo",
+            "--model_def=digits.digits_cnn.custom_model", f"--training_data={train}",
+            f"--validation_data={val}", f"--num_epochs={epochs}",
+            "--distribution_strategy=ParameterServerStrategy", "--num_workers=2",
+            "--num_ps_pods=1", "--cluster=local", "--minibatch_size=64",
+            "--num_minibatches_per_task=1", f"--task_read_ahead={str(read_ahead).lower()}"]
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    path = os.path.join(out, "job_report.json")
+    report = None
+    if os.path.exists(path):
+        with open(path) as f:
+            report = json.load(f)
+    if done.returncode != 0 or report is None or report["status"] != "succeeded":
+        raise RuntimeError(f"the PS job on {train} failed (exit {done.returncode}): "
+                           f"{(done.stdout + done.stderr)[-3000:]}")
+    rates = [e["records_per_s"] for e in report["epochs"][1:] if e.get("records_per_s")] or \
+        [e["records_per_s"] for e in report["epochs"] if e.get("records_per_s")]
+    return float(statistics.median(rates))
+
+
+def ps_phase(server: SeaweedS3, digits: str, tmp: str, rounds: int, epochs: int,
+             latency_ms: float) -> dict[str, object]:
+    """The PS jobs of the module doc, ``rounds`` times (the order rotating)."""
+    env = dict(os.environ, **server.env(), PYTHONPATH=ROOT, HOME=os.path.join(tmp, "home"))
+    env["AWS_ENDPOINT_URL"] = latency_proxy(server.endpoint, latency_ms / 1000.0)
+    local = (os.path.join(digits, "train_csv"), os.path.join(digits, "val_csv"))
+    remote = ("s3://bench/digits_csv", "s3://bench/digits_csv_val")
+    runs = [("local", local, True), ("s3_read_ahead", remote, True),
+            ("s3_no_read_ahead", remote, False)]
+    rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    for r in range(rounds):
+        for name, (train, val), ahead in runs[r % 3:] + runs[:r % 3]:
+            rates[name].append(ps_job(train, val, os.path.join(tmp, f"ps-{name}-{r}"),
+                                      epochs, env, ahead))
+        print(f"round {r} PS digits job, {latency_ms:g} ms per S3 request: " + ", ".join(
+            f"{n} {v[-1]:,.0f}" for n, v in rates.items()) + " training records/s",
+            flush=True)
+    out: dict[str, object] = {"latency_ms": latency_ms, "epochs": epochs, "rounds": rounds}
+    for name in rates:
+        out[f"{name}_records_per_s"] = round(statistics.median(rates[name]))
+        if name != "local":
+            ratios = [s / loc for s, loc in zip(rates[name], rates["local"])]
+            out[f"{name}_ratio_median"] = round(statistics.median(ratios), 3)
+            out[f"{name}_ratios"] = [round(x, 3) for x in ratios]
+    print(f"PS digits job: s3/local {out['s3_read_ahead_ratio_median']}x with read-ahead, "
+          f"{out['s3_no_read_ahead_ratio_median']}x without ({latency_ms:g} ms per request)")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -105,11 +204,18 @@ def main() -> int:
                     help="records per task (--minibatch_size x --num_minibatches_per_task)")
     ap.add_argument("--job_epochs", type=int, default=3,
                     help="epochs of the Local digits job per round (0: no job)")
+    ap.add_argument("--ps_rounds", type=int, default=3,
+                    help="rounds of the PS phase (3 jobs each; 0: no PS phase)")
+    ap.add_argument("--ps_epochs", type=int, default=4, help="epochs of each PS job")
+    ap.add_argument("--latency_ms", type=float, default=30.0,
+                    help="held before every S3 request of the PS phase")
     ap.add_argument("--smoke", action="store_true", help="seconds: 1 round, 20,000 rows")
     a = ap.parse_args()
     if a.smoke:
         a.rounds, a.parquet_rows, a.row_group, a.job_epochs = 1, 20_000, 4096, 1
+        a.ps_rounds, a.ps_epochs = 1, 1
     logging.basicConfig(level=logging.WARNING)
+    ps: dict[str, object] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         try:
             server = SeaweedS3(os.path.join(tmp, "seaweed"))
@@ -162,6 +268,8 @@ def main() -> int:
                           f"({rem['records_per_s'] / loc['records_per_s']:.2f}x); master "
                           f"pass {loc['master_s']:.2f} s vs {rem['master_s']:.2f} s",
                           flush=True)
+            ps = ps_phase(server, digits, tmp, a.ps_rounds, a.ps_epochs, a.latency_ms) \
+                if a.ps_rounds else None
         finally:
             server.stop()
     summary: dict[str, object] = {"rounds": a.rounds, "task_records": a.task_records,
@@ -194,6 +302,8 @@ def main() -> int:
         print(f"Local digits job on CSV: median ratio s3/local "
               f"{summary['digits_csv_local_job']['ratio_median']:.3f}x of training "
               "records/s (target >= 0.8x)")
+    if ps is not None:
+        summary["ps_job_latency"] = ps
     print(json.dumps(summary))
     return 0
 

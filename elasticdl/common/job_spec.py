@@ -239,6 +239,9 @@ class JobSpec:
                              "seconds of tasks per call to the master (at most 16) and send "
                              "their results with the next call (0: one task per call)",
                              "distribution", min=0)
+    task_read_ahead: bool = _f(True, "Workers that lease tasks read the next task's records "
+                               "while the current one trains (one more task's records in "
+                               "memory; false: each task read when it starts)", "data")
     master_reconnect_timeout_s: float = _f(300.0, "Seconds workers and PS keep reconnecting "
                                            "to a master that is gone (restarting) before "
                                            "they exit", "distribution", min=1)

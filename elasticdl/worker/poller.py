@@ -175,6 +175,10 @@ class LeasedTasks(TaskSource):
         """Tasks leased and not yet handed to the caller."""
         return len(self._buffer)
 
+    def peek(self) -> Optional[Task]:
+        """The task :meth:`get_task` hands out next, if it is leased already."""
+        return self._buffer[0] if self._buffer else None
+
     def get_task(self, task_type: Optional[TaskType] = None) -> Task:
         now = self._clock()
         if self._handed is not None:   # the caller is done with the last task

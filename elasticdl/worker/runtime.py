@@ -197,7 +197,8 @@ class TaskLoopRuntime(WorkerRuntime):
                         skip_nonfinite_steps=self.job_spec.skip_nonfinite_steps,
                         after_train_step=after,
                         eval_minibatch_size=self.job_spec.eval_minibatch_size,
-                        lease_s=self.job_spec.task_lease_s)
+                        lease_s=self.job_spec.task_lease_s,
+                        read_ahead=self.job_spec.task_read_ahead)
         return loop.run()
 
 

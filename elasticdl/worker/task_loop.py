@@ -21,6 +21,7 @@ import torch
 from elasticdl.api.model_spec import ModelSpec
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError, DataReader
+from elasticdl.data.torch_dataset import TorchDatasetReader
 from elasticdl.worker.eval_metrics import EvalMetrics
 from elasticdl.worker.minibatches import (  # noqa: F401 - FeedError, feed_records re-exported
     FeedError,
@@ -31,6 +32,7 @@ from elasticdl.worker.minibatches import (  # noqa: F401 - FeedError, feed_recor
 from elasticdl.worker.nested import to_device
 from elasticdl.worker.poller import DEFAULT_MAX_WAIT_S, LeasedTasks, TaskPoller
 from elasticdl.worker.prediction import PredictionSink
+from elasticdl.worker.read_ahead import ReadAhead
 from elasticdl.worker.task_source import Metric, TaskSource
 from elasticdl.worker.trainer import NonFiniteError, Trainer, batch_size_of
 
@@ -68,6 +70,9 @@ class TaskLoop:
             seconds of tasks per call and send results with the next call
             (:class:`LeasedTasks`, ``--task_lease_s``); 0: one task per call, each
             result at once.
+        read_ahead: with a leasing source, read the next leased task's records while
+            the current one runs (:mod:`elasticdl.worker.read_ahead`,
+            ``--task_read_ahead``).
     """
 
     def __init__(self, source: TaskSource, trainer: Trainer, spec: ModelSpec,
@@ -77,10 +82,11 @@ class TaskLoop:
                  after_task: Sequence[Callable[[Task], None]] = (),
                  wait_s: float = 0.2, max_wait_s: float = DEFAULT_MAX_WAIT_S,
                  skip_nonfinite_steps: bool = False, eval_minibatch_size: int = 0,
-                 lease_s: float = 0.0):
+                 lease_s: float = 0.0, read_ahead: bool = True):
         self.source = source
         self._reporter: TaskSource = source   # where run_task reports (the lease buffer)
         self.lease_s = lease_s
+        self.read_ahead = read_ahead
         self.trainer = trainer
         self.spec = spec
         self.readers = readers
@@ -98,6 +104,8 @@ class TaskLoop:
         self._loss_sum: Any = 0.0                             # of the current task
         self._loss_records = 0
         self._metrics = EvalMetrics(spec.metrics(), getattr(trainer, "device", "cpu"))
+        self._ahead: Optional[ReadAhead] = None   # while run() runs on a leasing source
+        self._leased: Optional[LeasedTasks] = None
 
     def run(self) -> LoopStats:
         """Run tasks until the source has none left.
@@ -112,6 +120,9 @@ class TaskLoop:
             source = leased = LeasedTasks(source, self.lease_s)
         poller = TaskPoller(source, self.wait_s, self.max_wait_s)
         self._reporter = source
+        self._leased = leased
+        self._ahead = ReadAhead(self._read_records) \
+            if leased is not None and self.read_ahead else None
         try:
             while True:
                 task = poller.next_task()
@@ -131,6 +142,22 @@ class TaskLoop:
             raise
         finally:
             self._reporter = self.source
+            if self._ahead is not None:
+                self._ahead.close()
+                if self._ahead.hits or self._ahead.dropped:
+                    logger.info("worker %d: %d task(s) read ahead, %d read ahead and dropped",
+                                self.worker_id, self._ahead.hits, self._ahead.dropped)
+                self._ahead = self._leased = None
+
+    def _read_ahead(self) -> None:
+        """Start reading the next leased task's records (read_ahead.py)."""
+        task = self._leased.peek() if self._leased is not None else None
+        if self._ahead is None or task is None or task.type not in (
+                TaskType.TRAINING, TaskType.EVALUATION, TaskType.PREDICTION):
+            return
+        reader = self.readers.get(task.type)
+        if reader is not None and not isinstance(reader, TorchDatasetReader):
+            self._ahead.start(task)
 
     def run_task(self, task: Task) -> None:
         if self.trainer.sequence is not None:  # a carried model state: where it starts
@@ -182,6 +209,12 @@ class TaskLoop:
     def _read(self, task: Task) -> Optional[TaskRecords]:
         if task.type == TaskType.EVALUATION_FINALIZE:
             return None  # its input are the metric states it carries
+        ahead = self._ahead.take(task) if self._ahead is not None else None
+        records = ahead if ahead is not None else self._read_records(task)
+        self._read_ahead()   # the next task's, while this one trains
+        return records
+
+    def _read_records(self, task: Task) -> TaskRecords:
         reader = self.readers.get(task.type)
         if reader is None:
             raise DataError(f"no {MODES[task.type]} data configured for task {task.task_id}")
