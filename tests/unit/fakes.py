@@ -33,3 +33,27 @@ class ScriptedCluster(Cluster):
 
     def names(self):
         return [s.name for s in self.created]
+
+
+EVAL_MODULE = (
+    "import torch\n"
+    "from elasticdl.api import metrics\n"
+    "def custom_model(): return torch.nn.Linear(1, 1)\n"
+    "def loss(labels, outputs): return outputs.sum()\n"
+    "def optimizer(params): return torch.optim.SGD(params, lr=0.1)\n"
+    "def feed(records, mode):\n"
+    "    x = torch.tensor(records)\n"
+    "    return x, (x % 2)\n"
+    "def eval_metrics_fn(): return {'auc': metrics.AUC()}\n")
+"""A model module whose records are integers (label: odd) and whose metric is AUC."""
+
+
+def eval_module_spec(directory: str, name: str):  # noqa: ANN201 - a ModelSpec
+    """Write :data:`EVAL_MODULE` as ``<directory>/<name>.py`` and load its spec."""
+    import os
+
+    from elasticdl.api.model_spec import load_model_spec
+
+    with open(os.path.join(directory, f"{name}.py"), "w") as f:
+        f.write(EVAL_MODULE)
+    return load_model_spec(directory, f"{name}.custom_model")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from elasticdl.api import metrics
-from elasticdl.api.model_spec import load_model_spec
 from elasticdl.common.task import Task, TaskType
 from elasticdl.worker.eval_metrics import EvalMetrics, dump_states, load_states
 from elasticdl.worker.task_loop import TaskLoop
+from tests.unit.fakes import eval_module_spec
 
 sk = pytest.importorskip("sklearn.metrics")
 
@@ -182,18 +182,7 @@ class _Reader:
 
 
 def test_eval_minibatch_size_is_used_for_evaluation_and_prediction(tmp_path):
-    module = tmp_path / "evalmb.py"
-    module.write_text(
-        "import torch\n"
-        "from elasticdl.api import metrics\n"
-        "def custom_model(): return torch.nn.Linear(1, 1)\n"
-        "def loss(labels, outputs): return outputs.sum()\n"
-        "def optimizer(params): return torch.optim.SGD(params, lr=0.1)\n"
-        "def feed(records, mode):\n"
-        "    x = torch.tensor(records)\n"
-        "    return x, (x % 2)\n"
-        "def eval_metrics_fn(): return {'auc': metrics.AUC()}\n")
-    spec = load_model_spec(str(tmp_path), "evalmb.custom_model")
+    spec = eval_module_spec(str(tmp_path), "evalmb")
     trainer, source = _Trainer(), _Source()
     loop = TaskLoop(source, trainer, spec, {TaskType.EVALUATION: _Reader()},  # type: ignore
                     minibatch_size=8, eval_minibatch_size=30)

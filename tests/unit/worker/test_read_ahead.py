@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from elasticdl.api.model_spec import load_model_spec
 from elasticdl.common.task import Task, TaskType
 from elasticdl.data.api import DataError
 from elasticdl.worker.read_ahead import ReadAhead
 from elasticdl.worker.task_loop import TaskLoop
+from tests.unit.fakes import eval_module_spec
 
 READ_S = 0.02
 
@@ -85,17 +85,7 @@ class _Leasing:
 
 
 def _spec(tmp_path):
-    (tmp_path / "ra.py").write_text(
-        "import torch\n"
-        "from elasticdl.api import metrics\n"
-        "def custom_model(): return torch.nn.Linear(1, 1)\n"
-        "def loss(labels, outputs): return outputs.sum()\n"
-        "def optimizer(params): return torch.optim.SGD(params, lr=0.1)\n"
-        "def feed(records, mode):\n"
-        "    x = torch.tensor(records)\n"
-        "    return x, (x % 2)\n"
-        "def eval_metrics_fn(): return {'auc': metrics.AUC()}\n")
-    return load_model_spec(str(tmp_path), "ra.custom_model")
+    return eval_module_spec(str(tmp_path), "ra")
 
 
 def test_leased_tasks_are_read_ahead_each_on_its_own_records_never_two_reads_at_once(
