@@ -83,6 +83,20 @@ def test_a_spike_that_comes_back_is_a_recovered_episode_with_its_evidence():
     assert h.report()["episode_count"] == 2 and not h.healthy
 
 
+def test_the_flaky_master_kill_jobs_windows_end_recovered():
+    """The window means of the digits PS job that ended succeeded_with_warnings in a
+    suite run (test_ps_job_survives_master_kill; 2 workers, grads_to_wait=1): an early
+    spike, then on down to 0.07."""
+    h = LossHealth(RULE)
+    windows = [0.99, 0.55, 1.69, 1.06, 0.5, 0.3, 0.2, 0.15, 0.1, 0.07]
+    turned = _feed(h, [w for w in windows for _ in range(RULE.window_tasks)])
+    assert turned == [4 * RULE.window_tasks - 1]       # diverged at the 4th window ...
+    assert h.status == HealthStatus.RECOVERED          # ... recovered by the 7th
+    assert h.report()["episodes"][0]["recovered_window"] == 7
+    assert final_status("succeeded", None if h.healthy else (h.status, h.reason)) == \
+        "succeeded"
+
+
 def test_a_rise_that_does_not_come_back_stays_diverged():
     h = LossHealth(RULE)
     _feed(h, [2.3 - 0.1 * i for i in range(16)] + [2.0] * 8)
