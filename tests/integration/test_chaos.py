@@ -43,13 +43,13 @@ def train_args(digits, out, job, zoo=MODEL_ZOO, model_def="digits.digits_cnn.cus
     return args + [f"--{k}={v}" for k, v in flags.items()]
 
 
-def check_report(job_dir, epochs):
+def check_report(job_dir, epochs, min_accuracy: float = 0.94):
     report = read_json(os.path.join(job_dir, "job_report.json"))
     assert report["status"] == "succeeded", (report.get("failure"), report.get("training_health"))
     assert [e["records_completed"] for e in report["epochs"]] == [1437] * epochs
     # the final model (evaluated at the exported version since issue 9) of these short
     # 6-epoch jobs scores 0.95-0.97; 342/360 = 0.95 exactly came out as 0.9499999987
-    assert report["final_metrics"]["accuracy"] >= 0.94, report["evaluations"]
+    assert report["final_metrics"]["accuracy"] >= min_accuracy, report["evaluations"]
     return report
 
 
