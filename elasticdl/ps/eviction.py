@@ -104,8 +104,9 @@ class VersionClock:
     last updated before ``t``. Bounded: a mark closer than ``ttl_s / resolution`` to the
     previous one is not kept (a row goes at most that much after its time), and marks
     older than the newest one at least ``ttl_s`` old are dropped: at most
-    ``resolution + 2`` marks, whatever the job's length. Not checkpointed: a restored PS
-    counts its rows as updated at the restore (their versions too start there).
+    ``resolution + 2`` marks, whatever the job's length. Not checkpointed: the rows keep
+    their last-update versions across a restore, but this record starts anew there, so
+    a restored PS evicts nothing by time until ``ttl_s`` after its restore.
     """
 
     def __init__(self, ttl_s: float, resolution: int = 512,
