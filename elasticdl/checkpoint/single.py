@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from elasticdl.checkpoint import data_position
+from elasticdl.checkpoint import data_position, staging
 from elasticdl.checkpoint.paths import (  # noqa: F401 - re-exported
     DONE,
     CheckpointError,
@@ -97,6 +97,7 @@ def save_single(checkpoint_dir: str, version: int, state: dict[str, Any],
 
 def load_single(path: str, map_location: Optional[str] = "cpu") -> dict[str, Any]:
     """Load the single-writer checkpoint at ``path`` (see :func:`resolve`)."""
+    staging.ensure(resolve(path))   # a staged checkpoint: its model.pt comes down first
     vdir = resolve(path)
     file = os.path.join(vdir, "model.pt")
     if not os.path.exists(file):

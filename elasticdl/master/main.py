@@ -11,6 +11,7 @@ readers cannot read the data).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from elasticdl.api import dataset_probe
-from elasticdl.checkpoint import data_position, restore
+from elasticdl.checkpoint import data_position, restore, staging
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.cluster.registry import create_cluster
 from elasticdl.common import auth, faults
@@ -141,6 +142,15 @@ def _rendezvous(spec: JobSpec, host: str) -> Optional[RendezvousHandler]:
 
 
 def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
+    try:
+        return _run_master(args, stop)
+    finally:
+        staging.stop_all(quiet=True)   # the task table and history up, after the last version
+
+
+def _run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
+    # checkpoint URLs: this pod's own staging directory, kept in step with the bucket
+    args = dataclasses.replace(args, job_spec=staging.stage_pod(args.job_spec, "master"))
     spec = args.job_spec
     os.makedirs(args.job_dir, exist_ok=True)
     report_dir = spec.output or args.job_dir
@@ -167,6 +177,10 @@ def run_master(args: MasterArgs, stop: Optional[threading.Event] = None) -> int:
         core.begin()
         if spec.checkpoint_dir_for_init:
             core.snapshot()
+    if spec.checkpoint_dir:   # staged: the task table up before its tasks are handed out
+        staging.flush(spec.checkpoint_dir)
+        core.tm.block_created_callbacks.append(lambda *_: staging.flush(
+            spec.checkpoint_dir, quiet=True))
     core.new_incarnation()   # the steps this master takes, and its RPCs, carry it
     in_pod = spec.cluster == "k8s"  # TensorBoard files and /metrics (docs/observability.md)
     obs = observability.attach(core, spec.output, spec.master_metrics_port(args.port),

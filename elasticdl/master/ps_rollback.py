@@ -29,6 +29,7 @@ from typing import Optional
 import grpc
 
 from elasticdl.checkpoint import paths as ckpt_paths
+from elasticdl.checkpoint import staging
 from elasticdl.common import auth
 from elasticdl.common import ledger as ps_ledger
 from elasticdl.common.intervals import IntervalSet
@@ -148,7 +149,7 @@ def rollback_each(ps_addrs: Sequence[str], version: int, new_version: int, *,
     try:
         request = pb.RollbackRequest(checkpoint_version=version, new_version=new_version,
                                      protocol_id=protocol_id, incarnation=incarnation,
-                                     version_dir=version_dir)
+                                     version_dir=staging.to_url(version_dir))
         answers = [pb_grpc.PServerStub(c).rollback(request, timeout=timeout_s)
                    for c in channels]
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+from elasticdl.checkpoint import staging
 from elasticdl.cluster.api import Cluster, ReplicaSpec, ReplicaType
 from elasticdl.common import entry_points
 from elasticdl.common.job_spec import JobSpec
@@ -41,7 +42,7 @@ class PSLaunch:
     def argv(self) -> tuple[str, ...]:
         return (*entry_points.PS.argv(), f"--ps_id={self.ps_id}",
                 f"--num_ps={self.num_ps}", f"--port={self.port}",
-                f"--restore_from={self.restore_from}",
+                f"--restore_from={staging.to_url(self.restore_from)}",
                 f"--version_floor={self.version_floor}",
                 *(("--await_rollback",) if self.await_rollback else ()))
 
@@ -97,7 +98,7 @@ class ReplicaLauncher:
             typ, index, port = ReplicaType.WORKER, launch.worker_id, 0
         t = ReplicaTemplate.for_type(self.spec, typ)
         command = (*launch.argv(), f"--master_addr={self.master_addr}",
-                   f"--job_spec={self.spec.to_json()}")
+                   f"--job_spec={staging.for_children(self.spec).to_json()}")
         return ReplicaSpec(job_name=self.spec.job_name, type=typ, index=index,
                            command=command, env=dict(t.env),
                            resource_requests=dict(t.resource_requests),

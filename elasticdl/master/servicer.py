@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import grpc
 
+from elasticdl.checkpoint import staging
 from elasticdl.common import auth, faults
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, add_service, short
 from elasticdl.common.task import WAIT_TASK, Task, TaskType
@@ -179,7 +180,7 @@ class MasterServicer(pb_grpc.MasterServicer):
                 msg.extended_config["export_model"] = "true"
                 load = self.core.exporter_load()
                 if load:   # it did not train: it loads the final checkpoint first
-                    msg.extended_config["export_from"] = load
+                    msg.extended_config["export_from"] = staging.to_url(load)
                 elif self.rendezvous is not None:
                     # what the job closed, fresh (not the snapshot tasks carry, which may
                     # be older than the last tasks): the final checkpoint's data position

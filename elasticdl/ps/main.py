@@ -15,6 +15,7 @@ init checkpoint, else its checkpoint directory's newest version.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from typing import Optional
 from elasticdl.api.model_spec import load_from_job_spec
 from elasticdl.checkpoint import api as ckpt_api
 from elasticdl.checkpoint import paths as ckpt_paths
+from elasticdl.checkpoint import staging
 from elasticdl.common import auth, faults
 from elasticdl.common.job_spec import JobSpec
 from elasticdl.common.log_utils import configure_logging
@@ -148,10 +150,10 @@ def restore_source(args: PSArgs) -> Optional[str]:
     a PS started without it, the init checkpoint (an explicit version directory
     means that version), else the job's own newest checkpoint."""
     if args.restore_from is not None:
-        return None if args.restore_from == "none" else args.restore_from
+        return None if args.restore_from == "none" else staging.to_local(args.restore_from)
     init = args.checkpoint_dir_for_init or args.job_spec.checkpoint_dir_for_init
     if init:
-        return init
+        return staging.to_local(init)
     return ckpt_api.latest(args.job_spec.checkpoint_dir)
 
 
@@ -179,6 +181,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging(args.job_spec.log_level, role=f"ps-{args.ps_id}")
     faults.set_role(f"ps-{args.ps_id}")
     tune_malloc(PS_MALLOC_ARENAS)
+    # checkpoint URLs: this pod's own staging directory, kept in step with the bucket
+    args = dataclasses.replace(args, job_spec=staging.stage_pod(args.job_spec,
+                                                                f"ps-{args.ps_id}"))
+    try:
+        return _serve(args)
+    finally:
+        staging.stop_all(quiet=True)   # the checkpoints written before the stop go up
+
+
+def _serve(args: PSArgs) -> int:
     shard = build_shard(args)
     job_secrets = auth.JobSecrets.from_env()
     if job_secrets is None:

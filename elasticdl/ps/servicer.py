@@ -21,11 +21,13 @@ import torch
 
 from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.checkpoint import ps_shards as ps_ckpt
+from elasticdl.checkpoint import staging
 from elasticdl.checkpoint.single import CheckpointError
 from elasticdl.common import auth, chunk_wire, faults
 from elasticdl.common import tensor_codec as codec
 from elasticdl.common.intervals import IntervalSet
 from elasticdl.common.rpc_service import Malformed, abort_unexpected, short
+from elasticdl.data.api import DataError
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.proto import elasticdl_pb2_grpc as pb_grpc
 from elasticdl.ps import shard_checkpoint as shard_ckpt
@@ -386,6 +388,7 @@ class PServicer(pb_grpc.PServerServicer):
         at = max(self.shard.version, request.version_at_least) \
             if request.version_at_least else None
         path = shard_ckpt.save_shard(self.shard, cfg.checkpoint_dir, at, cfg.keep_checkpoint_max)
+        staging.flush(cfg.checkpoint_dir)   # staged: the shard up (and DONE if it is last)
         version = ckpt_paths.version_of(os.path.dirname(path))  # the version it wrote
         return pb.SaveCheckpointResponse(path=path, version=version)
 
@@ -456,18 +459,28 @@ class PServicer(pb_grpc.PServerServicer):
 
         if request.version_dir:
             spec = self.shard.job_spec
-            if spec is None or not restore.allowed(spec, request.version_dir):
+            try:   # the master names a staged checkpoint by its URL
+                vdir = staging.to_local(request.version_dir)
+                staging.ensure(vdir, self._own_shard())
+            except (CheckpointError, DataError) as e:
+                raise ValueError(f"rollback: {e}") from e
+            if spec is None or not restore.allowed(spec, vdir):
                 raise ValueError(f"rollback: {request.version_dir} is neither a complete "
                                  "version of this job's checkpoint directory nor its init "
                                  "checkpoint")
-            return request.version_dir
+            return vdir
         ckpt_dir = self.shard.config.checkpoint_dir
         if not ckpt_dir:
             raise ValueError("rollback: this PS has no checkpoint directory")
         try:
+            staging.ensure(ckpt_paths.version_dir(ckpt_dir, request.checkpoint_version),
+                           self._own_shard())
             return ps_ckpt.version_dir_of(ckpt_dir, request.checkpoint_version)
-        except CheckpointError as e:  # the caller named a version that is not there
+        except (CheckpointError, DataError) as e:  # the caller named a version that is not there
             raise ValueError(f"rollback: {e}") from e
+
+    def _own_shard(self) -> str:
+        return f"ps-{self.shard.config.ps_id}-of-{self.shard.config.num_ps}.pt"
 
     def echo(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
         return pb.Empty()

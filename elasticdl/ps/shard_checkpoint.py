@@ -29,7 +29,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from elasticdl.checkpoint import data_position, paths
+from elasticdl.checkpoint import data_position, paths, staging
 from elasticdl.checkpoint import single as ckpt
 from elasticdl.checkpoint.ps_shards import (
     load_shard,
@@ -292,7 +292,12 @@ def restore_shard(shard: PSShard, version_dir: str) -> int:
     Returns the restored model version.
     """
     cfg = shard.config
-    vdir, n = shard_count(version_dir)
+    # a staged checkpoint (object storage): the files this restore reads come down first
+    staged_n = staging.ensure(version_dir, f"ps-{cfg.ps_id}-of-{cfg.num_ps}.pt")
+    if staged_n == cfg.num_ps:    # only this PS's own shard came down
+        vdir, n = ckpt.resolve(version_dir), cfg.num_ps
+    else:
+        vdir, n = shard_count(version_dir)
     same_layout = n == cfg.num_ps
     # the same number of PS: this PS's own file holds all it owns (its dense parameters
     # by name hash, its rows by id), and only that file is read

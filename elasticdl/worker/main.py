@@ -10,6 +10,7 @@ root cause.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from elasticdl.checkpoint import staging
 from elasticdl.common import faults
 from elasticdl.common.enums import JobType
 from elasticdl.common.job_spec import JobSpec, JobSpecError
@@ -80,6 +82,10 @@ def run_worker(args: WorkerArgs) -> int:
     client = MasterClient(args.master_addr, args.worker_id,
                           unavailable_timeout_s=spec.master_reconnect_timeout_s)
     try:
+        # checkpoint URLs: this pod's own staging directory, kept in step with the bucket
+        args = dataclasses.replace(args, job_spec=staging.stage_pod(
+            spec, f"worker-{args.worker_id}"))
+        spec = args.job_spec
         model_spec = load_from_job_spec(spec)
         readers = create_readers(spec, model_spec.custom_data_reader, model_spec=model_spec)
         runtime = build_runtime(args, model_spec, client)
@@ -110,7 +116,8 @@ def run_worker(args: WorkerArgs) -> int:
                     # gone): the master names the final model's checkpoint
                     from elasticdl.checkpoint import api as ckpt
 
-                    runtime.load_state_dict(ckpt.load(client.export_from, "cpu"))
+                    runtime.load_state_dict(ckpt.load(staging.to_local(client.export_from),
+                                                      "cpu"))
                     logger.info("exporting the final checkpoint %s (model version %d)",
                                 client.export_from, runtime.model_version)
                 elif spec.checkpoint_dir and spec.checkpoint_steps:  # the final model
@@ -144,7 +151,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     configure_logging(args.job_spec.log_level, role=f"worker-{args.worker_id}")
     faults.set_role(f"worker-{args.worker_id}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    code = run_worker(args)
+    try:
+        code = run_worker(args)
+    finally:
+        staging.stop_all(quiet=True)   # the checkpoints this worker wrote go up
     # Everything is reported, written and closed. End here rather than in
     # interpreter teardown, where destructors of process groups from earlier
     # elastic plans (whose peers are dead) can block for their full timeout.

@@ -85,6 +85,8 @@ class FakeKubelet:
         self.log_dir = log_dir
         self.work_dir = work_dir
         self.extra_env = dict(extra_env or {})
+        self.pod_home = False   # True: ELASTICDL_HOME of each pod its own (no shared disk)
+        self.unset_env: set[str] = set()   # not passed on to pods (e.g. credentials)
         self.grace_s = grace_s
         self.poll_s = poll_s
         self._lock = threading.Lock()
@@ -290,7 +292,16 @@ class FakeKubelet:
                   "status.hostIP": POD_IP, "spec.nodeName": NODE}
         env = dict(os.environ)
         env.update(self.extra_env)
+        for name in self.unset_env:
+            env.pop(name, None)
         env["PYTHONUNBUFFERED"] = "1"
+        if self.pod_home:   # every pod its own disk, as containers have
+            env["ELASTICDL_HOME"] = os.path.join(self.work_dir, "homes",
+                                                 f"{meta['name']}-{meta['uid'][:8]}")
+        for source in container.get("envFrom") or []:   # before env, which overrides it
+            ref = source.get("secretRef")
+            if ref:
+                env.update(self._secret_all(meta["namespace"], ref))
         for item in container.get("env") or []:
             source = item.get("valueFrom") or {}
             ref = (source.get("fieldRef") or {}).get("fieldPath")
@@ -301,6 +312,22 @@ class FakeKubelet:
             else:
                 env[item["name"]] = fields.get(ref, "") if ref else str(item.get("value", ""))
         return env
+
+    def _secret_all(self, ns: str, ref: dict[str, Any]) -> dict[str, str]:
+        """Every key of a Secret (``envFrom``/``secretRef``), as the real kubelet reads it
+        (OSError: not readable and not ``optional``)."""
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                secret = self._core.read_namespaced_secret(ref["name"], ns)
+                break
+            except client.ApiException as e:
+                if e.status == 404 and ref.get("optional"):
+                    return {}
+                if e.status not in (403, 404) or time.monotonic() > deadline:
+                    raise OSError(f"secret {ref['name']!r}: {e.reason}") from None
+                time.sleep(0.2)
+        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
     def _secret_value(self, ns: str, ref: dict[str, Any]) -> Optional[str]:
         """A secretKeyRef as the real kubelet resolves it (OSError: the pod cannot start;

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from elasticdl.checkpoint import remote
+from elasticdl.checkpoint.mirror import CheckpointMirror
 from elasticdl.checkpoint.paths import DONE, CheckpointError, complete_versions
 from elasticdl.data import fs
 from tests.conftest import FIXTURE_ZOO, ID_RECORDS, MODEL_ZOO
@@ -51,11 +52,13 @@ def test_mirror_uploads_done_last_and_applies_retention(bucket, tmp_path, monkey
     order: list[str] = []
     real_upload = fs.upload
     monkeypatch.setattr(fs, "upload", lambda p, u: (order.append(u), real_upload(p, u)))
-    mirror = remote.CheckpointMirror(local, url, keep_max=1)
+    mirror = CheckpointMirror(local, url, keep_max=1)
     assert mirror.sync() == [3]
-    assert order[-1] == f"{url}/version-3/{DONE}"
-    assert f"{url}/tasks.jsonl" in order and f"{url}/version-3/sub/trained-group.json" in order
-    assert remote.remote_versions(url) == [3]       # 5 has no DONE yet: not uploaded
+    done3 = order.index(f"{url}/version-3/{DONE}")   # after every file of version 3
+    assert {f"{url}/tasks.jsonl", f"{url}/version-3/sub/trained-group.json",
+            f"{url}/version-3/model.pt"} <= set(order[:done3])
+    assert f"{url}/version-5/{DONE}" not in order
+    assert remote.remote_versions(url) == [3]   # 5's files up, no DONE: not complete
     _version(local, 5)
     import shutil
 

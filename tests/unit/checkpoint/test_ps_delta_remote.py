@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from elasticdl.checkpoint import ps_shards, remote
+from elasticdl.checkpoint.mirror import CheckpointMirror
 from elasticdl.checkpoint.paths import complete_versions, version_dir
 from elasticdl.common.tables import TableSpec
 from elasticdl.ps import shard_checkpoint as shard_ckpt
@@ -33,7 +34,7 @@ def test_a_delta_in_the_bucket_keeps_and_brings_its_whole_checkpoint(tmp_path, m
                     lambda p: torch.optim.Adagrad(p, lr=0.1))
     shard.initialize(0, {}, {}, [TableSpec("emb", 1 << 40, 4, initializer="normal:0.01")])
     ids = np.arange(1000, dtype=np.int64) * 3
-    mirror = remote.CheckpointMirror(local, bucket, keep_max=1)
+    mirror = CheckpointMirror(local, bucket, keep_max=1)
     for k in range(3):
         part = ids[:100 * (k + 1)]
         shard.pull_embedding("emb", part)

@@ -1,0 +1,101 @@
+"""A Kubernetes job whose pods share no disk writes its checkpoints to object storage: each
+pod stages its own (the test kubelet gives every pod its own ``ELASTICDL_HOME``), each PS
+uploads its shard and the last one up completes the version; a deleted PS pod comes back in
+a fresh pod and restores its shard from the bucket; the credentials reach every pod only as
+a reference to a Secret (``--data_secret``), never as a value in a pod spec. On the genuine
+control plane (the Node authorizer lets the kubelet read only the Secrets of its pods) with
+the SeaweedFS S3 server of the object-storage tier."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+
+import pytest
+
+from elasticdl.checkpoint import remote
+from elasticdl.data import fs
+from tests.k8s.test_e2e import master_pod, pod_log, read_report, records_done, submit, wait_for
+from tests.s3.conftest import s3_server  # noqa: F401 - the session's S3 server
+from tests.s3.seaweed import ACCESS_KEY, SECRET_KEY
+
+pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real]
+
+BUCKET = "k8s-checkpoints"
+CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+
+
+def test_ps_job_checkpoints_to_s3_from_pods_with_no_shared_disk(
+        server, kubelet, port_base, digits_data, tmp_path, s3_server):  # noqa: F811
+    from kubernetes import client
+
+    fsys = s3_server.filesystem()
+    if not fsys.exists(BUCKET):
+        fsys.mkdir(BUCKET)
+    url = f"s3://{BUCKET}/{server.namespace}"
+    core = client.CoreV1Api(server.admin)
+    core.create_namespaced_secret(server.namespace, client.V1Secret(
+        metadata=client.V1ObjectMeta(name="s3-credentials"),
+        string_data={"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                     "AWS_DEFAULT_REGION": "us-east-1"}))
+    kubelet.pod_home = True                       # every pod its own disk
+    kubelet.unset_env = set(CREDENTIALS) | {"AWS_ENDPOINT_URL"}   # only the Secret has them
+    job = "s3-ckpt"
+    submit(server, port_base, digits_data, tmp_path, job,
+           "--distribution_strategy=ParameterServerStrategy", "--num_ps_pods=2",
+           "--num_workers=2", "--num_epochs=3", "--minibatch_size=16",
+           "--num_minibatches_per_task=4", f"--checkpoint_dir={url}", "--checkpoint_steps=5",
+           "--keep_checkpoint_max=2", f"--data_endpoint={s3_server.endpoint}",
+           "--data_secret=s3-credentials")
+    master = master_pod(server, job)
+    report_path = str(tmp_path / "out" / "job_report.json")
+
+    def master_log() -> str:
+        return pod_log(server, master)[-6000:] + "\n--- ps-0:\n" + pod_log(
+            server, f"elasticdl-{job}-ps-0")[-3000:]
+
+    wait_for(lambda: records_done(report_path) > 0, 180, "training progress", master_log)
+    wait_for(lambda: remote.remote_versions(url), 180, "a complete version in the bucket",
+             master_log)
+    first = remote.remote_versions(url)[-1]
+    names = {n for n, _ in fs.list_entries(f"{url}/version-{first}")}
+    assert {"ps-0-of-2.pt", "ps-1-of-2.pt", "DONE"} <= names, names
+    assert server.phase(master) == "Running", "the job ended before the PS was deleted"
+    core.delete_namespaced_pod(f"elasticdl-{job}-ps-0", server.namespace)
+
+    wait_for(lambda: server.phase(master) in ("Succeeded", "Failed"), 400, "the job to finish",
+             master_log)
+    assert server.phase(master) == "Succeeded", master_log()
+    report = read_report(report_path)
+    assert report is not None and report["status"] == "succeeded", report
+    for epoch in report["epochs"]:
+        assert epoch["records_completed"] == report["dataset"]["training_records"]
+    relaunched = {r["replica"]: r for r in report["relaunches"]}
+    assert relaunched["ps-0"]["reason"] == "deleted", report["relaunches"]
+    # the new ps-0 pod restored from the bucket, into its own (fresh) staging directory
+    log = pod_log(server, f"elasticdl-{job}-ps-0")
+    restored = re.findall(r"PS 0 restored version (\d+)", log)
+    assert restored and int(restored[-1]) >= first, log[-3000:]
+    homes = os.listdir(os.path.join(kubelet.work_dir, "homes"))
+    assert len([h for h in homes if h.startswith(f"elasticdl-{job}-ps-0-")]) == 2, homes
+    # the bucket: complete versions with every shard, retention applied (the newest 2 and
+    # what their deltas need), the task table beside them
+    versions = remote.remote_versions(url)
+    assert versions and versions[-1] > first, versions
+    for v in versions:
+        names = {n for n, _ in fs.list_entries(f"{url}/version-{v}")}
+        assert {"ps-0-of-2.pt", "ps-1-of-2.pt", "DONE"} <= names, (v, names)
+    assert len(versions) <= 2 + 2, versions
+    assert any(not is_dir for _, is_dir in fs.list_entries(url))   # the task table
+    # no credential in any pod spec: a reference to the Secret only
+    pods = server.list("pods", f"elasticdl-job-name={job}")
+    assert pods
+    dumped = json.dumps(pods)
+    assert SECRET_KEY not in dumped and ACCESS_KEY not in dumped
+    for pod in pods:
+        assert pod["spec"]["containers"][0]["envFrom"] == [
+            {"secretRef": {"name": "s3-credentials"}}], pod["metadata"]["name"]
+    secret = core.read_namespaced_secret("s3-credentials", server.namespace)
+    assert base64.b64decode(secret.data["AWS_SECRET_ACCESS_KEY"]).decode() == SECRET_KEY
