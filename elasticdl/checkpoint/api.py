@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from elasticdl.checkpoint import single
+from elasticdl.checkpoint import single, staging
 from elasticdl.checkpoint.paths import (
     CheckpointError,
     complete_versions,
@@ -118,6 +118,7 @@ def load_for_inference(trainer: Any, path: str, skip: Collection[str] = ()) -> i
         logger.info("loaded exported model %s (model version %d)", file, exported)
         return exported
     vdir = resolve(path)
+    staging.ensure(vdir)   # a staged checkpoint (object storage): its files come down
     if os.path.exists(os.path.join(vdir, "model.pt")):
         state = single.load_single(vdir, map_location=str(trainer.device))
         trainer.model.load_state_dict(state["model"])
@@ -141,6 +142,7 @@ def sparse_tables_for_inference(path: str, min_elements: int) -> dict[str, Any]:
     if exported_model_version(path) is not None:
         return dict(read_tables(path)) if has_sparse_export(path) else {}
     vdir = resolve(path)
+    staging.ensure(vdir)   # a staged checkpoint (object storage): its files come down
     if os.path.exists(os.path.join(vdir, "model.pt")):
         return {}
     from elasticdl.checkpoint.ps_shards import sparse_rows

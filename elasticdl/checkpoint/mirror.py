@@ -278,10 +278,21 @@ class CheckpointMirror:
         return self._floors[version]
 
     def _retain(self) -> None:
-        ordered = sorted(self.complete)
-        kept = ordered[-self.keep_max:]
+        """The newest ``keep_max`` complete versions in the bucket (whoever completed them:
+        another worker may have written some) and what their deltas need are kept; every
+        older version goes, complete or abandoned (a version some PS never wrote)."""
+        listed = {int(m.group(1)) for name, is_dir in fs.list_entries(self.url)
+                  if is_dir and (m := _VERSION.match(name))}
+        for v in sorted(listed - self.complete):
+            if fs.exists(fs.join(fs.join(self.url, f"version-{v}"), DONE)):
+                self.complete.add(v)
+        for v in self.complete - listed:    # deleted by another process's retention
+            self._forget(v)
+        kept = sorted(self.complete)[-self.keep_max:]
+        if not kept:
+            return
         floor = min(self._floor(v) for v in kept)
-        for v in [v for v in ordered[:-self.keep_max] if v < floor]:
+        for v in sorted(v for v in listed if v < floor):
             fs.remove(fs.join(self.url, f"version-{v}"))
             self._forget(v)
             logger.info("checkpoint version %d deleted from %s (retention)", v,

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from elasticdl.checkpoint import paths
+from elasticdl.checkpoint import paths, staging
 from elasticdl.checkpoint import single as ckpt
 from elasticdl.common.sparse_tables import SparseRows, sort_rows
 from elasticdl.common.tables import TableSpec
@@ -57,6 +57,7 @@ def shard_count(version_dir: str) -> tuple[str, int]:
         CheckpointError: no DONE marker, shard files missing or of mixed counts.
     """
     vdir = ckpt.resolve(version_dir)
+    staging.ensure(vdir)   # a staged checkpoint (object storage): its shards come down
     found = sorted((int(m.group(1)), int(m.group(2))) for m in map(_SHARD_FILE.match,
                                                                     os.listdir(vdir)) if m)
     counts = {n for _, n in found}

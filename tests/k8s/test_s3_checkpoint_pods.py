@@ -87,7 +87,13 @@ def test_ps_job_checkpoints_to_s3_from_pods_with_no_shared_disk(
     for v in versions:
         names = {n for n, _ in fs.list_entries(f"{url}/version-{v}")}
         assert {"ps-0-of-2.pt", "ps-1-of-2.pt", "DONE"} <= names, (v, names)
-    assert len(versions) <= 2 + 2, versions
+    # retention: nothing older than what the newest 2 are folded onto (a PS delta chain is
+    # at most full_checkpoint_every = 8 long), so 2 + 7 versions at most
+    floor = min([versions[-2]] + [
+        json.loads(fs.read_bytes(f"{url}/version-{v}/{n}"))["full_version"]
+        for v in versions[-2:] for n, _ in fs.list_entries(f"{url}/version-{v}")
+        if n.endswith(".delta.json")])
+    assert versions[0] == floor and len(versions) <= 2 + 7, versions
     assert any(not is_dir for _, is_dir in fs.list_entries(url))   # the task table
     # no credential in any pod spec: a reference to the Secret only
     pods = server.list("pods", f"elasticdl-job-name={job}")
@@ -99,3 +105,64 @@ def test_ps_job_checkpoints_to_s3_from_pods_with_no_shared_disk(
             {"secretRef": {"name": "s3-credentials"}}], pod["metadata"]["name"]
     secret = core.read_namespaced_secret("s3-credentials", server.namespace)
     assert base64.b64decode(secret.data["AWS_SECRET_ACCESS_KEY"]).decode() == SECRET_KEY
+
+
+def test_allreduce_job_checkpoints_to_s3_and_an_evaluate_job_reads_them(
+        server, kubelet, port_base, digits_data, tmp_path, s3_server):  # noqa: F811
+    """Allreduce: the writing worker's pod uploads each version (``DONE`` last); an
+    ``evaluate`` job then loads the newest from the bucket in pods that never saw it."""
+    import subprocess
+    import sys
+
+    from kubernetes import client
+
+    from tests.conftest import MODEL_ZOO, ROOT
+
+    fsys = s3_server.filesystem()
+    if not fsys.exists(BUCKET):
+        fsys.mkdir(BUCKET)
+    url = f"s3://{BUCKET}/{server.namespace}-ar"
+    client.CoreV1Api(server.admin).create_namespaced_secret(server.namespace, client.V1Secret(
+        metadata=client.V1ObjectMeta(name="s3-credentials"),
+        string_data={"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                     "AWS_DEFAULT_REGION": "us-east-1"}))
+    kubelet.pod_home = True
+    kubelet.unset_env = set(CREDENTIALS) | {"AWS_ENDPOINT_URL"}
+    job = "s3-ar"
+    submit(server, port_base, digits_data, tmp_path, job,
+           "--distribution_strategy=AllreduceStrategy", "--num_workers=2", "--num_epochs=1",
+           "--minibatch_size=32", "--collective_timeout_s=20", f"--checkpoint_dir={url}",
+           "--checkpoint_steps=10", "--keep_checkpoint_max=2",
+           f"--data_endpoint={s3_server.endpoint}", "--data_secret=s3-credentials")
+    master = master_pod(server, job)
+    wait_for(lambda: server.phase(master) in ("Succeeded", "Failed"), 300, "the job to finish",
+             lambda: pod_log(server, master)[-6000:])
+    assert server.phase(master) == "Succeeded", pod_log(server, master)[-6000:]
+    report = read_report(str(tmp_path / "out" / "job_report.json"))
+    assert report is not None and report["status"] == "succeeded", report
+    versions = remote.remote_versions(url)
+    assert 1 <= len(versions) <= 2, versions
+    for v in versions:
+        assert {n for n, _ in fs.list_entries(f"{url}/version-{v}")} >= {"model.pt", "DONE"}
+
+    env = dict(os.environ, KUBECONFIG=server.kubeconfig, ELASTICDL_K8S_PORT_BASE=str(port_base),
+               ELASTICDL_HOME=str(tmp_path / "home"), PYTHONPATH=ROOT)
+    out = tmp_path / "eval-out"
+    cli = subprocess.run(
+        [sys.executable, "-m", "elasticdl_client.main", "evaluate",
+         "--image_name=registry.local/digits:v1", "--image_pull_policy=IfNotPresent",
+         f"--model_zoo={MODEL_ZOO}", "--model_def=digits.digits_cnn.custom_model",
+         f"--validation_data={digits_data}/val", f"--checkpoint_dir_for_init={url}",
+         f"--output={out}", "--job_name=s3-eval", f"--namespace={server.namespace}",
+         f"--data_endpoint={s3_server.endpoint}", "--data_secret=s3-credentials"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    evaluator = master_pod(server, "s3-eval")
+    wait_for(lambda: server.phase(evaluator) in ("Succeeded", "Failed"), 300,
+             "the evaluate job to finish", lambda: pod_log(server, evaluator)[-6000:])
+    assert server.phase(evaluator) == "Succeeded", pod_log(server, evaluator)[-6000:]
+    evaluated = read_report(str(out / "job_report.json"))
+    assert evaluated is not None and evaluated["status"] == "succeeded", evaluated
+    assert evaluated["model_version"] == versions[-1], evaluated
+    assert json.dumps(evaluated).count("accuracy") and SECRET_KEY not in json.dumps(
+        server.list("pods"))

@@ -44,9 +44,9 @@ def bucket(tmp_path, monkeypatch):
     staging.stop_all()
 
 
-def _shard(ps_id: int, ckpt_dir: str) -> PSShard:
+def _shard(ps_id: int, ckpt_dir: str, full_every: int = 2) -> PSShard:
     shard = PSShard(ShardConfig(ps_id=ps_id, num_ps=2, checkpoint_dir=ckpt_dir, use_async=True,
-                                full_checkpoint_every=2),
+                                full_checkpoint_every=full_every),
                     lambda p: torch.optim.Adagrad(p, lr=0.1))
     shard.initialize(0, {}, {}, [TableSpec("emb", 1 << 40, 4, initializer="normal:0.01")])
     return shard
@@ -135,13 +135,14 @@ def test_pods_complete_versions_in_the_bucket_and_a_relaunched_ps_restores_its_s
     assert staging.for_children(staged).checkpoint_dir == URL
 
 
-def test_an_abandoned_version_never_completes(bucket, tmp_path):
-    """A PS lost before writing its shard: the version stays without DONE in the bucket,
-    and a reader resumes from the one before."""
+def test_an_abandoned_version_never_completes_and_retention_removes_it(bucket, tmp_path):
+    """A PS lost before writing its shard: the version stays without DONE in the bucket, a
+    reader resumes from the one before, and once newer versions are complete retention
+    deletes it with the old complete ones."""
     stages = [str(tmp_path / f"ps-{i}") for i in range(2)]
-    shards = [_shard(i, stages[i]) for i in range(2)]
-    mirrors = [CheckpointMirror(d, URL, prune_local=True) for d in stages]
-    for s, d, m in zip(shards, stages, mirrors):
+    shards = [_shard(i, stages[i], full_every=1) for i in range(2)]
+    mirrors = [CheckpointMirror(d, URL, prune_local=True, keep_max=1) for d in stages]
+    for s, d in zip(shards, stages):
         _train(s, 0)
         shard_ckpt.save_shard(s, d, 1)
     assert mirrors[0].sync() == [] and mirrors[1].sync() == [1]
@@ -149,5 +150,11 @@ def test_an_abandoned_version_never_completes(bucket, tmp_path):
     shard_ckpt.save_shard(shards[0], stages[0], 2)
     assert mirrors[0].sync() == [1]        # 1 learnt complete; 2 waits for PS 1's shard
     assert remote.remote_versions(URL) == [1]
+    assert _objects(bucket, 2) == ["ps-0-of-2.pt"]   # PS 0 alone wrote it
     got = remote.download_checkpoint(URL, str(tmp_path / "down"))
     assert complete_versions(got) == [1]
+    for s, d in zip(shards, stages):
+        _train(s, 2)
+        shard_ckpt.save_shard(s, d, 3)
+    assert mirrors[0].sync() == [] and mirrors[1].sync() == [3]
+    assert sorted(os.listdir(os.path.join(bucket, "ckpt", "job"))) == ["version-3"]
