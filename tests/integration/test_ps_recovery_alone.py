@@ -94,9 +94,9 @@ def test_lost_ps_restored_alone_others_keep_their_state(alone):
 def test_restored_ps_numbers_its_versions_close_to_the_others(alone):
     """The restored PS continues a few versions above the others (``alone_slack``), not
     ~100 (its checkpoint directories then completed only ~100 versions later): the job's
-    final versions differ by at most the slack and the pushes it redid (versions of its
-    own; the others skip them by their ledgers), and a checkpoint cut after the recovery
-    completed."""
+    final versions differ by at most the slack, the pushes it redid and those in flight to
+    it when it died (versions of its own; the others skip them by their ledgers), and a
+    checkpoint cut after the recovery completed."""
     import json
 
     from elasticdl.checkpoint import paths as ckpt_paths
@@ -111,7 +111,11 @@ def test_restored_ps_numbers_its_versions_close_to_the_others(alone):
             final.append(json.loads(f.readline())["version"])
     others = [v for ps, v in enumerate(final) if ps != 1]
     gap = final[1] - max(others)
-    assert 0 < gap <= alone_slack(int(spec["num_workers"])) + 1 + redone[1], (final, redone)
+    # and the pushes in flight to it when it died: each worker's push that the others had
+    # applied and it had not is retried after the restore, applied by it alone (one per
+    # worker at most; a loaded CI machine drew [128, 136, 128, 128] with 2 redone: 4 + 2 + 2)
+    workers = int(spec["num_workers"])
+    assert 0 < gap <= alone_slack(workers) + workers + redone[1], (final, redone)
     recovered_at = report["ps_recoveries"][0]["checkpoint_version"]
     done = ckpt_paths.complete_versions(spec["checkpoint_dir"])
     assert [v for v in done if v > recovered_at + gap], (recovered_at, final, done)
