@@ -35,6 +35,7 @@ Run: python benchmarks/ctr_models.py [--records 100000] [--table_rows 4200000] [
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -161,14 +162,17 @@ def _cli_job(tmp: str, model: str, name: str, flags: list[str]) -> dict[str, Any
     return report
 
 
+PS_MODE = {"sync": ["--grads_to_wait=2"], "async": ["--use_async=true"]}
+
+
 def ps_job(tmp: str, model: str, train: str, val: str, sizes: list[int], batch: int,
-           seed: int) -> dict[str, Any]:
+           seed: int, mode: str = "sync") -> dict[str, Any]:
     from elasticdl.common.sparse_tables import export_bytes, has_sparse_export, read_manifest
 
-    report = _cli_job(tmp, model, "ps", [
+    report = _cli_job(tmp, model, f"ps-{mode}", [
         *_flags(model, train, val, sizes, batch // 2, seed),
         "--distribution_strategy=ParameterServerStrategy",
-        "--num_workers=2", "--num_ps_pods=2", "--grads_to_wait=2"])
+        "--num_workers=2", "--num_ps_pods=2", *PS_MODE[mode]])
     out = report["out"]
     result = {"auc": report["final_metrics"]["auc"],
               "records_per_s": report["timings"]["training_records_per_s"],
@@ -221,16 +225,18 @@ def main() -> None:
                 start = time.perf_counter()
                 args = (model, train, val, sizes, a.batch, a.seed)
                 out[name] = plain_loop(*args) if name == "plain" else \
-                    {"Local": local_job, "PS": ps_job, "Allreduce": allreduce_job}[name](
-                        tmp, *args)
+                    {"Local": local_job, "PS": ps_job, "Allreduce": allreduce_job,
+                     "PS-async": functools.partial(ps_job, mode="async")}[name](tmp, *args)
                 out[name]["wall_s"] = round(time.perf_counter() - start, 1)
                 print(f"[{model} {name}] {out[name]}", flush=True)
-            if "PS" in out and "Local" in out:
-                out["ps_over_local_records_per_s"] = round(
-                    out["PS"]["records_per_s"] / out["Local"]["records_per_s"], 3)
+            for ps in ("PS", "PS-async"):
+                if ps in out and "Local" in out:
+                    out[f"{ps.lower()}_over_local_records_per_s"] = round(
+                        out[ps]["records_per_s"] / out["Local"]["records_per_s"], 3)
             if "plain" in out:
                 out["auc_minus_plain"] = {k: round(out[k]["auc"] - out["plain"]["auc"], 4)
-                                          for k in ("Local", "PS", "Allreduce") if k in out}
+                                          for k in ("Local", "PS", "PS-async", "Allreduce")
+                                          if k in out}
     print(json.dumps(results))
 
 

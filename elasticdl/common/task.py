@@ -45,6 +45,9 @@ class Task:
     # flat [lo, hi) intervals), attached when handed out, never stored
     closed: Optional[tuple[int, tuple[int, ...]]] = field(default=None, compare=False,
                                                           repr=False)
+    # line-indexed files, on the wire only: (first byte, end byte, fields per CSV record)
+    # of the records, from the master's index (elasticdl.data.csv_reader.read_span)
+    span: Optional[tuple[int, int, int]] = field(default=None, compare=False, repr=False)
 
     @property
     def num_records(self) -> int:

@@ -19,8 +19,12 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
 
 
 def task_to_proto(task: Task) -> pb.Task:
+    shard = pb.Shard(name=task.shard_name, start=task.start, end=task.end)
+    if task.span is not None:
+        shard.byte_start, shard.byte_end, shard.num_fields = task.span
+        shard.has_span = True
     return pb.Task(task_id=task.task_id, type=int(task.type),  # type: ignore[arg-type]
-                   shard=pb.Shard(name=task.shard_name, start=task.start, end=task.end),
+                   shard=shard,
                    model_version=task.model_version, epoch=task.epoch,
                    metric_states=list(task.metric_states), lr_reductions=task.lr_reductions,
                    lr_scale=task.lr_scale if task.lr_scale != 1.0 else 0.0)
@@ -31,4 +35,6 @@ def task_from_proto(msg: pb.Task) -> Task:
     return Task(msg.task_id, TaskType(msg.type), msg.shard.name, msg.shard.start,
                 msg.shard.end, msg.epoch, msg.model_version, tuple(msg.metric_states),
                 lr_reductions=int(msg.lr_reductions), lr_scale=float(msg.lr_scale or 1.0),
-                closed=closed)
+                closed=closed,
+                span=(int(msg.shard.byte_start), int(msg.shard.byte_end),
+                      int(msg.shard.num_fields)) if msg.shard.has_span else None)

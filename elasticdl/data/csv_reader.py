@@ -39,6 +39,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -216,9 +217,12 @@ class _LineFileReader(FileDataReader[LineIndex]):
         offsets = build_line_index(path, self._block_size, skip_bom=self._encoding == "utf-8")
         if cached is not None:
             _save_index(cached, offsets)
-        logger.debug(
+        # an object streamed whole is worth a line (a worker does it only when its tasks
+        # carry no span: elasticdl.master.servicer)
+        logger.log(
+            logging.INFO if fs.is_url(path) else logging.DEBUG,
             "indexed %s: %d lines, %d bytes in %.3fs",
-            path,
+            fs.redact(path) if fs.is_url(path) else path,
             len(offsets) - 1,
             int(offsets[-1]),
             time.perf_counter() - began,
@@ -230,20 +234,65 @@ class _LineFileReader(FileDataReader[LineIndex]):
 
     def _read_lines(self, path: str, offsets: np.ndarray, start: int, end: int) -> list[str]:
         """Decode records ``[start, end)`` of ``path`` into lines without their line ending."""
-        begin = int(offsets[start])
-        data = _read_span(path, begin, int(offsets[end]))
+        data = _read_span(path, int(offsets[start]), int(offsets[end]))
+        return self._decode_lines(path, data, start, end - start)
+
+    def _decode_lines(self, path: str, data: bytes, start: int, count: int,
+                      exact: bool = False) -> list[str]:
+        """The ``count`` lines of ``data`` (records from ``start``), without line endings;
+        ``exact``: ``data`` must hold exactly those lines (a span from another process's
+        index: anything else means the file changed)."""
         try:
             text = data.decode(self._encoding)
         except UnicodeDecodeError as err:
-            local = np.searchsorted(offsets[start : end + 1], begin + err.start, side="right")
             raise MalformedRecordError(
-                path, start + int(local) - 1, f"cannot decode as {self._encoding}: {err.reason}"
-            ) from err
+                path, start + data.count(b"\n", 0, err.start),
+                f"cannot decode as {self._encoding}: {err.reason}") from err
         lines = text.split("\n")
-        if len(lines) < end - start:
+        if len(lines) < count or (exact and not (
+                len(lines) == count + 1 and lines[-1] == "" or len(lines) == count)):
             raise DataError(f"{path}: file changed since it was indexed")
-        del lines[end - start :]
+        del lines[count:]
         return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+    def span(self, name: str, start: int, end: int) -> tuple[int, int, int] | None:
+        """``(first byte, end byte, fields per CSV record)`` of records ``[start, end)`` of
+        file ``name`` from this reader's index (the master's), for a worker to read them
+        without an index of its own (:meth:`read_span`); None when the file cannot be
+        indexed here (a worker then indexes it itself)."""
+        try:
+            meta = self._metadata(name)
+        except DataError:
+            return None
+        if not 0 <= start <= end <= meta.count:
+            return None
+        return int(meta.offsets[start]), int(meta.offsets[end]), meta.num_fields
+
+    def read_span(self, name: str, start: int, end: int,
+                  span: tuple[int, int, int]) -> list[Any]:
+        """Records ``[start, end)`` of file ``name`` whose bytes are ``span`` (from
+        :meth:`span` of the master's reader): one read of exactly those bytes, no index
+        (on object storage: one ranged GET, where indexing streams the whole object).
+
+        Raises:
+            DataError: the bytes do not hold exactly those records (the file changed), or
+                cannot be read.
+            MalformedRecordError: a record does not parse.
+        """
+        path = self._resolve(name)
+        if path in self._meta:          # indexed here anyway
+            return self.read(name, start, end)
+        begin, stop, fields = (int(x) for x in span)
+        if not (0 <= begin <= stop and 0 <= start <= end and fields >= 0):
+            raise ValueError(f"{path}: invalid span {span} for records [{start}, {end})")
+        if start == end:
+            return []
+        return self._remote(path, f"read records {start}-{end}", lambda: self._span_records(
+            path, self._decode_lines(path, _read_span(path, begin, stop), start, end - start,
+                                     exact=True), start, fields))
+
+    def _span_records(self, path: str, lines: list[str], start: int, fields: int) -> list[Any]:
+        return lines
 
 
 def _load_remote_index(cached: str) -> np.ndarray | None:
@@ -365,11 +414,18 @@ class CSVDataReader(_LineFileReader):
     def _read_range(self, path: str, meta: LineIndex, start: int, end: int) -> list[list[str]]:
         return self._parse(path, meta.offsets, start, end, expected=meta.num_fields)
 
+    def _span_records(self, path: str, lines: list[str], start: int, fields: int) -> list[Any]:
+        return self._parse_lines(path, lines, start, fields or None)
+
     def _parse(
         self, path: str, offsets: np.ndarray, start: int, end: int, expected: int | None
     ) -> list[list[str]]:
         """Parse records ``[start, end)``, checking each has ``expected`` fields."""
-        lines = self._read_lines(path, offsets, start, end)
+        return self._parse_lines(path, self._read_lines(path, offsets, start, end), start,
+                                 expected)
+
+    def _parse_lines(self, path: str, lines: list[str], start: int, expected: int | None
+                     ) -> list[list[str]]:
         # The sentinel line makes an unterminated quote in the last line detectable the same way
         # as anywhere else: the reader then consumes more than one line for that row.
         reader = csv.reader(itertools.chain(lines, ("",)), delimiter=self.delimiter(path))

@@ -75,6 +75,9 @@ class JobCore(Recovery):
                                              self.notify, manage_evaluations)
         # judges the training loss the workers report (None: --on_divergence=off)
         self.health: Optional[LossHealth] = None
+        # the readers of the job's data by task type: the byte spans tasks carry
+        # (master/servicer.py); set by job_factory.core_from_spec
+        self.task_readers: dict[Any, Any] = {}
         self._begun = False
         # called with the core after each refresh_report (the job history writer)
         self.refresh_hooks: list[Any] = []

@@ -37,6 +37,7 @@ def core_from_spec(spec: Any, readers: Mapping[TaskType, Any], first_task_id: in
     core = JobCore(tm, report, Schedule.from_spec(spec), minibatch_size=spec.minibatch_size,
                    job_type=spec.job_type, start_version=start_version)
     core.metric_schedule = MetricSchedule.from_spec(spec)
+    core.task_readers = dict(readers)   # the byte spans of tasks (master/servicer.py)
     if getattr(spec, "on_divergence", "off") != "off" and spec.job_type == JobType.TRAIN:
         core.health = LossHealth(HealthRule(window_tasks=spec.health_window_tasks))
         core.divergence_lr_factor = float(getattr(spec, "divergence_lr_factor", 0.5))

@@ -151,11 +151,21 @@ class MasterServicer(pb_grpc.MasterServicer):
             raise _Invalid(f"cannot ask for task type {task_type}")
         return None if task_type == pb.NONE else TaskType(task_type)
 
+    def _span(self, task: Task) -> Optional[tuple[int, int, int]]:
+        """The byte span of ``task``'s records where its reader is line-indexed."""
+        reader = self.core.task_readers.get(task.type)
+        span = getattr(reader, "span", None)
+        return span(task.shard_name, task.start, task.end) if span is not None else None
+
     def _task_msg(self, task: Task, worker_id: int, per_call: Optional[dict] = None
                   ) -> pb.Task:
         """``per_call``: what every training task of one reply carries, read once
         per call (a lease of many tasks takes the core's lock once, not per task)."""
         msg = task_to_proto(task)
+        span = self._span(task)
+        if span is not None:   # line-indexed files: where the records are, from our index
+            msg.shard.byte_start, msg.shard.byte_end, msg.shard.num_fields = span
+            msg.shard.has_span = True
         if task.type == TaskType.TRAINING:
             if per_call is None:
                 per_call = {}

@@ -100,6 +100,10 @@ class TaskRecords:
             reader.check_range(task.shard_name, task.start, task.end)
             self.dataset = reader
             self.num_records = task.end - task.start
+        elif task.span is not None and hasattr(reader, "read_span"):
+            # the master's index says where the records are: no index here
+            self.records = reader.read_span(task.shard_name, task.start, task.end, task.span)
+            self.num_records = len(self.records)
         else:
             self.records = reader.read(task.shard_name, task.start, task.end)
             self.num_records = len(self.records)  # a custom reader may return fewer

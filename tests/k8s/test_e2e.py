@@ -64,14 +64,15 @@ def records_done(path: str) -> int:
 
 
 def submit(server: Any, port_base: int, data: str, tmp_path: Any, job: str,
-           *flags: str) -> None:
+           *flags: str, train: str = "", val: str = "") -> None:
     env = dict(os.environ, KUBECONFIG=server.kubeconfig, ELASTICDL_K8S_PORT_BASE=str(port_base),
                ELASTICDL_HOME=str(tmp_path / "home"), PYTHONPATH=ROOT)
     cli = subprocess.run(
         [sys.executable, "-m", "elasticdl_client.main", "train",
          "--image_name=registry.local/digits:v1", "--image_pull_policy=IfNotPresent",
          f"--model_zoo={MODEL_ZOO}", "--model_def=digits.digits_cnn.custom_model",
-         f"--training_data={data}/train", f"--validation_data={data}/val",
+         f"--training_data={train or data + '/train'}",
+         f"--validation_data={val or data + '/val'}",
          f"--output={tmp_path / 'out'}", f"--job_name={job}",
          f"--namespace={server.namespace}", *flags],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)

@@ -18,7 +18,7 @@ import pytest
 from elasticdl.checkpoint import remote
 from elasticdl.data import fs
 from tests.k8s.test_e2e import master_pod, pod_log, read_report, records_done, submit, wait_for
-from tests.s3.conftest import s3_server  # noqa: F401 - the session's S3 server
+from tests.s3.conftest import s3_digits, s3_server  # noqa: F401 - the session's S3 tier
 from tests.s3.seaweed import ACCESS_KEY, SECRET_KEY
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real]
@@ -27,8 +27,8 @@ BUCKET = "k8s-checkpoints"
 CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
 
 
-def test_ps_job_checkpoints_to_s3_from_pods_with_no_shared_disk(
-        server, kubelet, port_base, digits_data, tmp_path, s3_server):  # noqa: F811
+def test_ps_job_on_s3_csv_checkpoints_to_s3_from_pods_with_no_shared_disk(
+        server, kubelet, port_base, digits_data, tmp_path, s3_server, s3_digits):  # noqa: F811
     from kubernetes import client
 
     fsys = s3_server.filesystem()
@@ -48,7 +48,8 @@ def test_ps_job_checkpoints_to_s3_from_pods_with_no_shared_disk(
            "--num_workers=2", "--num_epochs=3", "--minibatch_size=16",
            "--num_minibatches_per_task=4", f"--checkpoint_dir={url}", "--checkpoint_steps=5",
            "--keep_checkpoint_max=2", f"--data_endpoint={s3_server.endpoint}",
-           "--data_secret=s3-credentials")
+           "--data_secret=s3-credentials", train=s3_digits["train_csv"][0],
+           val=s3_digits["val_csv"][0])
     master = master_pod(server, job)
     report_path = str(tmp_path / "out" / "job_report.json")
 
@@ -74,6 +75,11 @@ def test_ps_job_checkpoints_to_s3_from_pods_with_no_shared_disk(
         assert epoch["records_completed"] == report["dataset"]["training_records"]
     relaunched = {r["replica"]: r for r in report["relaunches"]}
     assert relaunched["ps-0"]["reason"] == "deleted", report["relaunches"]
+    # the data: CSV objects the master indexed once; every task carried its byte span, so
+    # no worker streamed an object to index it (each task one ranged GET)
+    assert "indexed s3://" in pod_log(server, master)
+    for pod in server.list("pods", f"elasticdl-job-name={job},elasticdl-replica-type=worker"):
+        assert "indexed s3://" not in pod_log(server, pod["metadata"]["name"])
     # the new ps-0 pod restored from the bucket, into its own (fresh) staging directory
     log = pod_log(server, f"elasticdl-{job}-ps-0")
     restored = re.findall(r"PS 0 restored version (\d+)", log)
