@@ -203,6 +203,8 @@ class CheckpointMirror:
         for v in sorted(self.pulled - listed):
             shutil.rmtree(version_dir(self.local_dir, v), ignore_errors=True)
             self._forget(v)
+        for v in self.complete - listed:   # gone by retention: what is known stays bounded
+            self._forget(v)
 
     def _download(self, version: int, small_only: bool, shard: str = "") -> None:
         """The files of bucket ``version`` missing locally (``.pt`` too unless
