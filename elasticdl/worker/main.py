@@ -123,6 +123,9 @@ def run_worker(args: WorkerArgs) -> int:
                 elif spec.checkpoint_dir and spec.checkpoint_steps:  # the final model
                     logger.info("final checkpoint: %s",
                                 runtime.save_final_checkpoint(client.export_closed))
+                    # staged (object storage): complete in the bucket before the job can
+                    # end, as a PS answers the final save only once its shard is up
+                    staging.flush(spec.checkpoint_dir)
                 faults.point("before_export", exporting=True)
                 paths = runtime.export(job_dir_for(spec))
                 faults.point("after_export", exporting=True)

@@ -12,6 +12,7 @@ there. Nothing here needs Docker or the network beyond 127.0.0.1.
 from __future__ import annotations
 
 import json
+import random
 import socket
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -59,8 +60,12 @@ def free_port_base() -> int:
     metrics endpoint (P+1000, ``K8S_METRICS_PORT_OFFSET``) and workers 0-7
     (P+1001..P+1008) ports were free a moment ago. Bases lie in 10000-18900, below
     the ephemeral range (32768-60999 here), where other processes' connections
-    took ports of a range picked inside it."""
-    for base in range(10000, 18900 - 1008, 1500):
+    took ports of a range picked inside it. Tried in a random order: the suite's
+    stand-in tests and the real tier beside it (two processes) probing the same bases in
+    the same order took the same one (a master's metrics port then in use)."""
+    bases = list(range(10000, 18900 - 1008, 20))   # ranges of different bases interleave
+    random.shuffle(bases)
+    for base in bases:
         probe = [base + i for i in range(5)] + [base + 1000 + i for i in range(9)]
         try:
             for port in probe:

@@ -313,40 +313,33 @@ class FakeKubelet:
                 env[item["name"]] = fields.get(ref, "") if ref else str(item.get("value", ""))
         return env
 
-    def _secret_all(self, ns: str, ref: dict[str, Any]) -> dict[str, str]:
-        """Every key of a Secret (``envFrom``/``secretRef``), as the real kubelet reads it
-        (OSError: not readable and not ``optional``)."""
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                secret = self._core.read_namespaced_secret(ref["name"], ns)
-                break
-            except client.ApiException as e:
-                if e.status == 404 and ref.get("optional"):
-                    return {}
-                if e.status not in (403, 404) or time.monotonic() > deadline:
-                    raise OSError(f"secret {ref['name']!r}: {e.reason}") from None
-                time.sleep(0.2)
-        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
-
-    def _secret_value(self, ns: str, ref: dict[str, Any]) -> Optional[str]:
-        """A secretKeyRef as the real kubelet resolves it (OSError: the pod cannot start;
-        None: ``optional`` and the Secret or key is absent)."""
+    def _read_secret(self, ns: str, ref: dict[str, Any]) -> Optional[Any]:
+        """The Secret a ``secretKeyRef``/``secretRef`` names, as the real kubelet reads it
+        (OSError: the pod cannot start; None: ``optional`` and the Secret is absent)."""
         # A real kubelet retries (CreateContainerConfigError) until the Secret can be
         # read: the Node authorizer learns of a newly bound pod's secrets a moment
         # after the binding, so the first read may be refused.
         deadline = time.monotonic() + 15
         while True:
             try:
-                secret = self._core.read_namespaced_secret(ref["name"], ns)
-                break
+                return self._core.read_namespaced_secret(ref["name"], ns)
             except client.ApiException as e:
                 if e.status == 404 and ref.get("optional"):
                     return None
                 if e.status not in (403, 404) or time.monotonic() > deadline:
                     raise OSError(f"secret {ref['name']!r}: {e.reason}") from None
                 time.sleep(0.2)
-        value = (secret.data or {}).get(ref["key"])
+
+    def _secret_all(self, ns: str, ref: dict[str, Any]) -> dict[str, str]:
+        """Every key of a Secret (``envFrom``/``secretRef``)."""
+        secret = self._read_secret(ns, ref)
+        data = (secret.data or {}) if secret is not None else {}
+        return {k: base64.b64decode(v).decode() for k, v in data.items()}
+
+    def _secret_value(self, ns: str, ref: dict[str, Any]) -> Optional[str]:
+        """A ``secretKeyRef`` (None: ``optional`` and the Secret or key is absent)."""
+        secret = self._read_secret(ns, ref)
+        value = (secret.data or {}).get(ref["key"]) if secret is not None else None
         if value is None and ref.get("optional"):
             return None
         if value is None:

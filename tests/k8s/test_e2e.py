@@ -80,6 +80,17 @@ def submit(server: Any, port_base: int, data: str, tmp_path: Any, job: str,
     assert "submitted job" in cli.stdout
 
 
+def finished_report(server: Any, master: str, report_path: str,
+                    timeout_s: float = 300) -> dict[str, Any]:
+    """Waits for the job of ``master`` (its pod) to end; its ``succeeded`` report."""
+    wait_for(lambda: server.phase(master) in ("Succeeded", "Failed"), timeout_s,
+             "the job to finish", lambda: pod_log(server, master)[-6000:])
+    assert server.phase(master) == "Succeeded", pod_log(server, master)[-6000:]
+    report = read_report(report_path)
+    assert report is not None and report["status"] == "succeeded", report
+    return report
+
+
 def pod_log(server: Any, name: str) -> str:
     path = os.path.join(server.log_dir, server.namespace, f"{name}.log")
     return open(path).read() if os.path.exists(path) else f"(no log of {name})"
@@ -214,11 +225,7 @@ def test_digits_allreduce_job_status_logs_and_stop(server, kubelet, port_base, d
            "--distribution_strategy=AllreduceStrategy", "--num_workers=2", "--num_epochs=1",
            "--minibatch_size=32", "--collective_timeout_s=20")
     master = master_pod(server, job)
-    wait_for(lambda: server.phase(master) in ("Succeeded", "Failed"), 300, "the job to finish",
-             lambda: pod_log(server, master)[-6000:])
-    assert server.phase(master) == "Succeeded", pod_log(server, master)[-6000:]
-    report = read_report(str(tmp_path / "out" / "job_report.json"))
-    assert report is not None and report["status"] == "succeeded", report
+    report = finished_report(server, master, str(tmp_path / "out" / "job_report.json"))
     assert report["cluster"] == "k8s" and report["relaunches"] == []
     assert [e["records_completed"] for e in report["epochs"]] == [
         report["dataset"]["training_records"]]

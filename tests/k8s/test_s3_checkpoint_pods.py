@@ -17,7 +17,15 @@ import pytest
 
 from elasticdl.checkpoint import remote
 from elasticdl.data import fs
-from tests.k8s.test_e2e import master_pod, pod_log, read_report, records_done, submit, wait_for
+from tests.k8s.test_e2e import (
+    finished_report,
+    master_pod,
+    pod_log,
+    read_report,
+    records_done,
+    submit,
+    wait_for,
+)
 from tests.s3.conftest import s3_digits, s3_server  # noqa: F401 - the session's S3 tier
 from tests.s3.seaweed import ACCESS_KEY, SECRET_KEY
 
@@ -27,21 +35,31 @@ BUCKET = "k8s-checkpoints"
 CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
 
 
-def test_ps_job_on_s3_csv_checkpoints_to_s3_from_pods_with_no_shared_disk(
-        server, kubelet, port_base, digits_data, tmp_path, s3_server, s3_digits):  # noqa: F811
+@pytest.fixture
+def pods_without_a_shared_disk(server, kubelet, s3_server):  # noqa: F811
+    """The S3 bucket, a Secret ``s3-credentials`` with its keys, and a kubelet that gives
+    every pod its own ``ELASTICDL_HOME`` and no credential from the environment."""
     from kubernetes import client
 
     fsys = s3_server.filesystem()
     if not fsys.exists(BUCKET):
         fsys.mkdir(BUCKET)
-    url = f"s3://{BUCKET}/{server.namespace}"
-    core = client.CoreV1Api(server.admin)
-    core.create_namespaced_secret(server.namespace, client.V1Secret(
+    client.CoreV1Api(server.admin).create_namespaced_secret(server.namespace, client.V1Secret(
         metadata=client.V1ObjectMeta(name="s3-credentials"),
         string_data={"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                      "AWS_DEFAULT_REGION": "us-east-1"}))
     kubelet.pod_home = True                       # every pod its own disk
     kubelet.unset_env = set(CREDENTIALS) | {"AWS_ENDPOINT_URL"}   # only the Secret has them
+    return f"s3://{BUCKET}/{server.namespace}"
+
+
+def test_ps_job_on_s3_csv_checkpoints_to_s3_from_pods_with_no_shared_disk(
+        server, kubelet, port_base, digits_data, tmp_path, s3_server, s3_digits,  # noqa: F811
+        pods_without_a_shared_disk):
+    from kubernetes import client
+
+    url = pods_without_a_shared_disk
+    core = client.CoreV1Api(server.admin)
     job = "s3-ckpt"
     submit(server, port_base, digits_data, tmp_path, job,
            "--distribution_strategy=ParameterServerStrategy", "--num_ps_pods=2",
@@ -114,38 +132,23 @@ def test_ps_job_on_s3_csv_checkpoints_to_s3_from_pods_with_no_shared_disk(
 
 
 def test_allreduce_job_checkpoints_to_s3_and_an_evaluate_job_reads_them(
-        server, kubelet, port_base, digits_data, tmp_path, s3_server):  # noqa: F811
+        server, kubelet, port_base, digits_data, tmp_path, s3_server,  # noqa: F811
+        pods_without_a_shared_disk):
     """Allreduce: the writing worker's pod uploads each version (``DONE`` last); an
     ``evaluate`` job then loads the newest from the bucket in pods that never saw it."""
     import subprocess
     import sys
 
-    from kubernetes import client
-
     from tests.conftest import MODEL_ZOO, ROOT
 
-    fsys = s3_server.filesystem()
-    if not fsys.exists(BUCKET):
-        fsys.mkdir(BUCKET)
-    url = f"s3://{BUCKET}/{server.namespace}-ar"
-    client.CoreV1Api(server.admin).create_namespaced_secret(server.namespace, client.V1Secret(
-        metadata=client.V1ObjectMeta(name="s3-credentials"),
-        string_data={"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                     "AWS_DEFAULT_REGION": "us-east-1"}))
-    kubelet.pod_home = True
-    kubelet.unset_env = set(CREDENTIALS) | {"AWS_ENDPOINT_URL"}
+    url = pods_without_a_shared_disk + "-ar"
     job = "s3-ar"
     submit(server, port_base, digits_data, tmp_path, job,
            "--distribution_strategy=AllreduceStrategy", "--num_workers=2", "--num_epochs=1",
            "--minibatch_size=32", "--collective_timeout_s=20", f"--checkpoint_dir={url}",
            "--checkpoint_steps=10", "--keep_checkpoint_max=2",
            f"--data_endpoint={s3_server.endpoint}", "--data_secret=s3-credentials")
-    master = master_pod(server, job)
-    wait_for(lambda: server.phase(master) in ("Succeeded", "Failed"), 300, "the job to finish",
-             lambda: pod_log(server, master)[-6000:])
-    assert server.phase(master) == "Succeeded", pod_log(server, master)[-6000:]
-    report = read_report(str(tmp_path / "out" / "job_report.json"))
-    assert report is not None and report["status"] == "succeeded", report
+    finished_report(server, master_pod(server, job), str(tmp_path / "out" / "job_report.json"))
     versions = remote.remote_versions(url)
     assert 1 <= len(versions) <= 2, versions
     for v in versions:
@@ -163,12 +166,8 @@ def test_allreduce_job_checkpoints_to_s3_and_an_evaluate_job_reads_them(
          f"--data_endpoint={s3_server.endpoint}", "--data_secret=s3-credentials"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert cli.returncode == 0, cli.stdout + cli.stderr
-    evaluator = master_pod(server, "s3-eval")
-    wait_for(lambda: server.phase(evaluator) in ("Succeeded", "Failed"), 300,
-             "the evaluate job to finish", lambda: pod_log(server, evaluator)[-6000:])
-    assert server.phase(evaluator) == "Succeeded", pod_log(server, evaluator)[-6000:]
-    evaluated = read_report(str(out / "job_report.json"))
-    assert evaluated is not None and evaluated["status"] == "succeeded", evaluated
+    evaluated = finished_report(server, master_pod(server, "s3-eval"),
+                                str(out / "job_report.json"))
     assert evaluated["model_version"] == versions[-1], evaluated
     assert json.dumps(evaluated).count("accuracy") and SECRET_KEY not in json.dumps(
         server.list("pods"))
