@@ -47,7 +47,6 @@ __all__ = ["CheckpointMirror"]
 
 _VERSION = re.compile(r"^version-(\d+)$")
 _SHARD = re.compile(r"^ps-(\d+)-of-(\d+)\.pt$")
-_PARTIAL = (".tmp", ".part")
 
 
 class _File(NamedTuple):
@@ -63,7 +62,7 @@ def _files(base: str, sub: str = "") -> list[_File]:
         if not sub:
             dirs[:] = []       # the top level only: versions are pushed one by one
         for name in names:
-            if name == DONE or name.endswith(_PARTIAL) or ".tmp" in name:
+            if name == DONE or name.endswith(".part") or ".tmp" in name:
                 continue
             path = os.path.join(root, name)
             try:

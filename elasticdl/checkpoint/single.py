@@ -97,8 +97,8 @@ def save_single(checkpoint_dir: str, version: int, state: dict[str, Any],
 
 def load_single(path: str, map_location: Optional[str] = "cpu") -> dict[str, Any]:
     """Load the single-writer checkpoint at ``path`` (see :func:`resolve`)."""
-    staging.ensure(resolve(path))   # a staged checkpoint: its model.pt comes down first
     vdir = resolve(path)
+    staging.ensure(vdir)   # a staged checkpoint: its model.pt comes down first
     file = os.path.join(vdir, "model.pt")
     if not os.path.exists(file):
         raise CheckpointError(f"{vdir} holds no model.pt (a parameter-server checkpoint?)")

@@ -129,7 +129,7 @@ def _stage_init(spec: Any, init: str, root: str, changes: dict[str, Any], pod: b
     if pod and mirror is not None:
         mirror.fetch_small(version)
     else:
-        remote.download_checkpoint(norm if named else base_url, local)
+        remote.download_checkpoint(norm, local)
     return version_dir(local, version) if named else local
 
 
@@ -229,9 +229,8 @@ def flush(local_dir: str, quiet: bool = False) -> None:
 
 def for_children(spec: Any) -> Any:
     """``spec`` with its staged directories given back as URLs (what a child pod gets)."""
-    changes = {f: to_url(getattr(spec, f)) for f in ("checkpoint_dir",
-                                                     "checkpoint_dir_for_init")
-               if getattr(spec, f) and to_url(getattr(spec, f)) != getattr(spec, f)}
+    urls = {f: to_url(getattr(spec, f)) for f in ("checkpoint_dir", "checkpoint_dir_for_init")}
+    changes = {f: url for f, url in urls.items() if url != getattr(spec, f)}
     return dataclasses.replace(spec, **changes) if changes else spec
 
 

@@ -9,6 +9,7 @@ rendezvous do the work.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -161,11 +162,8 @@ class MasterServicer(pb_grpc.MasterServicer):
                   ) -> pb.Task:
         """``per_call``: what every training task of one reply carries, read once
         per call (a lease of many tasks takes the core's lock once, not per task)."""
-        msg = task_to_proto(task)
-        span = self._span(task)
-        if span is not None:   # line-indexed files: where the records are, from our index
-            msg.shard.byte_start, msg.shard.byte_end, msg.shard.num_fields = span
-            msg.shard.has_span = True
+        span = self._span(task)   # line-indexed files: where the records are, from our index
+        msg = task_to_proto(task if span is None else dataclasses.replace(task, span=span))
         if task.type == TaskType.TRAINING:
             if per_call is None:
                 per_call = {}
