@@ -51,6 +51,9 @@ sys.path.insert(0, ROOT)
 from tests.conftest import FIXTURE_ZOO  # noqa: E402
 from tests.k8s import realcluster  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from digits_zoo import digits_zoo  # noqa: E402
+
 GPU = "nvidia.com/gpu"
 STRATEGY_FLAGS = {
     "ps": ["--distribution_strategy=ParameterServerStrategy", "--use_async=true",
@@ -104,7 +107,7 @@ class Bench:
         np.save(os.path.join(self.data, "ids.npy"), np.arange(records, dtype=np.int64))
         self.zoo = FIXTURE_ZOO
         if model == "digits":
-            self.zoo, self.data, self.val = _digits_zoo(work)
+            self.zoo, self.data, self.val = digits_zoo(work)
         node_api = config.new_client_from_config(config_file=self.plane.node_kubeconfig,
                                                  persist_config=False)
         os.makedirs(os.path.join(work, "node"), exist_ok=True)
@@ -341,41 +344,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if a.smoke:
         a.pairs, a.strategies, a.records, a.delay_s = 1, "ps", 64, 0.01
     return a
-
-
-DIGITS_DELAY = '''"""digits.digits_cnn with a sleep per training minibatch (GPU time)."""
-import os
-import time
-
-from digits.digits_cnn import custom_model, eval_metrics_fn, feed, optimizer  # noqa: F401
-from digits.digits_cnn import loss as _loss
-
-DELAY_S = float(os.environ.get("COUNT_RECORDS_DELAY_S", "0"))
-
-
-def loss(labels, outputs):
-    if DELAY_S and outputs.requires_grad:
-        time.sleep(DELAY_S)
-    return _loss(labels, outputs)
-'''
-
-
-def _digits_zoo(work: str) -> tuple[str, str, str]:
-    """A model zoo holding ``digits`` and ``digits_delay``; the data prepared in ``work``."""
-    import shutil
-
-    zoo = os.path.join(work, "zoo")
-    if not os.path.isdir(zoo):
-        for pkg in ("digits", "mnist"):   # digits_cnn builds on mnist_cnn
-            shutil.copytree(os.path.join(ROOT, "model_zoo", pkg), os.path.join(zoo, pkg))
-        with open(os.path.join(zoo, "digits_delay.py"), "w") as f:
-            f.write(DIGITS_DELAY)
-    data = os.path.join(work, "digits-data")
-    if not os.path.isdir(os.path.join(data, "train")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "model_zoo", "digits",
-                                                     "prepare_data.py"), f"--output={data}"],
-                       check=True, stdout=subprocess.DEVNULL, timeout=300)
-    return zoo, os.path.join(data, "train"), os.path.join(data, "val")
 
 
 def main() -> int:

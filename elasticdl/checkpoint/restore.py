@@ -62,11 +62,14 @@ def initial_source(spec: Any) -> str:
 def rollback_source(spec: Any, base: int, at_most: Optional[int] = None
                     ) -> Optional[dict[str, Any]]:
     """``{"dir": version dir, "checkpoint": version}`` every PS rolls back to when
-    one is lost (the newest; with ``at_most``, the newest at or below it: a divergence
-    rollback), or None (no checkpoint anywhere)."""
+    one is lost (the newest of this run: above its ``base``), or None (no checkpoint
+    anywhere). With ``at_most`` (a divergence rollback) the newest at or below it, the
+    run's base version included (under ``--on_divergence=rollback`` a PS writes the
+    pushed model at once: version 0 of a new job, ``ps.main.initial_checkpoint``)."""
+    lowest = base if at_most is not None else base + 1
     own = [v for v in (paths.complete_versions(spec.checkpoint_dir)
                        if spec.checkpoint_dir else [])
-           if v > base and (at_most is None or v <= at_most)]
+           if v >= lowest and (at_most is None or v <= at_most)]
     if own:
         return {"dir": os.path.abspath(paths.version_dir(spec.checkpoint_dir, own[-1])),
                 "checkpoint": own[-1]}

@@ -190,6 +190,7 @@ class LocalJob:
             if spec.checkpoint_dir and spec.checkpoint_steps:
                 self.save_checkpoint()
             ckpt.export_model(self.trainer.model, self.out_dir, spec.export_torchscript)
+        self.core.finish_health()
         self.core.refresh_report()
         verdict = self.core.health_verdict()
         if verdict is not None and spec.on_divergence == OnDivergence.FAIL.value:

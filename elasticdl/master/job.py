@@ -263,7 +263,11 @@ class JobCore(Recovery):
             self.report.add_training(trained.epoch, trained.num_records, loss, learning_rate)
         if self.health is not None and task is not None and worker_id in holders and \
                 task.type == TaskType.TRAINING:
-            self.health.judge_task(success, error, loss, task.num_records, self.version)
+            c = counters or {}
+            self.health.judge_task(success, error, loss, task.num_records, self.version,
+                                   collapsed=(int(c.get("collapsed_records", 0)),
+                                              int(c.get("collapsed_at_version", 0)),
+                                              int(c.get("alive_at_version", -1))))
         self.evaluations.maybe_start(self.version)
         return trained
 
@@ -272,6 +276,13 @@ class JobCore(Recovery):
         with self._lock:
             h = self.health
             return None if h is None or h.healthy else (h.status, h.reason)
+
+    def finish_health(self) -> None:
+        """Training ended: the detector judges its open window and the final model
+        (:meth:`LossHealth.finish`); before the job's terminal status is decided."""
+        with self._lock:
+            if self.health is not None:
+                self.health.finish()
 
     def restart_health(self) -> None:
         """Judge the loss afresh (after a divergence rollback)."""

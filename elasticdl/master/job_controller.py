@@ -323,16 +323,25 @@ class JobController:
             self.fail(*step.failure)
         elif step.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED):
             # --on_divergence=warn: an unhealthy job never ends a plain "succeeded", nor
-            # one that needed a divergence rollback to end healthy
-            self.report.status = final_status(step.phase.value, self.core.health_verdict(),
+            # one that needed a divergence rollback to end healthy (nor one whose model
+            # collapsed in its last tasks: judged now, too late to act on but to mark)
+            self.core.finish_health()
+            verdict = self.core.health_verdict()
+            if verdict is not None and step.phase == JobPhase.SUCCEEDED and \
+                    self.spec.on_divergence == OnDivergence.FAIL.value:
+                self.fail("master", f"training {verdict[0].value}: {verdict[1]} "
+                          "(--on_divergence=fail; evidence: training_health in the report)", "")
+                return
+            self.report.status = final_status(step.phase.value, verdict,
                                               self.core.divergence_rollbacks())
         self.phase, self._finishing_since = step.phase, step.since
 
     def _check_health(self) -> None:
         """``--on_divergence=fail``: an unhealthy verdict fails the job, naming it;
         ``rollback``: every PS rolls back to the newest checkpoint at or before the
-        best window, the learning rate cut (at most --max_divergence_rollbacks times;
-        then, or without such a checkpoint, the job fails)."""
+        best window (a collapse: before it began), the learning rate cut (at most
+        --max_divergence_rollbacks times; then, or without such a checkpoint, the job
+        fails)."""
         mode = self.spec.on_divergence
         if mode not in (OnDivergence.FAIL.value, OnDivergence.ROLLBACK.value) or \
                 self.report.failure is not None:
@@ -353,16 +362,17 @@ class JobController:
                       "(--max_divergence_rollbacks; evidence: training_health in the report)",
                       "")
             return
-        best = self.core.health_best_version()
+        best = self.core.health_rollback_version()
         source = restore.rollback_source(self.spec, self.core.start_version(), at_most=best)
         if source is None:
             self.fail("master", f"{what}; no checkpoint at or before model version {best} "
-                      "(the best loss) to roll back to (--on_divergence=rollback: set "
-                      "--checkpoint_steps lower, --keep_checkpoint_max higher)", "")
+                      "(the best loss, or before a collapse) to roll back to "
+                      "(--on_divergence=rollback: set --checkpoint_steps lower, "
+                      "--keep_checkpoint_max higher)", "")
             return
-        logger.warning("%s: rolling every PS back to checkpoint %d (the best loss was at "
-                       "version %d), learning rates x%g from now on (divergence rollback "
-                       "%d of at most %d)", what, source["checkpoint"], best,
+        logger.warning("%s: rolling every PS back to checkpoint %d (at most version %d: the "
+                       "best loss, or before a collapse), learning rates x%g from now on "
+                       "(divergence rollback %d of at most %d)", what, source["checkpoint"], best,
                        self.spec.divergence_lr_factor ** (done + 1), done + 1,
                        self.spec.max_divergence_rollbacks)
         self.core.divergence_rollback(source, time.time())

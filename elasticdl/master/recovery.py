@@ -157,11 +157,13 @@ class Recovery(Journaled):
         with self._lock:
             return self.protocols.divergence_rollbacks
 
-    def health_best_version(self) -> int:
-        """The model version at the loss detector's best window (0: none)."""
+    def health_rollback_version(self) -> int:
+        """The newest model version a divergence rollback may restore (the loss
+        detector's ``rollback_version``: the best window's, or before a collapse
+        began; 0: none)."""
         with self._lock:
             health = getattr(self, "health", None)
-            return int(health.best_version) if health is not None else 0
+            return int(health.rollback_version) if health is not None else 0
 
     def lr_scale(self) -> float:
         """What every training task tells the PS to scale their learning rates by:

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 # what report_task_result may carry (see TaskManager.report)
 COUNTERS = frozenset({"records_applied", "applied_at_version", "applied_generation",
                       "records_read",
-                      "records_skipped", "nonfinite_steps_skipped"})
+                      "records_skipped", "nonfinite_steps_skipped",
+                      "collapsed_records", "collapsed_at_version", "alive_at_version"})
 MAX_COUNTER = (1 << 53) - 1
 
 

@@ -13,6 +13,12 @@ records-weighted mean loss of the window) and decides, at each window's close:
   window's mean (or above the first), for ``patience`` consecutive windows:
   ``diverged`` (the fraction keeps a healthy job's late noise — best 0.05, a window
   at 0.08 — from counting);
+* **collapsed** — in ``patience`` consecutive windows, at least ``collapse_fraction``
+  of the records were trained in steps whose outputs were identical for every record
+  of the minibatch (the workers report them: :mod:`elasticdl.worker.collapse`):
+  ``stalled``. The model no longer depends on its inputs (a CNN whose ReLUs died in
+  its first async steps sits at ln 10, which after an early spike is *below* the
+  first window's mean: the loss alone reads it as a plateau);
 * **flat at its initial value** — after ``stall_windows`` windows, the best window
   mean is still within ``stall_progress`` of the first window's and the last
   ``stall_windows`` window means lie within ``stall_tolerance`` of each other:
@@ -82,13 +88,15 @@ class HealthRule:
     stall_windows: int = 6
     stall_tolerance: float = 0.02
     stall_progress: float = 0.1
+    collapse_fraction: float = 0.9   # of a window's records in collapsed steps
     keep: int = 16            # window means kept as evidence (at least stall_windows)
     recover_windows: int = 3  # consecutive good windows that end a rising/stalled episode
     episodes_kept: int = 8    # the newest episodes kept as evidence (their count is kept)
 
     def __post_init__(self) -> None:
         if self.window_tasks < 1 or self.patience < 1 or self.stall_windows < 2 or \
-                self.recover_windows < 1 or self.episodes_kept < 1:
+                self.recover_windows < 1 or self.episodes_kept < 1 or \
+                not 0 < self.collapse_fraction <= 1:
             raise ValueError(f"invalid health rule {self}")
         if self.keep < max(self.stall_windows, self.patience):
             raise ValueError(f"keep={self.keep} must hold stall_windows and patience windows")
@@ -118,14 +126,31 @@ class LossHealth:
         self._records = 0
         self._tasks = 0
         self._nonfinite = 0
+        self._collapsed = 0                 # records of the open window's collapsed steps
+        self._collapsed_at = -1             # the lowest version one of them trained on
+        self.collapsing = 0                 # consecutive collapsed windows
+        self.collapse_version: Optional[int] = None   # where that run of windows began
+        self.alive_version = -1             # the highest version a step was not collapsed at
 
     # ----------------------------------------------------------------- input
     def observe(self, loss: Optional[float], records: int, nonfinite: bool = False,
-                version: int = 0) -> bool:
+                version: int = 0, collapsed: Collapse = (0, 0, -1)) -> bool:
         """A completed training task's mean loss over ``records`` (None: not reported),
         or a task that met a non-finite loss/gradient (``nonfinite``), at model
-        ``version``. Returns True when this report turned the status unhealthy."""
+        ``version``; ``collapsed``: the records of its steps whose outputs were identical
+        for every record, the lowest model version of those steps, and the highest
+        version of a step whose outputs were not (-1: none). Returns True when this
+        report turned the status unhealthy."""
         self._version = max(self._version, int(version))
+        self.alive_version = max(self.alive_version, int(collapsed[2]))
+        if collapsed[0] > 0 or collapsed[2] >= 0:
+            logger.debug("training health: task of %d records at version %d: %d in collapsed "
+                         "steps (from version %d), alive at %d", records, version,
+                         collapsed[0], collapsed[1], collapsed[2])
+        if collapsed[0] > 0:
+            self._collapsed += int(collapsed[0])
+            at = int(collapsed[1])
+            self._collapsed_at = at if self._collapsed_at < 0 else min(self._collapsed_at, at)
         if nonfinite or (loss is not None and not math.isfinite(loss)):
             self._nonfinite += 1
         elif loss is not None and records > 0:
@@ -137,13 +162,14 @@ class LossHealth:
         return self._close()
 
     def judge_task(self, success: bool, error: str, loss: Optional[float],
-                   records: int, version: int = 0) -> None:
+                   records: int, version: int = 0, collapsed: Collapse = (0, 0, -1)
+                   ) -> None:
         """A training task's outcome: its mean loss, or a non-finite loss/gradient (the
         task failed with NonFiniteError); other failures are no evidence, nor are steps
         skipped under ``--skip_nonfinite_steps`` (the user's choice, in the report).
         A verdict that turns is logged with its evidence."""
         if success:
-            turned = self.observe(loss, records, version=version)
+            turned = self.observe(loss, records, version=version, collapsed=collapsed)
         elif error.startswith("NonFiniteError"):
             turned = self.observe(None, 0, nonfinite=True, version=version)
         else:
@@ -153,6 +179,27 @@ class LossHealth:
                            self.status.value, self.reason,
                            [round(m, 4) for m in self.means], self.best)
 
+    def finish(self) -> bool:
+        """Training ended: the open window's tasks are judged as a window of their own,
+        and a model whose last window collapsed is ``stalled`` even without ``patience``
+        windows (there will be no more: the job would end with a model that ignores its
+        inputs, e.g. one that died in its last tasks). Returns True when this turned the
+        status unhealthy (the verdict logged); calling it again changes nothing."""
+        turned = self._tasks > 0 and self._close()
+        if not turned and self.healthy and self.collapsing > 0 and self.initial is not None \
+                and self.initial > 0:
+            turned = self._verdict(HealthStatus.STALLED,
+                                   f"the model the training ended with collapsed: its outputs "
+                                   f"were identical for every record of its minibatches in "
+                                   f"its last {self.collapsing} window(s), from model version "
+                                   f"{self.collapse_version} (it no longer depends on its "
+                                   f"inputs, e.g. dead ReLUs)", "collapsed")
+        if turned:
+            logger.warning("training health: %s: %s (window means %s, best %s)",
+                           self.status.value, self.reason,
+                           [round(m, 4) for m in self.means], self.best)
+        return turned
+
     def restart(self) -> None:
         """Judge afresh (after a rollback): the verdict, the windows and the rise count
         go; the count of restarts, the model version reached (it never goes back) and
@@ -161,15 +208,17 @@ class LossHealth:
         first window (the restored, already trained model) as the initial value would
         call the noise of a converged loss a divergence."""
         keep = (self.restarts + 1, self._version, self.initial, self.best, self.best_version,
-                self.episodes, self.episode_count)
+                self.episodes, self.episode_count, self.alive_version)
         self.__init__(self.rule)  # type: ignore[misc]
         (self.restarts, self._version, self.initial, self.best, self.best_version,
-         self.episodes, self.episode_count) = keep
+         self.episodes, self.episode_count, self.alive_version) = keep
 
     # -------------------------------------------------------------- deciding
     def _close(self) -> bool:
         nonfinite, records, total = self._nonfinite, self._records, self._sum
+        collapsed_records, collapsed_at = self._collapsed, self._collapsed_at
         self._sum, self._records, self._tasks, self._nonfinite = 0.0, 0, 0, 0
+        self._collapsed, self._collapsed_at = 0, -1
         if nonfinite:
             if self.cause in ("rising", "stalled"):   # an open episode turns non-finite
                 self.status, self.cause = HealthStatus.DIVERGED, "nonfinite"   # and sticks
@@ -193,9 +242,24 @@ class LossHealth:
         if self.initial <= 0 or self.cause == "nonfinite":
             return False   # judged for non-finite values only; a non-finite verdict sticks
         r, best, initial = self.rule, self.best, self.initial
+        collapsed = collapsed_records >= r.collapse_fraction * records
         if not self.healthy:
-            self._maybe_recover(mean)
+            self._maybe_recover(mean, collapsed)
             return False
+        if collapsed:
+            self.collapsing += 1
+            self.collapse_version = collapsed_at if self.collapse_version is None else \
+                min(self.collapse_version, collapsed_at)
+        else:
+            self.collapsing, self.collapse_version = 0, None
+        if self.collapsing >= r.patience:   # (finish(): one window, at the end)
+            return self._verdict(HealthStatus.STALLED,
+                                 f"the model's outputs were identical for every record of "
+                                 f"its minibatches ({r.collapse_fraction:.0%} of the records "
+                                 f"or more) in {self.collapsing} windows from model version "
+                                 f"{self.collapse_version}: it no longer depends on its "
+                                 f"inputs (collapsed, e.g. dead ReLUs; window mean "
+                                 f"{mean:.4g})", "collapsed")
         if mean > best * r.rise_factor and mean > best + r.rise_fraction * (initial - best):
             self.rising += 1
         else:
@@ -213,12 +277,14 @@ class LossHealth:
                                      "stalled")
         return False
 
-    def _maybe_recover(self, mean: float) -> None:
+    def _maybe_recover(self, mean: float, collapsed: bool) -> None:
         """An open rising/stalled episode: has its cause gone for recover_windows?"""
         r = self.rule
         assert self.best is not None and self.initial is not None
         if self.cause == "rising":
             past = mean <= self.best * r.rise_factor
+        elif self.cause == "collapsed":
+            past = not collapsed
         else:
             past = self.best < self.initial * (1 - r.stall_progress)
         self.recovering = self.recovering + 1 if past else 0
@@ -231,6 +297,7 @@ class LossHealth:
                        [round(m, 4) for m in self.means], self.best)
         self.status, self.cause, self.rising, self.recovering = \
             HealthStatus.RECOVERED, "", 0, 0
+        self.collapsing, self.collapse_version = 0, None
 
     def _verdict(self, status: HealthStatus, reason: str, cause: str) -> bool:
         if not self.healthy:
@@ -241,7 +308,22 @@ class LossHealth:
         self.episodes.append({"status": status.value, "cause": cause, "reason": reason,
                               "window": self.windows, "version": self._version,
                               "recovered_window": None})
+        if cause == "collapsed":
+            self.episodes[-1]["since_version"] = self.collapse_version
         return True
+
+    @property
+    def rollback_version(self) -> int:
+        """The newest model version a divergence rollback may restore. A collapsed
+        model: before the collapse began (the first collapsed step's version) and no
+        newer than a version a step was seen alive at (async workers train on versions
+        a few behind: the model may have died between the last step seen alive and the
+        first seen collapsed). Else the best window's."""
+        if self.cause == "collapsed" and self.collapse_version is not None:
+            before = self.collapse_version - 1
+            return max(0, min(before, self.alive_version) if self.alive_version >= 0
+                       else before)
+        return self.best_version
 
     @property
     def healthy(self) -> bool:
@@ -265,7 +347,10 @@ class LossHealth:
                 "verdict_window": self.verdict_window, "best_version": self.best_version,
                 "version": self._version, "cause": self.cause, "recovering": self.recovering,
                 "episodes": list(self.episodes), "episode_count": self.episode_count,
-                "open": [self._sum, self._records, self._tasks, self._nonfinite]}
+                "collapsing": self.collapsing, "collapse_version": self.collapse_version,
+                "alive_version": self.alive_version,
+                "open": [self._sum, self._records, self._tasks, self._nonfinite,
+                         self._collapsed, self._collapsed_at]}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         if not state:
@@ -284,12 +369,22 @@ class LossHealth:
         self.recovering = int(state.get("recovering", 0))
         self.episodes = deque(state.get("episodes", []), maxlen=self.rule.episodes_kept)
         self.episode_count = int(state.get("episode_count", len(self.episodes)))
-        s, rec, tasks, nf = state["open"]
+        s, rec, tasks, nf, *collapsed = state["open"]   # (older states: 4 fields)
         self._sum, self._records, self._tasks, self._nonfinite = float(s), int(rec), int(tasks), \
             int(nf)
+        self._collapsed, self._collapsed_at = (int(collapsed[0]), int(collapsed[1])) \
+            if collapsed else (0, -1)
+        self.collapsing = int(state.get("collapsing", 0))
+        cv = state.get("collapse_version")
+        self.collapse_version = None if cv is None else int(cv)
+        self.alive_version = int(state.get("alive_version", -1))
 
 
 SUCCEEDED_WITH_WARNINGS = "succeeded_with_warnings"
+
+Collapse = tuple[int, int, int]
+"""A task's collapsed records, the lowest version of its collapsed steps, the highest
+of its steps that were not (-1: none): :mod:`elasticdl.worker.collapse`."""
 
 
 def final_status(status: str, verdict: Optional[tuple[HealthStatus, str]],

@@ -145,6 +145,18 @@ def checkpoint_every_n(shard: PSShard) -> None:
     faults.point("after_version")
 
 
+def initial_checkpoint(shard: PSShard) -> None:
+    """``on_model_pushed`` hook under ``--on_divergence=rollback``: the model a worker
+    pushed is written at once (version 0 in a new job), so a model that collapses in
+    its first steps, before the first periodic checkpoint, has a checkpoint from before
+    the collapse to roll back to (written in the background, as every checkpoint)."""
+    cfg = shard.config
+    if cfg.checkpoint_dir and cfg.checkpoint_steps and \
+            getattr(shard.job_spec, "on_divergence", "") == "rollback":
+        shard_ckpt.save_shard(shard, cfg.checkpoint_dir, shard.version, cfg.keep_checkpoint_max,
+                              wait=False)
+
+
 def restore_source(args: PSArgs) -> Optional[str]:
     """The version dir to restore from: ``--restore_from`` (the master's rule); for
     a PS started without it, the init checkpoint (an explicit version directory
@@ -161,6 +173,7 @@ def build_shard(args: PSArgs) -> PSShard:
     model_spec = load_from_job_spec(args.job_spec)
     shard = PSShard(shard_config(args), model_spec, on_version=checkpoint_every_n)
     shard.job_spec = args.job_spec
+    shard.on_model_pushed = initial_checkpoint
     output = args.job_spec.output
     if output:  # the full history of applied pushes, on disk only (ps/audit.py)
         shard.audit = AuditLog(os.path.join(output, f"ps-{args.ps_id}-applied.bin"))

@@ -177,6 +177,9 @@ class ModelPushes:
         tables = [replace(t, rows=pending.rows[t.name]) if t.explicit else t
                   for t in pending.tables]
         taken = self.shard.initialize(pending.version, pending.dense, pending.buffers, tables)
+        if taken and self.shard.on_model_pushed is not None:
+            with self.shard.lock:
+                self.shard.on_model_pushed(self.shard)
         if taken and pending.rows:
             logger.info("PS %d took initial rows of %d table(s) (%.1f MB)",
                         self.shard.config.ps_id, len(pending.rows),

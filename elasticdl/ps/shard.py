@@ -143,6 +143,8 @@ class PSShard:
         self.checkpoint_writer: Any = None  # the background writer (shard_checkpoint)
         self.awaiting_rollback = False  # set by a relaunched PS until the master rolls back
         self.job_spec: Any = None       # the job (restore rule checks of rollback requests)
+        # called (shard lock held) once a worker's pushed model initialised this PS
+        self.on_model_pushed: Optional[Callable[[PSShard], None]] = None
         # the last rollback's (protocol id, master incarnation, new version) and answer
         self._last_rollback: Optional[tuple[tuple[int, int, int], list]] = None
 

@@ -106,6 +106,8 @@ class AllreduceTrainer(Trainer):
         self.optimizer = local.optimizer
         self.amp = job_spec.amp
         self._compute_loss = local.compute_loss
+        self._local = local   # its compute_loss watches for a collapse: at our versions
+        local.collapse_version = lambda: self.state.model_version  # type: ignore[method-assign]
         # scheduler, its epoch, GradScaler: stepped in optimizer.step() once the step's
         # gradients are averaged (the same on every member), broadcast with the state
         self.extras = local.extras
@@ -139,6 +141,9 @@ class AllreduceTrainer(Trainer):
     @model_version.setter
     def model_version(self, value: int) -> None:
         self.state.model_version = int(value)
+
+    def collapse_counters(self) -> dict[str, int]:
+        return self._local.collapse_counters()
 
     def _step(self, features: Any, labels: Any) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)

@@ -145,6 +145,10 @@ class PSTrainer(Trainer):
         """The newest model version the PS reported (sync: all PS agree)."""
         return max(self.ps_versions)
 
+    def collapse_version(self) -> int:
+        """The oldest PS version among the parameters held (a step trains on them)."""
+        return max(0, min(self.versions))
+
     # ------------------------------------------------------------ set-up
     def _push_model(self, ps_list: list[int]) -> None:
         """Initialise PS ``ps_list`` with this worker's model, tables with the rows its

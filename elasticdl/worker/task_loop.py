@@ -172,8 +172,10 @@ class TaskLoop:
             elif records is None:
                 raise ValueError(f"unexpected task type {task.type!r}")
             elif task.type == TaskType.TRAINING:
+                self.trainer.collapse_counters()   # (a failed task's leftovers: dropped)
                 self._train(task, records)
                 counters = self.trainer.finish_task(task)  # e.g. what the PS applied
+                counters.update(self.trainer.collapse_counters())
             elif task.type == TaskType.EVALUATION:
                 self.source.report_evaluation(task, *self._evaluate(task, records))
             elif task.type == TaskType.PREDICTION:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from elasticdl.api.model_spec import LRSchedule, ModelSpec, ModelSpecError, ScheduleClock
+from elasticdl.worker.collapse import CollapseWatch
 from elasticdl.worker.nested import to_device
 from elasticdl.worker.sequence_state import SequenceState
 
@@ -218,6 +219,7 @@ class Trainer(ABC):
     last_lr: Optional[float] = None   # the learning rate the last step was applied with
     amp: str = "off"                  # --amp: forward and loss under torch.autocast
     sequence: Optional[Any] = None    # a carried model state (worker/sequence_state.py)
+    _collapse: Optional[CollapseWatch] = None   # this task's collapsed steps (worker/collapse.py)
 
     def _call(self, features: Any) -> Any:
         x = to_device(features, self.device)
@@ -231,11 +233,24 @@ class Trainer(ABC):
         with autocast(self.amp, self.device):
             outputs = self._call(features)
             loss = self.spec.compute_loss(to_device(labels, self.device), outputs, self.model)
+        if self._collapse is None:
+            self._collapse = CollapseWatch()
+        self._collapse.observe(outputs, batch_size_of(labels, features),
+                               self.collapse_version())
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ModelSpecError(f"loss in {self.spec.module_path} must return a scalar "
                                  f"tensor, got {getattr(loss, 'shape', type(loss))}")
         check_finite_loss(loss)
         return loss
+
+    def collapse_version(self) -> int:
+        """The model version a step trains on (what ``collapsed_at_version`` reports)."""
+        return int(self.model_version)
+
+    def collapse_counters(self) -> dict[str, int]:
+        """The training task's steps whose outputs were identical for every record
+        (:mod:`elasticdl.worker.collapse`; empty: none), counted afresh from here."""
+        return self._collapse.take() if self._collapse is not None else {}
 
     @abstractmethod
     def train_minibatch(self, features: Any, labels: Any) -> torch.Tensor:

@@ -7,9 +7,11 @@ strategy's in-process job core writes the same series."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +25,14 @@ from elasticdl.common.job_spec import job_spec_from_flags
 from elasticdl.local.job import run_local_job
 from elasticdl_client.job_figures import endpoint_of, scrape
 from tests.conftest import MODEL_ZOO, ROOT
-from tests.integration.helpers import cli_env, kill_job_tree, read_json, start_cli, wait_for
+from tests.integration.helpers import (
+    cli_env,
+    kill_job_tree,
+    live_replicas,
+    read_json,
+    start_cli,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -133,7 +142,18 @@ def test_ps_job_tensorboard_prometheus_and_status(digits_data, tmp_path):
             return s and one(s, "elasticdl_model_version") > 0 and \
                 one(s, "elasticdl_tasks", type="training", state="done") > 0
         wait_for(mid_training, 300, "training under way")
-        live = status(home, job)
+        # the workers held (SIGSTOP) while `elasticdl status` starts and reads: on a loaded
+        # machine the CLI's start-up outlasted the rest of training once (a CI run: the
+        # job had succeeded, its endpoint gone); tasks are reassigned only after 60 s
+        workers = [r["pid"] for r in live_replicas(out) if r["replica"].startswith("worker")]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            live = status(home, job)
+        finally:
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         assert not torch_loaded(master_pid)
         assert proc.wait(timeout=600) == 0, (tmp_path / "cli.log").read_text()[-3000:]
     finally:

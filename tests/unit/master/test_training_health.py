@@ -220,3 +220,100 @@ def test_other_task_failures_are_no_evidence():
     task = core.get(0)
     core.report_task(task.task_id, 0, False, "ConnectionError: PS 1 unreachable")
     assert core.health_verdict() is None and core.health.windows == 0
+
+
+def test_the_dead_relu_job_of_a_real_run_is_stalled_as_collapsed():
+    """The window means of a real async digits job (4 workers, Adam 1e-2, seed 0) that
+    died: an early spike to 3.0, then ln 10 for good. By the loss alone it is a plateau
+    below the first window (healthy, as the job ended); its collapsed steps make it
+    ``stalled`` after ``patience`` windows, the rollback target before the collapse."""
+    means = [3.007148, 2.305423, 2.304398, 2.306112, 2.305818]
+    by_loss = LossHealth(RULE)
+    for m in means:
+        for _ in range(RULE.window_tasks):
+            by_loss.observe(m, 32, version=0)
+    assert by_loss.healthy
+    h = LossHealth(RULE)
+    version, turned = 0, []
+    for w, m in enumerate(means):
+        for _ in range(RULE.window_tasks):
+            version += 4
+            dead = w >= 1 or version > 12   # window 0: 1 task of 4 (not a collapsed window)
+            if h.observe(m, 32, version=version, collapsed=(32, version - 3, -1) if dead
+                         else (0, 0, version - 2)):
+                turned.append(w)
+    assert turned == [2] and h.status == HealthStatus.STALLED
+    assert h.cause == "collapsed" and "identical for every record" in h.reason
+    # windows 1 and 2 collapsed: since their first step's version (20 - 3); the model
+    # was last seen alive at 12 - 2 (a worker's step at version 13 saw it collapsed)
+    assert h.collapse_version == 17 and h.alive_version == 10 and h.rollback_version == 10
+    episode = h.report()["episodes"][-1]
+    assert episode["cause"] == "collapsed" and episode["since_version"] == 17
+    # the state (journaled by the job core) round-trips, older states load
+    again = LossHealth(RULE)
+    again.load_state_dict(json.loads(json.dumps(h.state_dict())))
+    assert again.report() == h.report() and again.rollback_version == 10
+    old = h.state_dict()
+    old["open"] = old["open"][:4]
+    del old["collapsing"], old["collapse_version"], old["alive_version"]
+    LossHealth(RULE).load_state_dict(old)
+
+
+def test_a_few_collapsed_steps_are_no_collapse_and_a_collapse_can_recover():
+    h = LossHealth(RULE)
+    # 3 of 4 tasks collapsed (75% < 90%) for many windows: not collapsed
+    for i in range(40):
+        h.observe(2.0 - 0.01 * i, 32, version=i, collapsed=(32, i, -1) if i % 4 else (0, 0, i))
+    assert h.healthy and h.collapsing == 0
+    # zero-initialised outputs collapse the first steps only: one window is no verdict
+    z = LossHealth(RULE)
+    for i in range(4):
+        z.observe(2.0, 32, version=i, collapsed=(32, i, -1))
+    for i in range(4, 40):
+        z.observe(2.0 - 0.02 * i, 32, version=i)
+    assert z.healthy and z.episode_count == 0
+    # a verdict whose outputs differ again for recover_windows windows is recovered
+    for i in range(8):
+        z.observe(1.0, 32, version=100 + i, collapsed=(32, 100 + i, -1))
+    assert z.status == HealthStatus.STALLED
+    for i in range(4 * RULE.recover_windows):
+        z.observe(0.9, 32, version=200 + i)
+    assert z.status == HealthStatus.RECOVERED and z.episodes[-1]["recovered_window"]
+    assert z.rollback_version == z.best_version
+
+
+def test_a_counter_whose_loss_is_zero_is_not_judged_collapsed():
+    h = LossHealth(RULE)
+    for i in range(40):
+        h.observe(0.0, 32, version=i, collapsed=(32, i, -1))
+    assert h.healthy
+
+
+def test_a_model_that_collapses_in_its_last_tasks_is_stalled_at_the_end():
+    """A job whose model died in its last window (the async digits job of seed 3, Adam
+    1e-2: 5 windows at 2.50, 2.26, 2.30, 2.33, 2.31, its exported model at chance):
+    ``patience`` windows never came; the end of training judges the open window and a
+    last window that collapsed."""
+    def job(open_task: bool) -> LossHealth:
+        h = LossHealth(RULE)
+        for i in range(16):
+            h.observe(2.3 - 0.01 * i, 32, version=i, collapsed=(0, 0, i))
+        for i in range(16, 20):                      # the last closed window collapsed
+            h.observe(2.31, 32, version=i, collapsed=(32, i, -1))
+        if open_task:                                # and an open window of one task
+            h.observe(2.31, 32, version=20, collapsed=(32, 20, -1))
+        assert h.healthy and h.collapsing == 1
+        return h
+
+    last = job(open_task=False)
+    assert last.finish() and last.status == HealthStatus.STALLED and last.cause == "collapsed"
+    assert "the model the training ended with collapsed" in last.reason
+    assert last.windows == 5 and last.rollback_version == 15
+    assert not last.finish() and last.episode_count == 1     # again: nothing changes
+    # the open window closes as the second collapsed one: the patience rule's verdict
+    both = job(open_task=True)
+    assert both.finish() and both.windows == 6 and "in 2 windows" in both.reason
+    healthy = LossHealth(RULE)
+    for i in range(18):
+        healthy.observe(2.3 - 0.01 * i, 32, version=i, collapsed=(0, 0, i))
+    assert not healthy.finish() and healthy.healthy and healthy.windows == 5

@@ -1,0 +1,75 @@
+"""A collapsed model: outputs that no longer depend on the inputs (issue 28).
+
+A network whose ReLUs all died answers every input with the same output (its last
+layer's bias): its loss sits at the labels' prior (ln 10 for ten balanced classes)
+and looks, window by window, like a plateau. Async PS with stale gradients can do
+that to a small CNN in its first steps (a digits CNN, 4 async workers, Adam at 1e-2:
+6 of 12 seeds, every one at chance accuracy). The loss alone cannot tell such a
+plateau from a converged CTR model's flat log loss; the outputs can: a healthy model
+does not give *bit-identical* outputs for every record of a minibatch.
+
+:class:`CollapseWatch` checks every training step's outputs (the first floating
+tensor of at least two rows in them) for that, and a training task reports the
+records of its collapsed steps (``collapsed_records``), the lowest model version one
+of them trained on (``collapsed_at_version``) and the highest version a step that was
+not collapsed trained on (``alive_at_version``: a model known to be alive there, where
+a rollback may go back to); the master's training-health detector judges them
+(:mod:`elasticdl.master.training_health`). The check is one
+comparison of the outputs with their first row; on CUDA the flags stay on the device
+until the task ends (one synchronisation per task).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+
+def _leaves(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _leaves(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+
+
+def batch_output(outputs: Any) -> Optional[torch.Tensor]:
+    """The tensor judged: the first floating one with at least two rows (None: none)."""
+    for t in _leaves(outputs):
+        if t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 2:
+            return t
+    return None
+
+
+class CollapseWatch:
+    """One task's training steps whose outputs were identical for every record."""
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[torch.Tensor, int, int]] = []   # this task's: bounded
+
+    def observe(self, outputs: Any, records: int, version: int) -> None:
+        """A training step's ``outputs`` over ``records`` records, at model ``version``."""
+        t = batch_output(outputs)
+        if t is None:
+            return
+        t = t.detach()
+        self._steps.append(((t[1:] == t[:1]).all(), int(records), int(version)))
+
+    def take(self) -> dict[str, int]:
+        """The task's counters (empty: no step judged), and start afresh."""
+        steps, self._steps = self._steps, []
+        flags = [(bool(same), n, v) for same, n, v in steps]
+        out = {}
+        alive = [v for same, _, v in flags if not same]
+        if alive:
+            out["alive_at_version"] = max(0, max(alive))
+        collapsed = [(n, v) for same, n, v in flags if same]
+        if collapsed:
+            out["collapsed_records"] = sum(n for n, _ in collapsed)
+            out["collapsed_at_version"] = max(0, min(v for _, v in collapsed))
+        return out
