@@ -16,7 +16,6 @@ import os
 from collections.abc import Iterator
 
 from elasticdl.checkpoint import remote, staging
-from elasticdl.checkpoint.paths import CheckpointError
 from elasticdl.common.enums import ClusterKind
 from elasticdl.common.job_dirs import elasticdl_home
 from elasticdl.common.job_spec import JobSpec
@@ -30,13 +29,7 @@ def _check_for_pods(spec: JobSpec) -> None:
     if remote.is_remote(ckpt):
         staging.refuse_earlier_run(spec)
     if remote.is_remote(init):
-        norm = fs.normalize(init)
-        if norm.rsplit("/", 1)[-1].startswith("version-"):
-            if not fs.exists(fs.join(norm, "DONE")):
-                raise CheckpointError(f"checkpoint {fs.redact(init)} is incomplete (no DONE "
-                                      "marker)")
-        elif not remote.remote_versions(norm):
-            raise CheckpointError(f"no complete checkpoint under {fs.redact(init)!r}")
+        remote.named_version(init)   # CheckpointError: nothing complete to resume from
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ import shutil
 import threading
 from typing import NamedTuple, Optional
 
+from elasticdl.checkpoint import remote
 from elasticdl.checkpoint.paths import DELTA_NOTE, DONE, oldest_needed, version_dir
 from elasticdl.data import fs
 from elasticdl.data.api import DataError
@@ -208,23 +209,15 @@ class CheckpointMirror:
     def _download(self, version: int, small_only: bool, shard: str = "") -> None:
         """The files of bucket ``version`` missing locally (``.pt`` too unless
         ``small_only``; with ``shard`` only that ``.pt``), ``DONE`` last."""
-        remote_v = fs.join(self.url, f"version-{version}")
-        vdir = version_dir(self.local_dir, version)
-        todo = [("", remote_v)]
-        while todo:
-            sub, url = todo.pop()
-            for name, is_dir in fs.list_entries(url):
-                rel = f"{sub}{name}"
-                if is_dir:
-                    todo.append((f"{rel}/", fs.join(url, name)))
-                elif name != DONE and not (name.endswith(".pt") and (
-                        small_only or (shard and name != shard))):
-                    local = os.path.join(vdir, *rel.split("/"))
-                    if not os.path.exists(local):
-                        fs.download(fs.join(url, name), local)
-                    st = os.stat(local)
-                    self._sent[f"version-{version}/{rel}"] = (st.st_size, st.st_mtime_ns)
-        fs.download(fs.join(remote_v, DONE), os.path.join(vdir, DONE))
+        def skip(name: str) -> bool:
+            return name.endswith(".pt") and (small_only or bool(shard and name != shard))
+
+        def sent(rel: str, path: str) -> None:   # in step with the bucket: not uploaded
+            st = os.stat(path)
+            self._sent[f"version-{version}/{rel}"] = (st.st_size, st.st_mtime_ns)
+
+        remote.download_tree(fs.join(self.url, f"version-{version}"),
+                             version_dir(self.local_dir, version), skip, sent)
 
     def fetch_small(self, version: int) -> None:
         """The small files of bucket ``version`` (``DONE``, data positions, delta notes)
@@ -248,21 +241,12 @@ class CheckpointMirror:
             DataError: the store cannot be read (names the URL).
         """
         with self._lock:
-            todo, seen = [version], set()
-            while todo:
-                v = todo.pop()
-                if v in seen:
-                    continue
-                seen.add(v)
+            def one(v: int) -> None:
                 self._download(v, small_only=False, shard=shard)
                 self.pulled.add(v)
                 self.complete.add(v)
-                vdir = version_dir(self.local_dir, v)
-                for name in os.listdir(vdir):
-                    if name.endswith(DELTA_NOTE) and (
-                            not shard or name == shard[:-len(".pt")] + DELTA_NOTE):
-                        with open(os.path.join(vdir, name), encoding="utf-8") as f:
-                            todo.append(int(json.load(f)["prev_version"]))
+
+            remote.download_chain(self.url, self.local_dir, version, shard, fetch=one)
             return version_dir(self.local_dir, version)
 
     # ------------------------------------------------------------------ retention

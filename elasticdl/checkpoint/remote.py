@@ -14,6 +14,8 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
+from typing import Optional
 
 from elasticdl.checkpoint.paths import (
     DONE,
@@ -25,7 +27,8 @@ from elasticdl.data import fs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["download_checkpoint", "is_remote", "remote_versions", "staging_dir"]
+__all__ = ["download_chain", "download_checkpoint", "download_tree", "is_remote", "named_version",
+           "remote_versions", "staging_dir"]
 
 _VERSION = re.compile(r"^version-(\d+)$")
 
@@ -54,27 +57,72 @@ def remote_versions(url: str) -> list[int]:
     return sorted(out)
 
 
-def _download_tree(url: str, local: str) -> None:
-    for name, is_dir in fs.list_entries(url):
-        if is_dir:
-            _download_tree(fs.join(url, name), os.path.join(local, name))
-        elif name != DONE:
-            fs.download(fs.join(url, name), os.path.join(local, name))
-    if fs.exists(fs.join(url, DONE)):   # the marker last, as it was written
-        fs.download(fs.join(url, DONE), os.path.join(local, DONE))
+def named_version(url: str) -> tuple[str, int, bool]:
+    """What a checkpoint URL names: ``(base, version, named)``, the directory holding its
+    versions, the version (the one named by a ``version-N`` URL, else the newest
+    complete one) and whether the URL named it.
+
+    Raises:
+        CheckpointError: the named version has no ``DONE``, or no version is complete.
+        DataError: the store cannot be read (names the URL).
+    """
+    url = fs.normalize(url)
+    parent, _, last = url.rpartition("/")
+    m = _VERSION.match(last)
+    if m:
+        if not fs.exists(fs.join(url, DONE)):
+            raise CheckpointError(f"checkpoint {fs.redact(url)} is incomplete (no {DONE} "
+                                  "marker)")
+        return parent, int(m.group(1)), True
+    versions = remote_versions(url)
+    if not versions:
+        raise CheckpointError(f"no complete checkpoint under {fs.redact(url)!r}")
+    return url, versions[-1], False
 
 
-def _download_chain(base: str, local_dir: str, version: int) -> None:
-    """The versions the PS delta shards of ``version`` are folded onto, back to their
-    whole ones (:mod:`elasticdl.checkpoint.ps_shards`)."""
-    todo = [version]
+def download_tree(url: str, local: str, skip: Callable[[str], bool] = lambda name: False,
+                  on_file: Optional[Callable[[str, str], None]] = None) -> None:
+    """The files under ``url`` missing in ``local`` (those whose name ``skip`` accepts left
+    out), ``DONE`` last, as it was written; ``on_file(relative path, local path)`` for
+    each file wanted, present before or not."""
+    todo = [("", url)]
     while todo:
-        vdir = version_dir(local_dir, todo.pop())
-        for shard, note in delta_notes(vdir).items():
-            prev = version_dir(local_dir, note["prev_version"])
-            if not os.path.exists(os.path.join(prev, shard)):
-                _download_tree(fs.join(base, f"version-{note['prev_version']}"), prev)
-                todo.append(note["prev_version"])
+        sub, at = todo.pop()
+        for name, is_dir in fs.list_entries(at):
+            rel = f"{sub}{name}"
+            if is_dir:
+                todo.append((f"{rel}/", fs.join(at, name)))
+            elif name != DONE and not skip(name):
+                path = os.path.join(local, *rel.split("/"))
+                if not os.path.exists(path):
+                    fs.download(fs.join(at, name), path)
+                if on_file is not None:
+                    on_file(rel, path)
+    done = os.path.join(local, DONE)
+    if not os.path.exists(done) and fs.exists(fs.join(url, DONE)):
+        fs.download(fs.join(url, DONE), done)
+
+
+def download_chain(base: str, local_dir: str, version: int, shard: str = "",
+                   fetch: Optional[Callable[[int], None]] = None) -> None:
+    """Version ``version`` of ``base`` and the versions its PS delta shards are folded
+    onto, back to their whole ones (:mod:`elasticdl.checkpoint.ps_shards`), into
+    ``local_dir``; ``shard`` (``ps-<i>-of-<n>.pt``): that shard's chain only.
+    ``fetch(version)`` brings one version (default: all its files)."""
+    def whole(v: int) -> None:
+        download_tree(fs.join(base, f"version-{v}"), version_dir(local_dir, v))
+
+    get = fetch or whole
+    todo, seen = [version], set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        get(v)
+        for name, note in delta_notes(version_dir(local_dir, v)).items():
+            if not shard or name == shard:
+                todo.append(int(note["prev_version"]))
 
 
 def download_checkpoint(url: str, local_dir: str) -> str:
@@ -85,25 +133,11 @@ def download_checkpoint(url: str, local_dir: str) -> str:
         CheckpointError: nothing complete there.
         DataError: the store cannot be read (names the URL).
     """
-    url = fs.normalize(url)
-    parent, _, last = url.rpartition("/")
-    m = _VERSION.match(last)
-    if m:
-        if not fs.exists(fs.join(url, DONE)):
-            raise CheckpointError(f"checkpoint {url} is incomplete (no {DONE} marker)")
-        base, versions = parent, [int(m.group(1))]
-    else:
-        base, versions = url, remote_versions(url)
-        if not versions:
-            raise CheckpointError(f"no complete checkpoint under {url!r}")
-    version = versions[-1]
+    base, version, named = named_version(url)
     for name, is_dir in fs.list_entries(base):      # the task table and other top files
         if not is_dir:
             fs.download(fs.join(base, name), os.path.join(local_dir, name))
-    _download_tree(fs.join(base, f"version-{version}"), version_dir(local_dir, version))
-    _download_chain(base, local_dir, version)
+    download_chain(base, local_dir, version)
     logger.info("checkpoint version %d downloaded from %s to %s", version, fs.redact(base),
                 local_dir)
-    return version_dir(local_dir, version) if m else local_dir
-
-
+    return version_dir(local_dir, version) if named else local_dir

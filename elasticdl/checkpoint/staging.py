@@ -103,18 +103,7 @@ def _stage_init(spec: Any, init: str, root: str, changes: dict[str, Any], pod: b
     directory when it names it (or one of its versions), else its own staging directory
     (in a pod behind a mirror that only fetches: the shards come when restored)."""
     norm = fs.normalize(init)
-    named = _VERSION.match(norm.rsplit("/", 1)[-1])
-    base_url = norm.rpartition("/")[0] if named else norm
-    if named:
-        if not fs.exists(fs.join(norm, "DONE")):
-            raise CheckpointError(f"checkpoint {fs.redact(init)} is incomplete (no DONE "
-                                  "marker)")
-        version = int(named.group(1))
-    else:
-        versions = remote.remote_versions(norm)
-        if not versions:
-            raise CheckpointError(f"no complete checkpoint under {fs.redact(init)!r}")
-        version = versions[-1]
+    base_url, version, named = remote.named_version(norm)
     if remote.is_remote(spec.checkpoint_dir) and _inside(init, spec.checkpoint_dir):
         local = changes["checkpoint_dir"]
         mirror: Optional[CheckpointMirror] = _MIRRORS[os.path.abspath(local)]
