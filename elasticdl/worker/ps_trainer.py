@@ -448,4 +448,8 @@ class PSTrainer(Trainer):
         return self.client.save_checkpoint()
 
     def close(self) -> None:
+        lk = self.lookups
+        if lk.prefetched:
+            logger.info("worker %d: table lookups served from the plan: %d pulled ahead; %d "
+                        "hits, %d misses", self.worker_id, lk.prefetched, lk.hits, lk.misses)
         self.client.close()
