@@ -21,28 +21,18 @@ the device until the task ends (one synchronisation per task).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 
+from elasticdl.worker.nested import leaves
+
 SAMPLE = 64   # values of each record's output compared
-
-
-def _leaves(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _leaves(v)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
 
 
 def batch_output(outputs: Any) -> Optional[torch.Tensor]:
     """The tensor judged: the first floating one with at least two rows (None: none)."""
-    for t in _leaves(outputs):
+    for _, t in leaves(outputs):
         if t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 2:
             return t
     return None

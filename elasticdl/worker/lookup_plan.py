@@ -22,19 +22,20 @@ too (its prefetched rows unused).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
 
+from elasticdl.worker.nested import Path, leaves
+
 logger = logging.getLogger(__name__)
 
 MAX_LEARN = 3          # steps a table is searched for before it is pulled on its own
 MAX_COLUMNS = 4096     # wider 2-D feature tensors are not searched for id columns
 
-Path = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -64,17 +65,6 @@ class Puller(Protocol):
         ...
 
 
-def _leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            yield from _leaves(v, path + (i,))
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _leaves(v, path + (k,))
-
-
 def _at(obj: Any, path: Path) -> Any:
     for key in path:
         try:
@@ -88,8 +78,8 @@ def find_source(features: Any, ids: torch.Tensor) -> Optional[Source]:
     """Where ``ids`` are in ``features`` (by value): a tensor equal to them, else
     columns of a 2-D tensor that, made integer, are; None if nowhere."""
     want = ids.detach().to(torch.int64).cpu()
-    leaves = list(_leaves(features))
-    for path, t in leaves:
+    found = list(leaves(features))
+    for path, t in found:
         if t is ids or (t.shape == ids.shape and
                         torch.equal(t.detach().to(torch.int64).cpu(), want)):
             return Source(path)
@@ -97,7 +87,7 @@ def find_source(features: Any, ids: torch.Tensor) -> Optional[Source]:
         return None
     cols = want.reshape(want.shape[0], -1)
     width = cols.shape[1]
-    for path, t in leaves:
+    for path, t in found:
         if t.dim() != 2 or t.shape[0] != cols.shape[0] or not width <= t.shape[1] <= MAX_COLUMNS:
             continue
         as_int = t.detach().cpu().to(torch.int64)
