@@ -43,7 +43,7 @@ from elasticdl.master.job_phase import JobPhase, Observation, next_phase
 from elasticdl.master.policy import Action, RelaunchPolicy
 from elasticdl.master.rendezvous import RendezvousHandler
 from elasticdl.master.replica_launcher import PSLaunch, ReplicaLauncher, WorkerLaunch
-from elasticdl.master.training_health import OnDivergence, final_status
+from elasticdl.master.training_health import HealthStatus, OnDivergence, final_status
 
 logger = logging.getLogger(__name__)
 
@@ -329,12 +329,16 @@ class JobController:
             verdict = self.core.health_verdict()
             if verdict is not None and step.phase == JobPhase.SUCCEEDED and \
                     self.spec.on_divergence == OnDivergence.FAIL.value:
-                self.fail("master", f"training {verdict[0].value}: {verdict[1]} "
-                          "(--on_divergence=fail; evidence: training_health in the report)", "")
+                self._fail_on(verdict)
                 return
             self.report.status = final_status(step.phase.value, verdict,
                                               self.core.divergence_rollbacks())
         self.phase, self._finishing_since = step.phase, step.since
+
+    def _fail_on(self, verdict: tuple[HealthStatus, str]) -> None:
+        """``--on_divergence=fail``: the job fails with the verdict as its root cause."""
+        self.fail("master", f"training {verdict[0].value}: {verdict[1]} (--on_divergence=fail; "
+                  "evidence: training_health in the report)", "")
 
     def _check_health(self) -> None:
         """``--on_divergence=fail``: an unhealthy verdict fails the job, naming it;
@@ -351,8 +355,7 @@ class JobController:
             return
         what = f"training {verdict[0].value}: {verdict[1]}"
         if mode == OnDivergence.FAIL.value:
-            self.fail("master", f"{what} (--on_divergence=fail; evidence: training_health "
-                      "in the report)", "")
+            self._fail_on(verdict)
             return
         if self.core.rolling_back():
             return   # a PS rollback is open: judged again once it closes

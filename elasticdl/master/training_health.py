@@ -175,9 +175,12 @@ class LossHealth:
         else:
             return
         if turned:
-            logger.warning("training health: %s: %s (window means %s, best %s)",
-                           self.status.value, self.reason,
-                           [round(m, 4) for m in self.means], self.best)
+            self._log_verdict()
+
+    def _log_verdict(self) -> None:
+        logger.warning("training health: %s: %s (window means %s, best %s)",
+                       self.status.value, self.reason, [round(m, 4) for m in self.means],
+                       self.best)
 
     def finish(self) -> bool:
         """Training ended: the open window's tasks are judged as a window of their own,
@@ -195,9 +198,7 @@ class LossHealth:
                                    f"{self.collapse_version} (it no longer depends on its "
                                    f"inputs, e.g. dead ReLUs)", "collapsed")
         if turned:
-            logger.warning("training health: %s: %s (window means %s, best %s)",
-                           self.status.value, self.reason,
-                           [round(m, 4) for m in self.means], self.best)
+            self._log_verdict()
         return turned
 
     def restart(self) -> None:

@@ -183,8 +183,7 @@ class PSTrainer(Trainer):
             spec = self.tables[name]
             # of at most STD_SAMPLE_ROWS rows spread over the table (DLRM's 4.2 M x 16
             # rows whole: 82 ms of one core at start-up; a sample: 12 ms)
-            step = max(1, rows.shape[0] // STD_SAMPLE_ROWS) if rows.dim() else 1
-            sample = rows[::step] if rows.dim() else rows
+            sample = rows[::max(1, rows.shape[0] // STD_SAMPLE_ROWS)]   # (rows: num x dim)
             std = float(sample.float().std()) if sample.numel() > 1 else 1.0
             self.tables[name] = dataclasses.replace(
                 spec, explicit=False, initializer=f"normal:{std:.9g}",
