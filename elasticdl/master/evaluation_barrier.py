@@ -118,7 +118,9 @@ class EvaluationBarrier:
 
     def on_epoch_end(self, epoch: int, version: int) -> None:
         """``epoch`` ended (a training job): its evaluation, once per epoch, and
-        the final one after the last."""
+        the final one once no training record is left — after whichever epoch ends
+        last: a PS rollback that reopened an earlier epoch can make that one end
+        after the last (its final evaluation had run, on the model rolled back)."""
         if epoch in self.epochs_ended:
             # a PS rollback reopened a finished epoch: its end was evaluated once
             logger.info("epoch %d ended again (PS rollback); its epoch-end evaluation "
@@ -127,7 +129,7 @@ class EvaluationBarrier:
             self.epochs_ended.add(epoch)
             self.request("epoch_end", epoch, version)
             self.notify("on_epoch_end", epoch=epoch, version=version)
-        if epoch >= self.tm.num_epochs - 1 and self.tm.training_records_left() == 0:
+        if self.tm.training_records_left() == 0:
             self.request("final", epoch, version)
 
     def after_rollback(self, version: int) -> None:

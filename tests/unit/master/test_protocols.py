@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from elasticdl.common.schedule import Schedule
 from elasticdl.master.journal import Journal
 from elasticdl.master.protocols import (
     Act,
@@ -16,7 +17,7 @@ from elasticdl.master.protocols import (
     Step,
     next_action,
 )
-from tests.unit.master.test_job_core import FakeWorker
+from tests.unit.master.test_job_core import FakeWorker, drive
 from tests.unit.master.test_journal import full_state, make_core
 
 SOURCE = {"dir": "/ckpt/version-10", "checkpoint": 10}
@@ -164,7 +165,6 @@ def test_case7_evaluation_interrupted_by_a_rollback_runs_again_on_the_model_as_i
     with the version it then has; every reported evaluation's label is what its tasks
     evaluated (FakeWorker reports the version it saw as the metric)."""
     from elasticdl.common.task import TaskType
-    from tests.unit.master.test_job_core import drive
 
     FakeWorker.shared["version"] = 0
     core = make_core()
@@ -248,3 +248,46 @@ def test_no_final_checkpoint_leaves_the_export_to_its_budget(tmp_path):
     seen = Observed(incarnation=0, live_workers=frozenset(), can_launch_exporter=False)
     action = next_action(core.open_protocols()[0], seen, 0)
     assert action.act == Act.FAIL and "export budget" in action.reason
+
+
+def test_a_rollback_that_reopens_an_earlier_epoch_still_ends_with_a_final_evaluation():
+    """CI finding: a divergence rollback in epoch 1 re-queued the done tasks of epochs 0
+    and 1; epoch 1 ended first, then epoch 0 again, and no final evaluation ran after
+    it: the report kept the collapsed model's accuracy (0.1, an epoch-end evaluation
+    before the rollback) as ``final_metrics`` of a job whose model ended at 0.96. The
+    final evaluation follows the last training record, whichever epoch it belongs to."""
+    from elasticdl.common.task import TaskType
+
+    FakeWorker.shared["version"] = 0
+    core = make_core(clock=lambda: 1000.0)   # no task times out
+    core.schedule = Schedule()   # no periodic evaluation: it would wait for worker 1's task
+    core.begin()
+    w0, w1 = FakeWorker(core, 0), FakeWorker(core, 1)
+    epoch1_done = 0
+    while epoch1_done < 3:     # into epoch 1: three of its tasks done
+        w0.take()
+        if w0.held:
+            done = w0.finish()
+            epoch1_done += done.type == TaskType.TRAINING and done.epoch == 1
+    p = core.ps_lost(1, SOURCE, 0.0)
+    core.protocol_step(p.pid, Step.PS_LAUNCHED, launch=[], launched=[1])
+    core.protocol_step(p.pid, Step.ROLLING_BACK, new_version=500)
+    FakeWorker.shared["version"] = 500
+    core.rollback_requeued(p.pid, {}, 500)
+    core.protocol_close(p.pid)
+    while not (w1.held and w1.held[0].epoch == 0):   # worker 1 keeps a task of epoch 0
+        if w1.held:
+            w1.finish()
+        w1.take()
+    held = w1.held[0]
+    while core.tm.training_records_left() > held.num_records or w0.held:
+        w0.take()              # worker 0 trains the rest: epoch 1 ends first
+        if w0.held:
+            w0.finish()
+    drive(core, [w1, w0])      # then epoch 0, again
+    evaluations = core.report.evaluations
+    assert evaluations[-1]["epoch"] == 0, evaluations   # the epoch that ended last
+    finals = [e for e in evaluations if "final" in e["reasons"]]
+    assert len(finals) == 1 and finals[0] is evaluations[-1], evaluations
+    assert finals[0]["model_version"] == FakeWorker.shared["version"] > 500
+    assert core.report.final_metrics == finals[0]["metrics"]
