@@ -181,12 +181,13 @@ def dense_chunk_bytes(initialized: bool, version: int, is_buffer: bool,
 def gradient_chunk_bytes(chunk_parts: list[Buffer], version: int = 0, worker_id: int = 0,
                          learning_rate: float = 0.0, task_id: int = 0, minibatch: int = 0,
                          num_records: int = 0, epoch: int = 0, lr_reductions: int = 0,
-                         lr_scale: float = 0.0) -> bytes:
+                         lr_scale: float = 0.0, sync_group: int = 0) -> bytes:
     """A serialised ``GradientChunk`` holding a dense ``TensorChunk`` (one copy)."""
     head = pb.GradientChunk(version=version, worker_id=worker_id, learning_rate=learning_rate,
                             task_id=task_id, minibatch=minibatch, num_records=num_records,
                             epoch=epoch, lr_reductions=lr_reductions,
-                            lr_scale=lr_scale if lr_scale != 1.0 else 0.0).SerializeToString()
+                            lr_scale=lr_scale if lr_scale != 1.0 else 0.0,
+                            sync_group=sync_group).SerializeToString()
     return b"".join([head, *_wrap(b"\x22", chunk_parts)])
 
 
@@ -229,6 +230,7 @@ class GradientChunkView:
     discard: bool = False
     lr_reductions: int = 0
     lr_scale: float = 0.0       # 0: 1.0
+    sync_group: int = 0
     error: str = ""  # set by parse_gradient_chunk_or_error instead of raising
 
 
@@ -268,6 +270,8 @@ def parse_gradient_chunk(data: bytes) -> GradientChunkView:
             out.lr_reductions = _signed(value)
         elif number == 91 and wire == 1:
             out.lr_scale = struct.unpack("<d", value)[0]
+        elif number == 93 and wire == 0:
+            out.sync_group = _signed(value)
     return out
 
 

@@ -218,6 +218,10 @@ class JobSpec:
     divergence_lr_factor: float = _f(0.5, "--on_divergence=rollback: each rollback "
                                      "multiplies every learning rate the PS apply by this",
                                      "training")
+    divergence_sync: bool = _f(True, "--on_divergence=rollback of an async PS job: after a "
+                               "rollback the PS apply pushes synchronously (one version a "
+                               "round of the live workers, no stale gradient) for the rest of "
+                               "the job; false keeps async (the rate cut only)", "training")
     max_divergence_rollbacks: int = _f(3, "--on_divergence=rollback: the job fails at the "
                                        "verdict after this many rollbacks", "training", min=1)
     health_window_tasks: int = _f(8, "Training tasks per window of the loss health "

@@ -41,6 +41,9 @@ class Task:
     # TRAINING, on the wire only: the learning-rate scale of --on_divergence=rollback
     # (elasticdl.master.training_health; 1.0 until a divergence rollback)
     lr_scale: float = field(default=1.0, compare=False, repr=False)
+    # TRAINING, on the wire only: --divergence_sync's synchronous group of an async PS
+    # job after a divergence rollback (0: the PS's own mode)
+    sync_group: int = field(default=0, compare=False, repr=False)
     # allreduce TRAINING tasks: the master's closed training tasks as (generation,
     # flat [lo, hi) intervals), attached when handed out, never stored
     closed: Optional[tuple[int, tuple[int, ...]]] = field(default=None, compare=False,

@@ -27,7 +27,8 @@ def task_to_proto(task: Task) -> pb.Task:
                    shard=shard,
                    model_version=task.model_version, epoch=task.epoch,
                    metric_states=list(task.metric_states), lr_reductions=task.lr_reductions,
-                   lr_scale=task.lr_scale if task.lr_scale != 1.0 else 0.0)
+                   lr_scale=task.lr_scale if task.lr_scale != 1.0 else 0.0,
+                   sync_group=task.sync_group)
 
 
 def task_from_proto(msg: pb.Task) -> Task:
@@ -35,6 +36,7 @@ def task_from_proto(msg: pb.Task) -> Task:
     return Task(msg.task_id, TaskType(msg.type), msg.shard.name, msg.shard.start,
                 msg.shard.end, msg.epoch, msg.model_version, tuple(msg.metric_states),
                 lr_reductions=int(msg.lr_reductions), lr_scale=float(msg.lr_scale or 1.0),
+                sync_group=int(msg.sync_group),
                 closed=closed,
                 span=(int(msg.shard.byte_start), int(msg.shard.byte_end),
                       int(msg.shard.num_fields)) if msg.shard.has_span else None)

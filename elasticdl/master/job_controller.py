@@ -374,10 +374,12 @@ class JobController:
                       "--keep_checkpoint_max higher)", "")
             return
         logger.warning("%s: rolling every PS back to checkpoint %d (at most version %d: the "
-                       "best loss, or before a collapse), learning rates x%g from now on "
+                       "best loss, or before a collapse), learning rates x%g%s from now on "
                        "(divergence rollback %d of at most %d)", what, source["checkpoint"], best,
-                       self.spec.divergence_lr_factor ** (done + 1), done + 1,
-                       self.spec.max_divergence_rollbacks)
+                       self.spec.divergence_lr_factor ** (done + 1),
+                       ", pushes applied synchronously (--divergence_sync)"
+                       if self.spec.use_async and self.spec.divergence_sync else "",
+                       done + 1, self.spec.max_divergence_rollbacks)
         self.core.divergence_rollback(source, time.time())
 
     def _reopened(self) -> None:

@@ -41,6 +41,8 @@ def core_from_spec(spec: Any, readers: Mapping[TaskType, Any], first_task_id: in
     if getattr(spec, "on_divergence", "off") != "off" and spec.job_type == JobType.TRAIN:
         core.health = LossHealth(HealthRule(window_tasks=spec.health_window_tasks))
         core.divergence_lr_factor = float(getattr(spec, "divergence_lr_factor", 0.5))
+        core.divergence_sync = bool(spec.use_async and getattr(spec, "divergence_sync", True))
+        core.divergence_sync_workers = max(1, int(getattr(spec, "num_workers", 1) or 1))
     return core
 
 

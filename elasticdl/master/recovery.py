@@ -32,6 +32,10 @@ class Recovery(Journaled):
     export_requires_training = False
     # --divergence_lr_factor: each divergence rollback cuts the PS learning rates by it
     divergence_lr_factor = 0.5
+    # --divergence_sync of an async PS job: after a divergence rollback the PS apply
+    # pushes in synchronous groups of the live workers (sync_group)
+    divergence_sync = False
+    divergence_sync_workers = 1   # the group where the live workers are not known
 
     # ------------------------------------------------------------ incarnation
     def new_incarnation(self) -> int:
@@ -171,6 +175,18 @@ class Recovery(Journaled):
         with self._lock:
             return float(self.divergence_lr_factor ** self.protocols.divergence_rollbacks)
 
+    def sync_group(self) -> int:
+        """What every training task tells an async PS job's PS after a divergence
+        rollback (``--divergence_sync``): apply its pushes in groups of this many, one
+        version a round of the live workers (stale gradients are what collapsed or
+        diverged it); 0: the PS's own mode."""
+        with self._lock:
+            if not self.divergence_sync or not self.protocols.divergence_rollbacks:
+                return 0
+            replicas = getattr(self, "replicas", None)
+            live = replicas.num_live() if replicas is not None else 0
+            return max(1, live or self.divergence_sync_workers)
+
     def protocol_step(self, pid: int, step: Step, **data: Any) -> Protocol:
         with self._lock:
             p = self.protocols.step(pid, step, **data)
@@ -194,9 +210,13 @@ class Recovery(Journaled):
                      "new_version": new_version, "tasks_requeued": len(lost),
                      "records_requeued": self._records_redone() - redone_before})
             else:
-                self.report.extra.setdefault("ps_rollbacks", []).append(
-                    {"checkpoint_version": p.data.get("checkpoint"),
-                     "new_version": new_version})
+                entry = {"checkpoint_version": p.data.get("checkpoint"),
+                         "new_version": new_version}
+                if p.data.get("set_aside"):   # a divergence rollback: its remedy
+                    entry["lr_scale"] = \
+                        self.divergence_lr_factor ** self.protocols.divergence_rollbacks
+                    entry["synchronous"] = self.divergence_sync
+                self.report.extra.setdefault("ps_rollbacks", []).append(entry)
             self.evaluations.after_rollback(self.versions.version)
             self._log("rollback_requeued", pid=pid,
                       applied={str(k): v for k, v in applied.items()}, version=new_version,

@@ -171,9 +171,11 @@ class MasterServicer(pb_grpc.MasterServicer):
             if "lr" not in per_call:   # fixed while a training task is out
                 per_call["lr"] = self.core.lr_reductions()
                 per_call["lr_scale"] = self.core.lr_scale()
+                per_call["sync_group"] = self.core.sync_group()
             msg.lr_reductions = per_call["lr"]
             if per_call["lr_scale"] != 1.0:   # after a divergence rollback (0: 1.0)
                 msg.lr_scale = per_call["lr_scale"]
+            msg.sync_group = per_call["sync_group"]
             if self.rendezvous is not None:
                 # allreduce members drop closed tasks from their trained-record sets
                 if "closed" not in per_call:

@@ -16,6 +16,8 @@ import torch
 from elasticdl.common.tensor_codec import dtype_name
 from elasticdl.ps.parameters import Parameters
 
+MAX_SYNC_GROUP = 1 << 16   # pushes a --divergence_sync group may ask for
+
 
 @dataclass
 class GradientPush:
@@ -41,6 +43,7 @@ class GradientPush:
     discard: bool = False
     lr_reductions: int = 0      # metric-driven LR reductions its task carried
     lr_scale: float = 1.0       # its task's divergence-rollback LR scale (master's)
+    sync_group: int = 0         # its task's --divergence_sync group (0: the PS's mode)
 
     @property
     def identity(self) -> Optional[tuple[int, int]]:
@@ -129,6 +132,8 @@ def validate(params: Parameters, push: GradientPush) -> None:
         raise ValueError(f"lr_reductions must be >= 0, got {push.lr_reductions}")
     if not (math.isfinite(push.lr_scale) and 0 < push.lr_scale <= 1):
         raise ValueError(f"lr_scale must be in (0, 1], got {push.lr_scale}")
+    if not 0 <= push.sync_group <= MAX_SYNC_GROUP:
+        raise ValueError(f"sync_group must be in [0, {MAX_SYNC_GROUP}], got {push.sync_group}")
     if push.minibatch < 0 or push.num_records < 0 or push.epoch < 0:
         raise ValueError(f"minibatch ({push.minibatch}), num_records "
                          f"({push.num_records}) and epoch ({push.epoch}) must be >= 0")

@@ -318,7 +318,7 @@ class PServicer(pb_grpc.PServerServicer):
                             minibatch=request.minibatch, num_records=request.num_records,
                             epoch=request.epoch, grad_scale=request.grad_scale or 1.0,
                             discard=request.discard, lr_reductions=request.lr_reductions,
-                            lr_scale=request.lr_scale or 1.0)
+                            lr_scale=request.lr_scale or 1.0, sync_group=request.sync_group)
         for msg in request.dense:
             if msg.name in push.dense:
                 raise ValueError(f"gradient of {msg.name!r} given twice")
@@ -346,7 +346,8 @@ class PServicer(pb_grpc.PServerServicer):
                                     learning_rate=msg.learning_rate, task_id=msg.task_id,
                                     minibatch=msg.minibatch, num_records=msg.num_records,
                                     epoch=msg.epoch, lr_reductions=msg.lr_reductions,
-                                    lr_scale=msg.lr_scale or 1.0)
+                                    lr_scale=msg.lr_scale or 1.0,
+                                    sync_group=msg.sync_group)
             if msg.grad_scale:  # the worker knows it once backward is done: any message
                 push.grad_scale = msg.grad_scale
             push.discard = push.discard or msg.discard

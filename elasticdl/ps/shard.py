@@ -134,6 +134,7 @@ class PSShard:
         self._peers_absent = False
         self._absent_seen: set[int] = set()
         self._live_workers = 0   # running workers per the master (0: unknown)
+        self._sync_group = 0     # async, after a divergence rollback: the pushes' group
         self._spread: Optional[float] = None  # EMA of first-to-last push time of a group
         self._wait_scale = 1.0
         self._cond = threading.Condition(threading.RLock())
@@ -305,7 +306,11 @@ class PSShard:
                             "before; ignored", self.config.ps_id, ident[0], ident[1],
                             push.worker_id)
                 return PushResult(True, self.version, True, self._lr())
-            if self.config.use_async:
+            if self.config.use_async and push.sync_group:
+                # --divergence_sync: after a divergence rollback an async job's PS apply
+                # synchronous groups of the live workers (the master's count)
+                self._sync_group = push.sync_group
+            elif self.config.use_async:
                 self._copy_buffers(push)
                 staleness = self.version - push.version
                 factor = 1.0
@@ -336,7 +341,10 @@ class PSShard:
             self.params.buffers[name].copy_(value)
 
     def _group_target(self) -> int:
-        """Pushes per group: ``grads_to_wait``, or fewer while fewer workers run."""
+        """Pushes per group: ``grads_to_wait``, or fewer while fewer workers run; an
+        async PS told to group (``sync_group`` of the pushes): that many."""
+        if self.config.use_async:
+            return max(1, self._sync_group)
         live = self._live_workers
         return min(self.config.grads_to_wait, live) if live > 0 else self.config.grads_to_wait
 

@@ -375,7 +375,7 @@ class PSClient:
                        buffers: Optional[Mapping[str, torch.Tensor]] = None,
                        worker_id: int = 0, identity: Identity = (0, 0, 0), epoch: int = 0,
                        grad_scale: float = 1.0, discard: bool = False,
-                       lr_reductions: int = 0, lr_scale: float = 1.0,
+                       lr_reductions: int = 0, lr_scale: float = 1.0, sync_group: int = 0,
                        dense_into: Optional[Mapping[str, torch.Tensor]] = None) -> Future:
         """One unary push to PS ``ps``; the future gives a :class:`PushReply`
         (``(accepted, version)`` and the lr it was applied with). With ``dense_into``
@@ -388,7 +388,7 @@ class PSClient:
             req = pb.PushGradientsRequest(
                 version=version, worker_id=worker_id, task_id=task_id, minibatch=minibatch,
                 num_records=num_records, epoch=epoch, lr_reductions=lr_reductions,
-                lr_scale=lr_scale if lr_scale != 1.0 else 0.0,
+                lr_scale=lr_scale if lr_scale != 1.0 else 0.0, sync_group=sync_group,
                 grad_scale=grad_scale if grad_scale != 1.0 else 0.0, discard=discard,
                 dense=[codec.encode(g, n) for n, g in dense.items()],
                 sparse=[pb.EmbeddingRows(table=t, id_tensor=codec.encode_ids(ids),
@@ -404,9 +404,10 @@ class PSClient:
 
     def open_push_stream(self, ps: int, version: int, worker_id: int = 0,
                          identity: Identity = (0, 0, 0), epoch: int = 0,
-                         lr_reductions: int = 0, lr_scale: float = 1.0) -> PushStream:
+                         lr_reductions: int = 0, lr_scale: float = 1.0,
+                         sync_group: int = 0) -> PushStream:
         return PushStream(self, ps, version, worker_id, identity, epoch, lr_reductions,
-                          lr_scale)
+                          lr_scale, sync_group)
 
     def applied(self, task_ids: Sequence[int] = ()) -> list[pb.AppliedResponse]:
         """Each PS's applied-identity ledger (of ``task_ids``; empty: all)."""

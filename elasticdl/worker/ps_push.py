@@ -78,16 +78,18 @@ class PushSession:
 
     def __init__(self, trainer: PushingTrainer, targets: list[int], epoch: int = 0,
                  norm: Optional[GradNorm] = None, lr_reductions: int = 0,
-                 lr_scale: float = 1.0):
+                 lr_scale: float = 1.0, sync_group: int = 0):
         self.t = trainer
         self.targets = set(targets)
         self.epoch = epoch
         self.lr_reductions = lr_reductions
         self.lr_scale = lr_scale
+        self.sync_group = sync_group
         self.norm = norm
         self.streams = {i: trainer.client.open_push_stream(i, trainer.versions[i],
                                                            trainer.worker_id, trainer.identity,
-                                                           epoch, lr_reductions, lr_scale)
+                                                           epoch, lr_reductions, lr_scale,
+                                                           sync_group)
                         for i in targets if trainer.streaming[i]}
         self.dense: dict[int, dict[str, torch.Tensor]] = {i: {} for i in targets}
         self.sparse: dict[int, list[tuple[str, np.ndarray, torch.Tensor]]] = \
@@ -154,7 +156,8 @@ class PushSession:
                 futures[ps] = self.t.client.push_gradients(
                     ps, self.t.versions[ps], dense, sparse, parts[ps],
                     self.t.worker_id, self.t.identity, self.epoch, grad_scale, discard,
-                    self.lr_reductions, self.lr_scale, dense_into=self.t.dense_reply_into(ps))
+                    self.lr_reductions, self.lr_scale, self.sync_group,
+                    dense_into=self.t.dense_reply_into(ps))
         out: dict[int, Any] = {}
         for ps in self.targets:
             try:

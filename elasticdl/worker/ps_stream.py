@@ -86,13 +86,14 @@ class PushStream:
 
     def __init__(self, client: StreamClient, ps: int, version: int, worker_id: int,
                  identity: Identity = (0, 0, 0), epoch: int = 0, lr_reductions: int = 0,
-                 lr_scale: float = 1.0):
+                 lr_scale: float = 1.0, sync_group: int = 0):
         self._client = client
         self.ps = ps
         task_id, minibatch, num_records = identity
         self._header = {"version": version, "worker_id": worker_id, "task_id": task_id,
                         "minibatch": minibatch, "num_records": num_records, "epoch": epoch,
-                        "lr_reductions": lr_reductions, "lr_scale": lr_scale}
+                        "lr_reductions": lr_reductions, "lr_scale": lr_scale,
+                        "sync_group": sync_group}
         self._items: list[tuple[str, str, Any, Ready]] = []
         self._closed = False
         self._aborted = False

@@ -87,6 +87,7 @@ class PSTrainer(Trainer):
         self.epoch = 0                        # of the task being trained
         self.lr_reductions = 0                # its metric-driven LR reductions (master's)
         self.lr_scale = 1.0                   # its divergence-rollback LR scale (master's)
+        self.sync_group = 0                   # its --divergence_sync group (master's)
         self.clip_grad_norm = float(job_spec.clip_grad_norm)
         self.amp = job_spec.amp  # autocast in the shared compute_loss (checked by PSRuntime)
         # fp16 autocast needs a loss scale; the optimizer is on the PS, so the
@@ -299,6 +300,7 @@ class PSTrainer(Trainer):
         self.epoch = task.epoch
         self.lr_reductions = int(getattr(task, "lr_reductions", 0))
         self.lr_scale = float(getattr(task, "lr_scale", 1.0))
+        self.sync_group = int(getattr(task, "sync_group", 0))
         done, _, closed = self.client.task_applied(task.task_id)
         if closed:   # the master counted it done meanwhile (a straggler's copy)
             logger.info("worker %d: task %d is closed on every PS; nothing to train",
@@ -327,7 +329,8 @@ class PSTrainer(Trainer):
         is others moving ahead, not a failure): it fails only after
         ``push_retry_timeout_s`` without any PS version advancing."""
         targets = list(range(self.client.num_ps))
-        pull = not self.job_spec.use_async or self.steps % self.job_spec.get_model_steps == 0
+        pull = not self.job_spec.use_async or self.sync_group > 0 or \
+            self.steps % self.job_spec.get_model_steps == 0
         deadline = time.monotonic() + self.push_retry_timeout_s
         attempt = 0
         lrs: dict[int, float] = {}
@@ -389,7 +392,7 @@ class PSTrainer(Trainer):
         norm = GradNorm(float64=self.scaler is not None) \
             if self.clip_grad_norm > 0 or self.scaler is not None else None
         session = PushSession(self, targets, self.epoch, norm, self.lr_reductions,
-                              self.lr_scale)
+                              self.lr_scale, self.sync_group)
         self._session = session
         try:
             if not self.lookups.started:

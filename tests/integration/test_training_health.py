@@ -118,13 +118,14 @@ def test_a_diverging_ps_job_rolls_back_cuts_the_rate_and_trains_healthy(tmp_path
     assert mse < 0.1, (mse, state)
 
 
-def _collapse_job(tmp_path, digits_data: str, name: str, *flags: str) -> tuple[int, str, dict]:
+def _collapse_job(tmp_path, digits_data: str, name: str, *flags: str,
+                  workers: int = 1) -> tuple[int, str, dict]:
     job_dir = str(tmp_path / name)
     args = ["train", f"--model_zoo={FIXTURE_ZOO}", "--model_def=toy.digits_collapse.custom_model",
             f"--training_data={digits_data}/train", f"--validation_data={digits_data}/val",
             f"--output={job_dir}", "--cluster=local", f"--job_name={name}",
             "--minibatch_size=8", "--num_minibatches_per_task=4",
-            "--distribution_strategy=ParameterServerStrategy", "--num_workers=1",
+            "--distribution_strategy=ParameterServerStrategy", f"--num_workers={workers}",
             "--num_ps_pods=1", "--health_window_tasks=4", *flags]
     return _run(tmp_path, job_dir, args)
 
@@ -172,4 +173,32 @@ def test_a_ps_job_whose_model_collapsed_is_marked_and_a_rollback_trains_it(tmp_p
     final = [e for e in report["evaluations"] if "final" in e["reasons"]]
     assert len(final) == 1 and final[0]["model_version"] > \
         report["ps_rollbacks"][0]["new_version"], report["evaluations"]
+    assert report["final_metrics"]["accuracy"] > 0.9, report["evaluations"]
+
+
+def test_an_async_job_that_collapsed_goes_on_with_synchronous_pushes(tmp_path, digits_data):
+    """``--divergence_sync`` (the default) of an async PS job: the rollback also turns
+    the PS synchronous for the rest of the job — every version after it is one step of
+    both workers' pushes (the PS's audit trail of applied pushes, which the rollback
+    cut back to the checkpoint), every record applied once per epoch, and the model
+    ends at a healthy digits CNN's accuracy."""
+    from collections import Counter
+
+    from elasticdl.ps.audit import AuditLog
+
+    code, text, report = _collapse_job(
+        tmp_path, digits_data, "collapse-async", "--num_epochs=2", "--use_async",
+        "--on_divergence=rollback", f"--checkpoint_dir={tmp_path / 'ckpt'}",
+        "--checkpoint_steps=10", "--divergence_lr_factor=0.5", workers=2)
+    health = report["training_health"]
+    assert code == 0 and report["status"] == "succeeded_with_warnings", text[-4000:]
+    assert health["status"] == "healthy" and health["restarts"] >= 1, health
+    rollback = report["ps_rollbacks"][-1]
+    assert rollback["synchronous"] is True and rollback["lr_scale"] <= 0.5, rollback
+    assert [e["records_completed"] for e in report["epochs"]] == [1437, 1437]
+    pushes = Counter(v for *_, v in
+                     AuditLog(str(tmp_path / "collapse-async" / "ps-0-applied.bin")).entries())
+    after = [n for v, n in pushes.items() if v > rollback["new_version"]]
+    assert after and all(n <= 2 for n in after) and \
+        sum(n == 2 for n in after) >= 0.9 * len(after), sorted(pushes.items())
     assert report["final_metrics"]["accuracy"] > 0.9, report["evaluations"]

@@ -37,15 +37,20 @@ def test_the_core_opens_a_rollback_cuts_the_rate_and_judges_afresh_at_the_close(
 
     core = _core()
     core.divergence_lr_factor = 0.5
+    core.divergence_sync, core.divergence_sync_workers = True, 3   # an async job's
     core.attach_journal(Journal(str(tmp_path / "j"), fsync=False))
     core.begin()
     _train(core, [2.3, 2.3, 1.0, 0.9, 0.8, 0.7, 2.3, 2.3, 2.3, 2.3])
     assert core.health_verdict() is not None and core.lr_scale() == 1.0
+    assert core.sync_group() == 0     # the PS's own (async) mode
     p = core.divergence_rollback(SOURCE, 100.0)
     assert p is not None and p.kind == Kind.ROLLBACK and p.step == Step.REQUESTED
     assert p.data == {"launch": [], "set_aside": True, **SOURCE}
     assert core.divergence_rollback(SOURCE, 101.0) is None   # one at a time
     assert core.lr_scale() == 0.5 and core.divergence_rollbacks() == 1
+    assert core.sync_group() == 3     # a synchronous group of the workers, from now on
+    core.replicas.new_worker()        # (once the live workers are known: theirs)
+    assert core.sync_group() == 1
     # the verdict stands while the diverged model still trains, until every PS is back
     assert core.health_verdict() is not None
     # a restarted master replays the same protocol and count
@@ -90,12 +95,58 @@ def test_a_ps_applies_the_groups_smallest_scale_on_top_of_the_schedule():
                                           lr_scale=1.5))
 
 
-def test_the_scale_crosses_both_wires():
-    raw = chunk_wire.gradient_chunk_bytes([b""], version=1, lr_scale=0.125)
+def _push_together(shard, pushes):
+    import threading
+
+    results = [None] * len(pushes)
+
+    def push(i):
+        results[i] = shard.push_gradients(pushes[i])
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(pushes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_an_async_ps_told_to_group_applies_one_synchronous_step_a_round():
+    """--divergence_sync: pushes carrying ``sync_group=2`` to an async PS wait for each
+    other and are applied as one step of their record-weighted mean (a plain async
+    push: a step of its own); a push computed on an older version is refused (the
+    worker pulls and recomputes it), never applied stale."""
+    w0 = torch.zeros(3)
+    shard = PSShard(ShardConfig(use_async=True), lambda p: torch.optim.SGD(p, lr=1.0))
+    shard.initialize(0, {"w": w0.clone()}, {}, [])
+    shard.push_gradients(GradientPush(version=0, dense={"w": torch.ones(3)}, task_id=1,
+                                      minibatch=1, num_records=4))
+    assert shard.version == 1 and torch.equal(shard.params.dense["w"], w0 - 1)
+    pushes = [GradientPush(version=1, worker_id=w, dense={"w": torch.full((3,), g)},
+                           task_id=w + 2, minibatch=1, num_records=n, sync_group=2)
+              for w, g, n in ((0, 2.0, 1), (1, 5.0, 2))]
+    results = _push_together(shard, pushes)
+    assert [r.accepted for r in results] == [True, True] and shard.version == 2
+    # one step: -1 - (2 x 1 + 5 x 2) / 3 = -5 (async: two steps, -1 - 2 - 5 = -8)
+    assert torch.allclose(shard.params.dense["w"], w0 - 5), shard.params.dense["w"]
+    stale = shard.push_gradients(GradientPush(version=1, dense={"w": torch.ones(3)},
+                                              task_id=9, minibatch=1, num_records=1,
+                                              sync_group=2))
+    assert not stale.accepted and shard.version == 2
+    with pytest.raises(ValueError, match="sync_group must be in"):
+        shard.push_gradients(GradientPush(version=2, dense={"w": torch.ones(3)},
+                                          sync_group=-1))
+
+
+def test_the_scale_and_the_group_cross_both_wires():
+    raw = chunk_wire.gradient_chunk_bytes([b""], version=1, lr_scale=0.125, sync_group=4)
     assert chunk_wire.parse_gradient_chunk(raw).lr_scale == 0.125
     assert pb.GradientChunk.FromString(raw).lr_scale == 0.125
-    task = Task(7, TaskType.TRAINING, "s", 0, 8, 0, lr_scale=0.5)
+    assert chunk_wire.parse_gradient_chunk(raw).sync_group == 4
+    assert pb.GradientChunk.FromString(raw).sync_group == 4
+    task = Task(7, TaskType.TRAINING, "s", 0, 8, 0, lr_scale=0.5, sync_group=3)
     assert wire.task_from_proto(wire.task_to_proto(task)).lr_scale == 0.5
+    assert wire.task_from_proto(wire.task_to_proto(task)).sync_group == 3
     plain = Task(8, TaskType.TRAINING, "s", 0, 8, 0)
     assert wire.task_to_proto(plain).lr_scale == 0.0          # not on the wire
     assert wire.task_from_proto(wire.task_to_proto(plain)).lr_scale == 1.0
