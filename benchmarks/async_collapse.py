@@ -10,7 +10,8 @@ epoch and it ends at chance accuracy (0.10) with its loss at ln 10.
 Each seed runs once as ``--mode`` says (``warn``: the job must end
 ``succeeded_with_warnings`` when its model collapsed; ``rollback``: every PS goes back
 to a checkpoint from before the collapse, the learning rate halved, and the job goes
-on), and ``--sync_seeds`` run the same training as sync PS (a version of 4 pushes)
+on with synchronous pushes, ``--divergence_sync``; ``--no_divergence_sync``: async,
+the rate cut only), and ``--sync_seeds`` run the same training as sync PS (a version of 4 pushes)
 for the accuracy to compare with. Prints a line per job and a JSON summary (the last
 line): the collapsed jobs, their statuses and final accuracies, and the sync runs'
 median.
@@ -51,6 +52,7 @@ def run_job(work: str, zoo: str, train: str, val: str, name: str, seed: int,
     out = os.path.join(work, "out", name)
     flags = ["--grads_to_wait=4"] if sync else [
         "--use_async", f"--on_divergence={a.mode}",
+        f"--divergence_sync={str(a.divergence_sync).lower()}",
         f"--checkpoint_dir={os.path.join(work, 'ckpt', name)}", "--checkpoint_steps=10"]
     cmd = [sys.executable, "-m", "elasticdl_client.main", "train", f"--model_zoo={zoo}",
            "--model_def=digits_delay.custom_model", f"--training_data={train}",
@@ -89,6 +91,8 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--delay_s", type=float, default=0.15)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--mode", choices=("warn", "rollback"), default="rollback")
+    p.add_argument("--no_divergence_sync", dest="divergence_sync", action="store_false",
+                   help="rollback: keep the job async (the rate cut only)")
     p.add_argument("--work", default="", help="keep the jobs here (default: a temp dir)")
     p.add_argument("--smoke", action="store_true", help="one async job, 1 "
                    "epoch, no delay (seconds)")
@@ -113,7 +117,8 @@ def main(argv: Any = None) -> dict[str, Any]:
     collapsed = [j for j in asyncs if "collapsed" in j["causes"]]
     sync_acc = [j["accuracy"] for j in jobs if j["sync"] and j["accuracy"] is not None]
     summary = {
-        "mode": a.mode, "lr": a.lr, "epochs": a.epochs, "delay_s": a.delay_s,
+        "mode": a.mode, "divergence_sync": a.divergence_sync, "lr": a.lr, "epochs": a.epochs,
+        "delay_s": a.delay_s,
         "async_jobs": len(asyncs), "collapsed_jobs": len(collapsed),
         "collapsed": [{k: j[k] for k in ("seed", "status", "accuracy", "rollbacks")}
                       for j in collapsed],

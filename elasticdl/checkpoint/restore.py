@@ -20,10 +20,13 @@ No torch.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional
 
 from elasticdl.checkpoint import paths
+
+logger = logging.getLogger(__name__)
 
 NONE = "none"  # --restore_from=none: start empty
 
@@ -77,6 +80,23 @@ def rollback_source(spec: Any, base: int, at_most: Optional[int] = None
     if vdir is not None and os.path.exists(os.path.join(vdir, paths.DONE)):
         return {"dir": vdir, "checkpoint": paths.version_of(vdir)}
     return None
+
+
+def divergence_source(spec: Any, base: int, at_most: int, previous: Optional[int]
+                      ) -> Optional[dict[str, Any]]:
+    """The source of a divergence rollback: :func:`rollback_source` at or below
+    ``at_most`` — but never the ``previous`` divergence rollback's source again: the
+    model restored from it went bad again from that very state (async digits jobs
+    whose restored checkpoint collapsed within a window of the restart: its ReLUs were
+    already dying), so one further back, where there is one."""
+    source = rollback_source(spec, base, at_most=at_most)
+    if source is None or previous is None or source["checkpoint"] != previous or \
+            previous <= base:
+        return source
+    older = rollback_source(spec, base, at_most=previous - 1)
+    logger.warning("the model restored from checkpoint %d went bad again: rolling back "
+                   "further, to checkpoint %s", previous, older and older["checkpoint"])
+    return older or source
 
 
 def allowed(spec: Any, version_dir: str) -> bool:

@@ -366,21 +366,24 @@ class JobController:
                       "")
             return
         best = self.core.health_rollback_version()
-        source = restore.rollback_source(self.spec, self.core.start_version(), at_most=best)
+        earlier = [r["checkpoint_version"] for r in self.report.extra.get("ps_rollbacks", [])
+                   if "lr_scale" in r]   # the divergence rollbacks' sources
+        source = restore.divergence_source(self.spec, self.core.start_version(), best,
+                                           earlier[-1] if earlier else None)
         if source is None:
             self.fail("master", f"{what}; no checkpoint at or before model version {best} "
                       "(the best loss, or before a collapse) to roll back to "
                       "(--on_divergence=rollback: set --checkpoint_steps lower, "
                       "--keep_checkpoint_max higher)", "")
             return
+        self.core.divergence_rollback(source, time.time())
         logger.warning("%s: rolling every PS back to checkpoint %d (at most version %d: the "
                        "best loss, or before a collapse), learning rates x%g%s from now on "
                        "(divergence rollback %d of at most %d)", what, source["checkpoint"], best,
-                       self.spec.divergence_lr_factor ** (done + 1),
+                       self.core.lr_scale(),
                        ", pushes applied synchronously (--divergence_sync)"
                        if self.spec.use_async and self.spec.divergence_sync else "",
                        done + 1, self.spec.max_divergence_rollbacks)
-        self.core.divergence_rollback(source, time.time())
 
     def _reopened(self) -> None:
         """A PS rollback (a PS lost, the loss diverged) re-queued training after every

@@ -380,7 +380,7 @@ class PSShard:
                 logger.warning("worker %d waited %.1f s for a group of %d on PS %d; applying "
                                "the %d push(es) there are, and not waiting for peers until "
                                "two workers push again", worker_id, wait_s,
-                               cfg.grads_to_wait, cfg.ps_id, g.count)
+                               self._group_target(), cfg.ps_id, g.count)
                 self._peers_absent = True
                 self._absent_seen = set()
                 self._wait_scale = min(8.0, self._wait_scale * 2)

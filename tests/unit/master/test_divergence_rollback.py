@@ -37,20 +37,16 @@ def test_the_core_opens_a_rollback_cuts_the_rate_and_judges_afresh_at_the_close(
 
     core = _core()
     core.divergence_lr_factor = 0.5
-    core.divergence_sync, core.divergence_sync_workers = True, 3   # an async job's
     core.attach_journal(Journal(str(tmp_path / "j"), fsync=False))
     core.begin()
     _train(core, [2.3, 2.3, 1.0, 0.9, 0.8, 0.7, 2.3, 2.3, 2.3, 2.3])
     assert core.health_verdict() is not None and core.lr_scale() == 1.0
-    assert core.sync_group() == 0     # the PS's own (async) mode
     p = core.divergence_rollback(SOURCE, 100.0)
     assert p is not None and p.kind == Kind.ROLLBACK and p.step == Step.REQUESTED
     assert p.data == {"launch": [], "set_aside": True, **SOURCE}
     assert core.divergence_rollback(SOURCE, 101.0) is None   # one at a time
     assert core.lr_scale() == 0.5 and core.divergence_rollbacks() == 1
-    assert core.sync_group() == 3     # a synchronous group of the workers, from now on
-    core.replicas.new_worker()        # (once the live workers are known: theirs)
-    assert core.sync_group() == 1
+    assert core.sync_group() == 0     # a sync job's PS: their own mode
     # the verdict stands while the diverged model still trains, until every PS is back
     assert core.health_verdict() is not None
     # a restarted master replays the same protocol and count
@@ -63,6 +59,24 @@ def test_the_core_opens_a_rollback_cuts_the_rate_and_judges_afresh_at_the_close(
     # a job that needed a rollback to end healthy is not a plain success
     assert final_status("succeeded", None, core.divergence_rollbacks()) == \
         "succeeded_with_warnings"
+
+
+def test_an_async_job_goes_on_synchronously_and_cuts_the_rate_from_its_second_rollback():
+    """--divergence_sync: the first rollback's remedy is the switch (every later task
+    tells the PS to group the live workers' pushes), the rate untouched; a second
+    rollback, already synchronous, cuts the rate."""
+    core = _core()
+    core.divergence_lr_factor = 0.5
+    core.divergence_sync, core.divergence_sync_workers = True, 3   # an async job's
+    core.begin()
+    assert core.sync_group() == 0 and core.lr_scale() == 1.0   # the PS's own (async) mode
+    p = core.divergence_rollback(SOURCE, 100.0)
+    assert core.sync_group() == 3 and core.lr_scale() == 1.0
+    core.replicas.new_worker()        # once the live workers are known: theirs
+    assert core.sync_group() == 1
+    core.protocol_close(p.pid)
+    core.divergence_rollback(SOURCE, 200.0)
+    assert core.sync_group() == 1 and core.lr_scale() == 0.5
 
 
 def test_a_divergence_rollback_voids_a_claimed_export():
@@ -167,6 +181,22 @@ def test_the_diverged_checkpoints_are_set_aside_and_the_source_precedes_the_best
     assert sorted(n for n in os.listdir(ckpt) if n.startswith("diverged-")) == \
         ["diverged-version-20", "diverged-version-25"]
     assert restore.rollback_source(spec, 0, at_most=4) is None
+
+
+def test_a_divergence_rollback_never_restores_the_same_checkpoint_twice(tmp_path):
+    """CI run: an async job's model restored from checkpoint 10 collapsed again a version
+    after the restart (it was dying there), and the second rollback chose checkpoint 10
+    again; the third ended the job at chance accuracy. A repeated source goes one
+    further back, where there is one."""
+    ckpt = str(tmp_path / "ckpt")
+    for v in (0, 10, 20):
+        os.makedirs(paths.version_dir(ckpt, v))
+        open(os.path.join(paths.version_dir(ckpt, v), paths.DONE), "w").close()
+    spec = SimpleNamespace(checkpoint_dir=ckpt, checkpoint_dir_for_init="")
+    assert restore.divergence_source(spec, 0, 15, None)["checkpoint"] == 10
+    assert restore.divergence_source(spec, 0, 15, 10)["checkpoint"] == 0     # not 10 again
+    assert restore.divergence_source(spec, 0, 25, 10)["checkpoint"] == 20    # a newer one
+    assert restore.divergence_source(spec, 0, 5, 0)["checkpoint"] == 0       # nothing older
 
 
 def test_the_spec_refuses_a_rollback_it_cannot_do():
