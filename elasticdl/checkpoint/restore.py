@@ -82,20 +82,30 @@ def rollback_source(spec: Any, base: int, at_most: Optional[int] = None
     return None
 
 
-def divergence_source(spec: Any, base: int, at_most: int, previous: Optional[int]
-                      ) -> Optional[dict[str, Any]]:
+def divergence_source(spec: Any, base: int, at_most: int,
+                      previous: Optional[tuple[int, int]] = None,
+                      window_versions: int = 0) -> Optional[dict[str, Any]]:
     """The source of a divergence rollback: :func:`rollback_source` at or below
-    ``at_most`` — but never the ``previous`` divergence rollback's source again: the
-    model restored from it went bad again from that very state (async digits jobs
-    whose restored checkpoint collapsed within a window of the restart: its ReLUs were
-    already dying), so one further back, where there is one."""
+    ``at_most`` (the last version the model was seen good at). ``previous``: the last
+    divergence rollback's (source checkpoint, version the job restarted at). A model
+    that went bad again within ``window_versions`` of that restart, or whose source
+    would be that checkpoint again, went bad from the restored state itself (async
+    digits jobs: a model restored from checkpoint 10 collapsed 8 versions after the
+    restart, its ReLUs already dying there, and each later rollback chose a checkpoint
+    the dying model had written since): the source is older than the previous one,
+    where there is one."""
     source = rollback_source(spec, base, at_most=at_most)
-    if source is None or previous is None or source["checkpoint"] != previous or \
-            previous <= base:
+    if source is None or previous is None:
         return source
-    older = rollback_source(spec, base, at_most=previous - 1)
-    logger.warning("the model restored from checkpoint %d went bad again: rolling back "
-                   "further, to checkpoint %s", previous, older and older["checkpoint"])
+    before, restarted = previous
+    if source["checkpoint"] != before and at_most >= restarted + window_versions:
+        return source
+    if before <= base:
+        return source   # nothing older than the job's first model
+    older = rollback_source(spec, base, at_most=before - 1)
+    logger.warning("the model restored from checkpoint %d at version %d went bad again by "
+                   "version %d: rolling back further, to checkpoint %s", before, restarted,
+                   at_most, older and older["checkpoint"])
     return older or source
 
 

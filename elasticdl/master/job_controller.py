@@ -366,10 +366,11 @@ class JobController:
                       "")
             return
         best = self.core.health_rollback_version()
-        earlier = [r["checkpoint_version"] for r in self.report.extra.get("ps_rollbacks", [])
-                   if "lr_scale" in r]   # the divergence rollbacks' sources
-        source = restore.divergence_source(self.spec, self.core.start_version(), best,
-                                           earlier[-1] if earlier else None)
+        earlier = [(r["checkpoint_version"], r["new_version"])   # divergence rollbacks'
+                   for r in self.report.extra.get("ps_rollbacks", []) if "lr_scale" in r]
+        source = restore.divergence_source(
+            self.spec, self.core.start_version(), best, earlier[-1] if earlier else None,
+            self.spec.health_window_tasks * self.spec.num_minibatches_per_task)
         if source is None:
             self.fail("master", f"{what}; no checkpoint at or before model version {best} "
                       "(the best loss, or before a collapse) to roll back to "

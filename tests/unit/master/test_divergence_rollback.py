@@ -183,20 +183,28 @@ def test_the_diverged_checkpoints_are_set_aside_and_the_source_precedes_the_best
     assert restore.rollback_source(spec, 0, at_most=4) is None
 
 
-def test_a_divergence_rollback_never_restores_the_same_checkpoint_twice(tmp_path):
-    """CI run: an async job's model restored from checkpoint 10 collapsed again a version
-    after the restart (it was dying there), and the second rollback chose checkpoint 10
-    again; the third ended the job at chance accuracy. A repeated source goes one
-    further back, where there is one."""
+def test_a_model_bad_again_right_after_a_rollback_goes_back_further(tmp_path):
+    """Async digits jobs: a model restored from checkpoint 10 collapsed again a few
+    versions after the restart (it was dying there), and the next rollback chose
+    checkpoint 10 again, or one the dying model wrote since; the job failed after 3
+    rollbacks, or ended at chance accuracy. A model that went bad within a window of a
+    restart goes back further than that restart's source, where there is one."""
     ckpt = str(tmp_path / "ckpt")
     for v in (0, 10, 20):
         os.makedirs(paths.version_dir(ckpt, v))
         open(os.path.join(paths.version_dir(ckpt, v), paths.DONE), "w").close()
     spec = SimpleNamespace(checkpoint_dir=ckpt, checkpoint_dir_for_init="")
+    for v in (100, 110):   # written after the restart at 100
+        os.makedirs(paths.version_dir(ckpt, v))
+        open(os.path.join(paths.version_dir(ckpt, v), paths.DONE), "w").close()
     assert restore.divergence_source(spec, 0, 15, None)["checkpoint"] == 10
-    assert restore.divergence_source(spec, 0, 15, 10)["checkpoint"] == 0     # not 10 again
-    assert restore.divergence_source(spec, 0, 25, 10)["checkpoint"] == 20    # a newer one
-    assert restore.divergence_source(spec, 0, 5, 0)["checkpoint"] == 0       # nothing older
+    # restored from 10 at version 100: bad again by 105 (no newer checkpoint: 10 again) or
+    # by 112 (within the 32-version window: the dying model wrote 110) -> older than 10
+    assert restore.divergence_source(spec, 0, 105, (10, 100), 32)["checkpoint"] == 0
+    assert restore.divergence_source(spec, 0, 112, (10, 100), 32)["checkpoint"] == 0
+    # it trained well for a while after the restart: its own newer checkpoint
+    assert restore.divergence_source(spec, 0, 140, (10, 100), 32)["checkpoint"] == 110
+    assert restore.divergence_source(spec, 0, 5, (0, 100), 32)["checkpoint"] == 0  # none older
 
 
 def test_the_spec_refuses_a_rollback_it_cannot_do():
