@@ -179,10 +179,11 @@ def test_a_ps_job_whose_model_collapsed_is_marked_and_a_rollback_trains_it(tmp_p
 def test_an_async_job_that_collapsed_goes_on_with_synchronous_pushes(tmp_path, digits_data):
     """``--divergence_sync`` (the default) of an async PS job: the first rollback turns
     the PS synchronous for the rest of the job, the rate as it was — every version after
-    it is one step of both workers' pushes (the PS's audit trail of applied pushes, which
-    the rollback cut back to the checkpoint). At its rate, 5x the module's, this model
-    collapses in every async run and in some sync ones too: a second rollback, if any,
-    cuts the rate (x0.1). Every record applied once per epoch; the model ends alive."""
+    it is one step of the 4 workers' pushes (the PS's audit trail of applied pushes,
+    which the rollback cut back to the checkpoint). At its rate, 5x the module's, this
+    model collapses in every async run of 4 workers and in some sync ones too: a second
+    rollback, if any, cuts the rate (x0.1). Every record applied once per epoch; the
+    model ends at a digits CNN's accuracy (0.867-0.944 in 4 runs)."""
     from collections import Counter
 
     from elasticdl.ps.audit import AuditLog
@@ -190,7 +191,10 @@ def test_an_async_job_that_collapsed_goes_on_with_synchronous_pushes(tmp_path, d
     code, text, report = _collapse_job(
         tmp_path, digits_data, "collapse-async", "--num_epochs=2", "--use_async",
         "--on_divergence=rollback", f"--checkpoint_dir={tmp_path / 'ckpt'}",
-        "--checkpoint_steps=10", "--divergence_lr_factor=0.1", workers=2)
+        # only the pushed model (version 0) to go back to: at 5x the rate async workers
+        # damage the model within 20 versions, short of a collapse (a run of 2 rolled
+        # back to checkpoint 20 ended at 0.49)
+        "--checkpoint_steps=100000", "--divergence_lr_factor=0.1", workers=4)
     health = report["training_health"]
     assert code == 0 and report["status"] == "succeeded_with_warnings", text[-4000:]
     assert health["status"] == "healthy" and health["restarts"] >= 1, health
@@ -202,10 +206,10 @@ def test_an_async_job_that_collapsed_goes_on_with_synchronous_pushes(tmp_path, d
     pushes = Counter(v for *_, v in
                      AuditLog(str(tmp_path / "collapse-async" / "ps-0-applied.bin")).entries())
     after = [n for v, n in pushes.items() if v > rollback["new_version"]]
-    # (a worker out of tasks at an epoch's end or an evaluation leaves the other's
-    # pushes alone: applied as they come after the group's wait, as in a sync job)
-    assert after and all(n <= 2 for n in after) and \
-        sum(n == 2 for n in after) >= 0.6 * len(after), sorted(pushes.items())
-    # alive (a collapsed model answers 0.1); at this rate, 5x the module's, 2 epochs of
-    # 2 x 8 records a step reach 0.79-0.95
-    assert report["final_metrics"]["accuracy"] > 0.7, report["evaluations"]
+    # most pushes in full groups (async: none); workers out of tasks at an epoch's end or
+    # an evaluation, or slow on a loaded machine, leave the others' pushes short of a
+    # group: applied as they are after the group's wait, as in a sync job (84% full
+    # with a benchmark beside the test)
+    assert after and all(n <= 4 for n in after) and \
+        sum(n for n in after if n == 4) >= 0.6 * sum(after), sorted(pushes.items())
+    assert report["final_metrics"]["accuracy"] > 0.8, report["evaluations"]
