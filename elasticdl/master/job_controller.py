@@ -365,12 +365,12 @@ class JobController:
                       "(--max_divergence_rollbacks; evidence: training_health in the report)",
                       "")
             return
-        best = self.core.health_rollback_version()
+        window = self.spec.health_window_tasks * self.spec.num_minibatches_per_task
+        best = self.core.health_rollback_version(collapse_margin=window)
         earlier = [(r["checkpoint_version"], r["new_version"])   # divergence rollbacks'
                    for r in self.report.extra.get("ps_rollbacks", []) if "lr_scale" in r]
-        source = restore.divergence_source(
-            self.spec, self.core.start_version(), best, earlier[-1] if earlier else None,
-            self.spec.health_window_tasks * self.spec.num_minibatches_per_task)
+        source = restore.divergence_source(self.spec, self.core.start_version(), best,
+                                           earlier[-1] if earlier else None, window)
         if source is None:
             self.fail("master", f"{what}; no checkpoint at or before model version {best} "
                       "(the best loss, or before a collapse) to roll back to "
@@ -379,7 +379,8 @@ class JobController:
             return
         self.core.divergence_rollback(source, time.time())
         logger.warning("%s: rolling every PS back to checkpoint %d (at most version %d: the "
-                       "best loss, or before a collapse), learning rates x%g%s from now on "
+                       "best loss, or a detector window before a collapse), learning rates x%g%s "
+                       "from now on "
                        "(divergence rollback %d of at most %d)", what, source["checkpoint"], best,
                        self.core.lr_scale(),
                        ", pushes applied synchronously (--divergence_sync)"

@@ -247,6 +247,11 @@ def test_the_dead_relu_job_of_a_real_run_is_stalled_as_collapsed():
     # windows 1 and 2 collapsed: since their first step's version (20 - 3); the model
     # was last seen alive at 12 - 2 (a worker's step at version 13 saw it collapsed)
     assert h.collapse_version == 17 and h.alive_version == 10 and h.rollback_version == 10
+    # the core's rollback bound goes a margin further back (a detector window's versions)
+    core = _core()
+    core.health = h
+    assert core.health_rollback_version(collapse_margin=4) == 6
+    assert core.health_rollback_version(collapse_margin=32) == 0
     episode = h.report()["episodes"][-1]
     assert episode["cause"] == "collapsed" and episode["since_version"] == 17
     # the state (journaled by the job core) round-trips, older states load
