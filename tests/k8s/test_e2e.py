@@ -144,7 +144,10 @@ def test_digits_ps_job_survives_deleted_worker_and_ps_pods(server, kubelet, port
     ckpt = str(tmp_path / "ckpt")
     submit(server, port_base, digits_data, tmp_path, job,
            "--distribution_strategy=ParameterServerStrategy", "--num_ps_pods=2",
-           "--num_workers=2", "--num_epochs=3", "--minibatch_size=16",
+           # long enough to delete pods mid-run: 3 epochs of minibatches of 16 trained in
+           # 2.3 s (two CI runs in three: the job was done before the deletion, KeyError
+           # 'worker-0'); 10 of 8 take ~7x the steps
+           "--num_workers=2", "--num_epochs=10", "--minibatch_size=8",
            "--num_minibatches_per_task=4", f"--checkpoint_dir={ckpt}", "--checkpoint_steps=5",
            "--worker_pod_priority=0.5", "--worker_resource_request=cpu=1,memory=1Gi")
     master = master_pod(server, job)
