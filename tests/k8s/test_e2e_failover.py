@@ -46,8 +46,10 @@ pytestmark = [
 # long enough that the deletion (at the first report of progress) falls mid-training:
 # with 2 epochs (~3k records, a few seconds of training with one thread per replica)
 # both workers once finished their last tasks while no master watched (they were
-# handled as finished, not adopted: not the case this test is about)
-EPOCHS = 6
+# handled as finished, not adopted: not the case this test is about); 6 epochs were
+# still short once (a CI run, real tier: worker-1 had finished its tasks before the new
+# master came, so it adopted only ps-0 and worker-0)
+EPOCHS = 16
 
 
 def test_ps_job_survives_its_master_pod_being_deleted(server, kubelet, port_base,
