@@ -86,10 +86,13 @@ def divergence_source(spec: Any, base: int, at_most: int,
                       previous: Optional[tuple[int, int]] = None,
                       window_versions: int = 0) -> Optional[dict[str, Any]]:
     """The source of a divergence rollback: :func:`rollback_source` at or below
-    ``at_most`` (the last version the model was seen good at). ``previous``: the last
-    divergence rollback's (source checkpoint, version the job restarted at). A model
-    that went bad again within ``window_versions`` of that restart, or whose source
-    would be that checkpoint again, went bad from the restored state itself (async
+    ``at_most`` (the rollback bound: the last version the model was seen good at; for
+    a collapse the master's bound is a detector window before that, so ``at_most``
+    within ``window_versions`` of a restart means a collapse begun within two windows
+    of it). ``previous``: the last divergence rollback's (source checkpoint, version
+    the job restarted at). A model whose bound is within ``window_versions`` of that
+    restart, or whose source would be that checkpoint again, went bad from the
+    restored state itself (async
     digits jobs: a model restored from checkpoint 10 collapsed 8 versions after the
     restart, its ReLUs already dying there, and each later rollback chose a checkpoint
     the dying model had written since): the source is older than the previous one,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Optional
@@ -17,6 +18,22 @@ from elasticdl.ps.shard import PSShard, ShardConfig
 
 def sgd(lr: float = 0.1) -> Callable:
     return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def push_together(shard: PSShard, pushes: list, timeout_s: float = 30.0) -> list:
+    """``shard.push_gradients`` of every push at once, one thread each (a sync group
+    waits for all of them); their results in order (None: still waiting)."""
+    results: list = [None] * len(pushes)
+
+    def push(i: int) -> None:
+        results[i] = shard.push_gradients(pushes[i])
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(pushes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return results
 
 
 @dataclass

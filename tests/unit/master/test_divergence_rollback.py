@@ -28,6 +28,7 @@ from elasticdl.master.training_health import final_status
 from elasticdl.proto import elasticdl_pb2 as pb
 from elasticdl.ps.shard import GradientPush, PSShard, ShardConfig
 from tests.unit.master.test_training_health import _core, _train
+from tests.unit.ps_helpers import push_together
 
 SOURCE = {"dir": "/ckpt/version-15", "checkpoint": 15}
 
@@ -96,33 +97,12 @@ def test_a_ps_applies_the_groups_smallest_scale_on_top_of_the_schedule():
     pushes = [GradientPush(version=0, worker_id=w, dense={"w": grad}, task_id=w + 1,
                            minibatch=1, num_records=4, lr_scale=s)
               for w, s in ((0, 0.5), (1, 0.25))]
-    threads = [__import__("threading").Thread(target=shard.push_gradients, args=(p,))
-               for p in pushes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    push_together(shard, pushes)
     # one update of the mean gradient (1.0) at lr 1.0 x min(0.5, 0.25)
     assert torch.allclose(shard.params.dense["w"], w0 - 0.25), shard.params.dense["w"]
     with pytest.raises(ValueError, match="lr_scale must be in"):
         shard.push_gradients(GradientPush(version=shard.version, dense={"w": grad},
                                           lr_scale=1.5))
-
-
-def _push_together(shard, pushes):
-    import threading
-
-    results = [None] * len(pushes)
-
-    def push(i):
-        results[i] = shard.push_gradients(pushes[i])
-
-    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(pushes))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return results
 
 
 def test_an_async_ps_told_to_group_applies_one_synchronous_step_a_round():
@@ -139,7 +119,7 @@ def test_an_async_ps_told_to_group_applies_one_synchronous_step_a_round():
     pushes = [GradientPush(version=1, worker_id=w, dense={"w": torch.full((3,), g)},
                            task_id=w + 2, minibatch=1, num_records=n, sync_group=2)
               for w, g, n in ((0, 2.0, 1), (1, 5.0, 2))]
-    results = _push_together(shard, pushes)
+    results = push_together(shard, pushes)
     assert [r.accepted for r in results] == [True, True] and shard.version == 2
     # one step: -1 - (2 x 1 + 5 x 2) / 3 = -5 (async: two steps, -1 - 2 - 5 = -8)
     assert torch.allclose(shard.params.dense["w"], w0 - 5), shard.params.dense["w"]

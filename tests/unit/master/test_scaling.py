@@ -19,7 +19,7 @@ from elasticdl.master.scaling import (
     WorkerCounts,
 )
 from elasticdl.ps.shard import GradientPush, PSShard, ShardConfig
-from tests.unit.ps_helpers import sgd
+from tests.unit.ps_helpers import push_together, sgd
 
 
 def view(**kw) -> ScalingView:
@@ -184,12 +184,8 @@ def test_sync_ps_group_follows_the_live_worker_count():
     shard.set_live_workers(2)
     pushes = [GradientPush(version=0, worker_id=i, dense={"w": torch.full((3,), float(i + 1))},
                            task_id=10 + i, minibatch=1, num_records=1) for i in range(2)]
-    threads = [threading.Thread(target=shard.push_gradients, args=(p,)) for p in pushes]
     started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    push_together(shard, pushes, timeout_s=20)
     assert time.monotonic() - started < 10
     assert shard.version == 1
     assert torch.allclose(shard.params.dense["w"].detach(), torch.full((3,), -1.5))

@@ -7,7 +7,6 @@ single-process reference where one exists), not counters.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import grpc
@@ -31,7 +30,7 @@ from elasticdl.worker.ps_trainer import PSTrainer
 from elasticdl.worker.task_loop import TaskLoop
 from elasticdl.worker.trainer import LocalTrainer
 from tests.conftest import FIXTURE_ZOO
-from tests.unit.ps_helpers import local_ps, sgd
+from tests.unit.ps_helpers import local_ps, push_together, sgd
 
 MODEL_DEF = "toy.ctr.custom_model"  # SGD lr 0.1, an embedding table and a linear head
 W = torch.arange(6, dtype=torch.float32).reshape(2, 3)
@@ -140,11 +139,7 @@ def test_item3_sync_group_weights_by_records_like_the_union_batch():
                            task_id=1, minibatch=1, num_records=1),
               GradientPush(version=0, worker_id=2, dense={"w": grad(slice(1, 4))},
                            task_id=2, minibatch=1, num_records=3)]
-    threads = [threading.Thread(target=shard.push_gradients, args=(p,)) for p in pushes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    push_together(shard, pushes)
     assert shard.version == 1
     expected = w0 - 0.1 * grad(slice(0, 4))  # one step on the union batch of 4 records
     assert torch.allclose(shard.params.dense["w"].detach(), expected, atol=1e-6)
