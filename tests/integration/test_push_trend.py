@@ -34,7 +34,9 @@ def test_push_bound_ps_job_applies_every_record_once_with_a_ledger_sized_by_live
         import push_trend
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
-    records, epochs = 12_000, 4
+    # ~45 s of training: the kills wait on the job report (written every few s), and a
+    # 12,000-record job (18 s at 2,600 records/s) could end before ps-0 was killed
+    records, epochs = 30_000, 4
     out = push_trend.run(records, epochs, str(tmp_path), kills=True, checkpoint_steps=200,
                          timeout_s=600)
     assert [k.split()[0] for k in out["killed"]] == ["worker-1", "ps-0"], out["killed"]
