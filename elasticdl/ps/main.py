@@ -28,7 +28,6 @@ from typing import Optional
 
 from elasticdl.api.model_spec import load_from_job_spec
 from elasticdl.checkpoint import api as ckpt_api
-from elasticdl.checkpoint import paths as ckpt_paths
 from elasticdl.checkpoint import staging
 from elasticdl.common import auth, faults
 from elasticdl.common.job_spec import JobSpec
@@ -179,7 +178,7 @@ def build_shard(args: PSArgs) -> PSShard:
         shard.audit = AuditLog(os.path.join(output, f"ps-{args.ps_id}-applied.bin"))
     source = restore_source(args)
     if source:
-        shard_ckpt.restore_shard(shard, ckpt_paths.resolve(source))
+        shard_ckpt.restore_from(shard, source)
     elif shard.audit is not None and not args.await_rollback:
         shard.audit.clear()   # a new job: no history yet
     if args.version_floor > shard.version:

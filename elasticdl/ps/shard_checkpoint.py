@@ -286,6 +286,20 @@ def _optimizer_by_name(state: dict[str, Any]) -> Optional[dict[str, Any]]:
     return {"hyper": hyper, "state": {by_index[i]: s for i, s in opt["state"].items()}}
 
 
+def restore_from(shard: PSShard, source: str) -> int:
+    """:func:`restore_shard` from ``source``: a version directory, or a checkpoint
+    directory (its newest complete version). A staged version (object storage) comes
+    down before its ``DONE`` is checked: a relaunched pod holds only the newest complete
+    version's small files, and a rollback may name an older one.
+
+    Raises:
+        CheckpointError: ``source`` holds nothing complete.
+    """
+    cfg = shard.config
+    staging.ensure(source, f"ps-{cfg.ps_id}-of-{cfg.num_ps}.pt")
+    return restore_shard(shard, paths.resolve(source))
+
+
 def restore_shard(shard: PSShard, version_dir: str) -> int:
     """Initialise ``shard`` from a checkpoint written by any number of PS.
 

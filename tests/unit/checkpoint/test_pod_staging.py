@@ -134,6 +134,18 @@ def test_pods_complete_versions_in_the_bucket_and_a_relaunched_ps_restores_its_s
         staging.to_local("s3://other/version-6")
     assert staging.for_children(staged).checkpoint_dir == URL
 
+    # a rollback may name an older version than the newest (--restore_from, as a URL):
+    # a PS relaunched into a fresh pod brings it down before checking its DONE (a CI run
+    # failed 11 relaunches of a PS with "version-95 is incomplete (no DONE marker)")
+    staging.stop_all()   # that pod is gone
+    older = staging.stage(spec, str(tmp_path / "relaunched-older"), pod=True)
+    named = staging.to_local(f"{URL}/version-5")
+    assert not os.path.exists(os.path.join(named, DONE))
+    fresh5 = PSShard(ShardConfig(ps_id=1, num_ps=2, checkpoint_dir=older.checkpoint_dir,
+                                 use_async=True), lambda p: torch.optim.Adagrad(p, lr=0.1))
+    assert shard_ckpt.restore_from(fresh5, named) == 5
+    assert fresh5.params.tables["emb"].live_rows == 50 * 5   # 5 steps of its rows
+
 
 def test_an_abandoned_version_never_completes_and_retention_removes_it(bucket, tmp_path):
     """A PS lost before writing its shard: the version stays without DONE in the bucket, a
