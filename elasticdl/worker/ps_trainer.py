@@ -441,8 +441,10 @@ class PSTrainer(Trainer):
         """``model.pt`` as the Local strategy writes it and the big tables as their rows
         that exist (:func:`ps_export.export_model`); returns the paths."""
         sparse = self.sparse_tables()
+        state = self.state_dict_from_ps(skip=sparse)
+        own = self.model if self.device.type == "cpu" else None   # (else built on the CPU)
         return ps_export.export_model(self.spec, self.job_spec, self.client, self._declared,
-                                      sparse, directory, self.state_dict_from_ps(skip=sparse))
+                                      sparse, directory, state, own)
 
     def save_checkpoint(self) -> str:
         """Every PS writes its shard of its current version into the job's checkpoint

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from elasticdl.api.layers import Embedding
 from elasticdl.api.model_spec import load_model_spec
 from elasticdl.checkpoint import api as ckpt_api
 from elasticdl.checkpoint import ps_shards as ps_ckpt
@@ -86,6 +87,11 @@ def test_save_with_two_restore_with_one_and_three_then_export(tmp_path):
                           if p.endswith("model.pt")]
             # evaluation and export pull rows without creating them on the PS
             assert [s.params.tables["emb.weight"].size for s in cluster.shards] == sizes
+            # the export wrote through the worker's own model, whose table stays on the
+            # PS: no local weight after, and its lookups still pull the PS's rows
+            tables = [m for m in trainer.model.modules() if isinstance(m, Embedding)]
+            assert tables and all(m._parameters.get("weight") is None for m in tables)
+            assert torch.equal(trainer.forward(batches[0][0]), expected_outputs)
         finally:
             trainer.close()
         assert sorted(os.listdir(vdir)) == ["DONE", "ps-0-of-2.pt", "ps-1-of-2.pt"]
