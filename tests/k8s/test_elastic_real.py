@@ -167,7 +167,9 @@ def test_elastic_job_starts_at_min_grows_with_a_node_and_shrinks_when_preempted(
     assert report is not None and report["status"] == "succeeded", report
     assert [e["records_completed"] for e in report["epochs"]] == [RECORDS] * EPOCHS
     reasons = {r["reason"] for r in report["relaunches"]}
-    assert reasons == {"preempted"}, report["relaunches"]
+    assert reasons == {"preempted"}, (report["relaunches"], [
+        line for line in pod_log(server, master).splitlines()
+        if "pod elasticdl-" in line or "Preempted" in line or "relaunch" in line][-60:])
     w = report["workers"]
     assert w["preempted"] >= 1 and (w["min"], w["max"]) == (3, 3)
     assert [(r["from"], r["to"]) for r in w["resizes"]] == [("2:4", "2:2"), ("2:2", "3:3")]
