@@ -24,6 +24,7 @@ import copy
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -58,9 +59,18 @@ class HistoryWriter:
         self.path = os.path.join(checkpoint_dir, HISTORY)
         self._snapshots: list[dict[str, Any]] = list(snapshots or [])
         self._earlier_runs: list[dict[str, Any]] = list(earlier_runs or [])
+        # record() runs on the controller's report refresh and on each evaluation's
+        # gRPC thread: unserialised, two writes of the one .tmp file raced and the
+        # second os.replace found no file (a `make demo` master failed on it)
+        self._lock = threading.Lock()
 
     def record(self, core: Any, wall_s: float) -> None:
-        """Snapshot ``core``'s report history at ``core.version`` and write the file."""
+        """Snapshot ``core``'s report history at ``core.version`` and write the file
+        (thread-safe)."""
+        with self._lock:
+            self._record(core, wall_s)
+
+    def _record(self, core: Any, wall_s: float) -> None:
         report = core.report
         records = sum(int(e.get("records_completed", 0)) for e in report.epochs)
         this_run = {"records": records - report.records_at_start, "wall_s": round(wall_s, 3)}
